@@ -1,0 +1,36 @@
+"""The reference policy: one forward pass per generated token."""
+
+from __future__ import annotations
+
+import torch
+
+from decoding.sampling import Sampler
+from decoding.stats import StepStats
+from decoding.text import TextStream
+from decoding.types import GenerationRequest, TokenEvent
+from model.runner import ModelRunner
+
+
+class NaivePolicy:
+    name = "naive"
+
+    async def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
+        sampler = Sampler(request.sampling, model.cfg.vocab_size)
+        text = TextStream(tokenizer, request.stop, request.stop_token_ids, request.max_tokens)
+        stats = StepStats(self.name)
+        session = await model.open(len(request.prompt_ids) + request.max_tokens)
+        try:
+            logits = await model.forward(session, torch.tensor([request.prompt_ids]), last_only=True)
+            while True:
+                row = logits[0, -1]  # [V]
+                token = sampler.choose(row)
+                pushed = text.push(token)
+                stats.tokens_emitted(1)
+                logprobs = [sampler.logprob(row, token)] if request.sampling.logprobs else []
+                if pushed.finish_reason:
+                    yield TokenEvent([token], pushed.text, pushed.finish_reason, logprobs, stats.as_dict())
+                    return
+                yield TokenEvent([token], pushed.text, None, logprobs)
+                logits = await model.forward(session, torch.tensor([[token]]))
+        finally:
+            await model.release(session)

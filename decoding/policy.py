@@ -1,0 +1,44 @@
+"""The DecodingPolicy seam and the registry of policies by name."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from decoding.types import GenerationRequest, TokenEvent
+from model.runner import ModelRunner
+
+
+class UnknownPolicyError(ValueError):
+    """A request named a policy the server does not have."""
+
+    def __init__(self, name: str, available: list[str]):
+        super().__init__(f"unknown decoding policy {name!r}; available: {', '.join(available)}")
+        self.available = available
+
+
+class PolicyOptionsError(ValueError):
+    """A policy option is invalid; the message names it."""
+
+
+class DecodingPolicy(Protocol):
+    """Turns a GenerationRequest into a stream of TokenEvents using the model."""
+
+    name: str
+
+    def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer) -> AsyncIterator[TokenEvent]:
+        """Async generator of events; the last one has a finish_reason and the statistics."""
+
+
+def build_policies() -> dict[str, DecodingPolicy]:
+    """Every policy this build has, by name."""
+    from decoding.naive import NaivePolicy
+
+    policies = [NaivePolicy()]
+    return {p.name: p for p in policies}
+
+
+def select_policy(policies: dict[str, DecodingPolicy], name: str) -> DecodingPolicy:
+    if name not in policies:
+        raise UnknownPolicyError(name, sorted(policies))
+    return policies[name]

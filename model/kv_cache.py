@@ -1,0 +1,116 @@
+"""Preallocated, slot-indexed KV cache of one session over the layers one stage holds.
+
+Slots are cache positions. Writing at a slot overwrites it, so rolling back a rejected draft is a length
+change (`truncate`), a Medusa tree written into scratch slots is compacted into place with `commit`, and
+`fork` makes rows that read a shared prefix without copying it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCacheError(ValueError):
+    """An operation that does not fit the cache (capacity, slots, rows)."""
+
+
+class KVCache:
+    """K and V for `n_layers` layers, `rows` sequences and `capacity` slots.
+
+    Storage: k, v [n_layers, rows, n_kv, capacity - prefix_len, head_dim]. A forked cache reads slots
+    [0, prefix_len) from its parent's row 0 and owns the rest.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        rows: int = 1,
+        prefix: tuple[KVCache, int] | None = None,
+    ):
+        self.prefix, self.prefix_len = prefix if prefix else (None, 0)
+        own = capacity - self.prefix_len
+        if own < 0:
+            raise KVCacheError(f"capacity {capacity} is below the shared prefix length {self.prefix_len}")
+        shape = (n_layers, rows, n_kv, own, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.capacity = capacity
+        self.rows = rows
+        self.length = self.prefix_len  # valid slots, shared prefix included
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this cache owns (a shared prefix is counted once, in its parent)."""
+        return self.k.nbytes + self.v.nbytes
+
+    def check_write(self, start: int, n: int, rows: int) -> None:
+        """Validate a write of `n` slots from `start` before any layer touches the cache."""
+        if rows != self.rows:
+            raise KVCacheError(f"batch has {rows} rows, the session's cache has {self.rows}")
+        if not self.prefix_len <= start <= self.length:
+            raise KVCacheError(f"write at slot {start} but the cache holds {self.length} slots (no gaps allowed)")
+        if start + n > self.capacity:
+            raise KVCacheError(f"{start + n} slots needed, the session's cache holds {self.capacity}")
+
+    def write(
+        self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [rows, n_kv, T, hd] at slots start..start+T of `layer`.
+
+        Returns keys and values for slots [0, start+T), each [rows, n_kv, start+T, hd].
+        """
+        end = start + k.shape[2]
+        lo, hi = start - self.prefix_len, end - self.prefix_len
+        self.k[layer, :, :, lo:hi] = k
+        self.v[layer, :, :, lo:hi] = v
+        keys, values = self.k[layer, :, :, :hi], self.v[layer, :, :, :hi]
+        if self.prefix is not None:
+            pk, pv = self.prefix.read(layer, self.prefix_len)  # [1, n_kv, P, hd]
+            shape = (self.rows, -1, -1, -1)
+            keys = torch.cat([pk.expand(shape), keys], dim=2)
+            values = torch.cat([pv.expand(shape), values], dim=2)
+        return keys, values
+
+    def read(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of row 0 for slots [0, n) of `layer`: [1, n_kv, n, hd]."""
+        if n <= self.prefix_len:
+            return self.prefix.read(layer, n)
+        k, v = self.k[layer, :1, :, : n - self.prefix_len], self.v[layer, :1, :, : n - self.prefix_len]
+        if self.prefix is not None:
+            pk, pv = self.prefix.read(layer, self.prefix_len)
+            k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+        return k, v
+
+    def truncate(self, length: int) -> None:
+        """Forget every slot from `length` on (a rejected draft)."""
+        if not self.prefix_len <= length <= self.length:
+            raise KVCacheError(
+                f"cannot truncate to {length}: cache holds {self.length}, shared prefix {self.prefix_len}"
+            )
+        self.length = length
+
+    def commit(self, kept: list[int], dest: int) -> None:
+        """Copy the slots `kept` (ascending, all >= dest) to dest, dest+1, ... and end the cache there.
+
+        Used for a Medusa tree: the accepted path's entries move from scratch slots into place.
+        """
+        if any(s >= self.length or s < dest for s in kept) or kept != sorted(kept):
+            raise KVCacheError(f"kept slots {kept} must be ascending, >= {dest} and below {self.length}")
+        if dest < self.prefix_len:
+            raise KVCacheError(f"cannot commit into the shared prefix (dest {dest} < {self.prefix_len})")
+        src = torch.tensor(kept, dtype=torch.long) - self.prefix_len
+        lo = dest - self.prefix_len
+        self.k[:, :, :, lo : lo + len(kept)] = self.k[:, :, :, src]
+        self.v[:, :, :, lo : lo + len(kept)] = self.v[:, :, :, src]
+        self.length = dest + len(kept)
+
+    def fork(self, prefix_len: int, rows: int, capacity: int) -> KVCache:
+        """A new cache of `rows` rows that shares this cache's slots [0, prefix_len) read-only."""
+        if prefix_len > self.length:
+            raise KVCacheError(f"prefix of {prefix_len} slots but the cache holds {self.length}")
+        n_layers, _, n_kv, _, hd = self.k.shape
+        return KVCache(n_layers, n_kv, hd, capacity, self.k.dtype, rows=rows, prefix=(self, prefix_len))

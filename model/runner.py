@@ -1,0 +1,101 @@
+"""The controller's model: token ends (embedding, norm, head) around a stage pipeline.
+
+Policies drive it through async methods; the tensor work runs on one model thread, so concurrent
+requests interleave step by step (each with its own KV cache) and the event loop stays free for I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from model.config import ModelConfig
+from model.stack import TokenEnds
+
+
+@dataclass
+class Session:
+    """A sequence (or a batch of rows) with KV caches on every stage."""
+
+    id: str
+    capacity: int
+    rows: int = 1
+    length: int = 0  # cached slots
+    forwards: int = 0  # forward passes run (the policy's steps, prefill included)
+
+
+class ModelRunner:
+    """Embedding -> stages -> final norm and head, with per-session KV caches on the stages."""
+
+    def __init__(self, cfg: ModelConfig, ends: TokenEnds, pipeline, threads: int):
+        self.cfg = cfg
+        self.ends = ends
+        self.pipeline = pipeline
+        self._threads = threads
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model", initializer=self._init_thread)
+        self._ids = itertools.count()
+
+    def _init_thread(self) -> None:
+        torch.set_num_threads(self._threads)
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def open(self, capacity: int, rows: int = 1) -> Session:
+        """A new session with room for `capacity` slots; CapacityError when it does not fit."""
+        session = Session(f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}", capacity, rows)
+        try:
+            await self._run(self.pipeline.open, session.id, capacity, rows)
+        except Exception:
+            await self._run(self.pipeline.release, session.id)
+            raise
+        return session
+
+    async def release(self, session: Session) -> None:
+        await self._run(self.pipeline.release, session.id)
+
+    def _forward(self, session: Session, ids: torch.Tensor, positions, start: int, mask, last_only: bool):
+        # ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32
+        with torch.inference_mode():
+            hidden = self.ends.embed_tokens(ids)
+            hidden = self.pipeline.forward(session.id, hidden, positions, start, mask)
+            if last_only:
+                hidden = hidden[:, -1:]
+            return self.ends.logits(hidden)
+
+    async def forward(
+        self,
+        session: Session,
+        ids: torch.Tensor,
+        start: int | None = None,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Run tokens ids [B, T] written at cache slots start.. (default: the session's end).
+
+        positions [B, T] default to the slots; mask [B, T, start+T] defaults to causal. Returns float32
+        logits [B, T, V], or [B, 1, V] for the last position only.
+        """
+        start = session.length if start is None else start
+        if positions is None:
+            positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
+        logits = await self._run(self._forward, session, ids, positions, start, mask, last_only)
+        session.length = start + ids.shape[1]
+        session.forwards += 1
+        return logits
+
+    async def truncate(self, session: Session, length: int) -> None:
+        await self._run(self.pipeline.truncate, session.id, length)
+        session.length = length
+
+    def kv_bytes(self) -> int:
+        return self.pipeline.kv_bytes()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,131 @@
+"""The Stage seam: what a policy's forward pass goes through, in-process or on a worker.
+
+A stage holds decoder layers and one KV cache per session. All calls are synchronous; the controller
+runs them on its model thread, one at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from model.kv_cache import KVCache, KVCacheError
+from model.stack import LayerStack
+
+
+class CapacityError(RuntimeError):
+    """A session's KV cache does not fit the memory budget; the message names the numbers."""
+
+
+class SessionError(KeyError):
+    """An operation names a session the stage does not hold."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class Stage(Protocol):
+    """Decoder layers plus per-session KV caches."""
+
+    def open(self, session: str, capacity: int, rows: int = 1) -> None:
+        """Reserve a KV cache of `capacity` slots and `rows` rows for `session`."""
+
+    def forward(
+        self, session: str, hidden: torch.Tensor, positions: torch.Tensor, start: int, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """hidden [B, T, H] at RoPE positions [B, T], cached at slots start..start+T -> hidden [B, T, H]."""
+
+    def truncate(self, session: str, length: int) -> None:
+        """Drop cached slots from `length` on."""
+
+    def commit(self, session: str, kept: list[int], dest: int) -> None:
+        """Move the slots `kept` to dest, dest+1, ... (Medusa tree commit) and end the cache there."""
+
+    def fork(self, session: str, child: str, prefix_len: int, rows: int, capacity: int) -> None:
+        """Open `child` with `rows` rows sharing `session`'s first prefix_len slots read-only."""
+
+    def release(self, session: str) -> None:
+        """Free the session's cache (unknown sessions are ignored)."""
+
+    def kv_bytes(self) -> int:
+        """Bytes held by KV caches now."""
+
+
+class LocalStage:
+    """An in-process stage over a LayerStack, with a bound on the bytes its KV caches may hold."""
+
+    def __init__(self, stack: LayerStack, kv_budget_bytes: int):
+        self.stack = stack
+        self.kv_budget_bytes = kv_budget_bytes
+        self.caches: dict[str, KVCache] = {}
+
+    def _cache(self, session: str) -> KVCache:
+        try:
+            return self.caches[session]
+        except KeyError:
+            raise SessionError(f"unknown session {session!r}") from None
+
+    def _reserve(self, session: str, nbytes: int) -> None:
+        if session in self.caches:
+            raise KVCacheError(f"session {session!r} is already open")
+        used = self.kv_bytes()
+        if used + nbytes > self.kv_budget_bytes:
+            raise CapacityError(
+                f"the KV cache needs {nbytes / 2**20:.1f} MiB but only {(self.kv_budget_bytes - used) / 2**20:.1f} "
+                f"of {self.kv_budget_bytes / 2**20:.1f} MiB are free"
+            )
+
+    def _cache_bytes(self, capacity: int, rows: int, prefix_len: int = 0) -> int:
+        cfg = self.stack.cfg
+        return cfg.kv_bytes_per_token(len(self.stack.layers), self.stack.dtype) * rows * (capacity - prefix_len)
+
+    def open(self, session: str, capacity: int, rows: int = 1) -> None:
+        self._reserve(session, self._cache_bytes(capacity, rows))
+        self.caches[session] = self.stack.new_cache(capacity, rows)
+
+    def forward(self, session, hidden, positions, start, mask=None):
+        return self.stack(hidden, positions, self._cache(session), start, mask)
+
+    def truncate(self, session: str, length: int) -> None:
+        self._cache(session).truncate(length)
+
+    def commit(self, session: str, kept: list[int], dest: int) -> None:
+        self._cache(session).commit(kept, dest)
+
+    def fork(self, session: str, child: str, prefix_len: int, rows: int, capacity: int) -> None:
+        parent = self._cache(session)
+        self._reserve(child, self._cache_bytes(capacity, rows, prefix_len))
+        self.caches[child] = parent.fork(prefix_len, rows, capacity)
+
+    def release(self, session: str) -> None:
+        self.caches.pop(session, None)
+
+    def kv_bytes(self) -> int:
+        return sum(c.nbytes for c in self.caches.values())
+
+
+class Pipeline:
+    """Stages in layer order, used as one stage: each stage's output is the next one's input."""
+
+    def __init__(self, stages: list):
+        self.stages = stages
+
+    def forward(self, session, hidden, positions, start, mask=None):
+        for stage in self.stages:
+            hidden = stage.forward(session, hidden, positions, start, mask)
+        return hidden
+
+    def __getattr__(self, name):
+        # open, truncate, commit, fork, release: applied to every stage in order.
+        if name not in ("open", "truncate", "commit", "fork", "release"):
+            raise AttributeError(name)
+
+        def each(*args, **kwargs):
+            for stage in self.stages:
+                getattr(stage, name)(*args, **kwargs)
+
+        return each
+
+    def kv_bytes(self) -> int:
+        return sum(s.kv_bytes() for s in self.stages)

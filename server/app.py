@@ -1,0 +1,135 @@
+"""The HTTP layer: OpenAI routes, auth, SSE framing, health and metrics. No tensor code here."""
+
+from __future__ import annotations
+
+import hmac
+import json
+from contextlib import aclosing
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
+
+from server.errors import APIError, error_response, install_error_handlers
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.render import Renderer
+from server.service import CompletionService
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def create_app(service: CompletionService) -> FastAPI:
+    """The controller's ASGI app around a ready CompletionService."""
+    settings, metrics = service.settings, service.metrics
+    app = FastAPI(title="edgespec", summary="OpenAI-compatible inference across small devices")
+    install_error_handlers(app)
+
+    @app.middleware("http")
+    async def limits_and_counts(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > settings.max_request_bytes:
+            response = error_response(APIError(413, f"request body of {length} bytes exceeds the limit of "
+                                                    f"{settings.max_request_bytes}", None, "body_too_large"))
+        else:
+            response = await call_next(request)
+        if request.url.path.startswith("/v1/"):
+            metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    async def require_key(request: Request) -> None:
+        if not settings.api_key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip(), settings.api_key):
+            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'", None,
+                           "invalid_api_key")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": service.model_id}
+
+    @app.get("/metrics")
+    async def prometheus():
+        metrics.kv_bytes.set(service.loaded.runner.kv_bytes())
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    def model_card() -> dict:
+        return {"id": service.model_id, "object": "model", "created": 0, "owned_by": "edgespec",
+                "context_length": service.context, "policies": sorted(service.policies)}
+
+    @app.get("/v1/models", dependencies=[Depends(require_key)])
+    async def list_models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}", dependencies=[Depends(require_key)])
+    async def get_model(name: str):
+        service.check_model(name)
+        return model_card()
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
+    async def chat(req: ChatCompletionRequest, request: Request):
+        service.check_model(req.model)
+        prompt = service.chat_prompt(req)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        gen = service.generation_request(req, prompt, req.max_completion_tokens or req.max_tokens,
+                                         req.logprobs, top or 0, "messages")
+        renderer = Renderer("chat", service.model_id, service.tokenizer, len(prompt), top)
+        return await _respond(service, gen, renderer, req, request)
+
+    @app.post("/v1/completions", dependencies=[Depends(require_key)])
+    async def completions(req: CompletionRequest, request: Request):
+        service.check_model(req.model)
+        prompt = service.completion_prompt(req)
+        top = req.logprobs
+        gen = service.generation_request(req, prompt, req.max_tokens, top is not None, top or 0, "prompt")
+        renderer = Renderer("text", service.model_id, service.tokenizer, len(prompt), top)
+        return await _respond(service, gen, renderer, req, request)
+
+    return app
+
+
+async def _respond(service: CompletionService, gen, renderer: Renderer, req, request: Request):
+    events = service.generate(gen)
+    # The first event comes before any response is sent, so a request that cannot start (no room for its
+    # KV cache, say) gets a proper status code even when streamed.
+    try:
+        first = await anext(events)
+    except BaseException:
+        await events.aclose()
+        raise
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return EventSourceResponse(_sse(events, first, renderer, include_usage), sep="\n", ping=15)
+    collected = [first]
+    async with aclosing(events):
+        while collected[-1].finish_reason is None:
+            if await request.is_disconnected():
+                return Response(status_code=499)  # nobody is listening: stop generating
+            collected.append(await anext(events))
+    return JSONResponse(renderer.response(collected))
+
+
+async def _sse(events, first, renderer: Renderer, include_usage: bool):
+    """OpenAI stream framing: role chunk, content chunks, finish chunk, optional usage chunk, [DONE]."""
+    async with aclosing(events):
+        try:
+            opening = renderer.first_chunk()
+            if opening is not None:
+                yield {"data": _dumps(opening | ({"usage": None} if include_usage else {}))}
+            event, stats = first, None
+            while True:
+                chunk = renderer.chunk(event, include_usage)
+                if chunk is not None:
+                    yield {"data": _dumps(chunk)}
+                if event.finish_reason is not None:
+                    stats = event.stats
+                    break
+                event = await anext(events)
+            if include_usage:
+                yield {"data": _dumps(renderer.usage_chunk(stats))}
+        except APIError as exc:
+            yield {"data": _dumps(exc.body())}
+    yield {"data": "[DONE]"}

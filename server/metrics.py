@@ -1,0 +1,37 @@
+"""Prometheus metrics of one controller process (own registry, no module-level collectors)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class Metrics:
+    """Counters and histograms served at GET /metrics."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("edgespec_requests", "HTTP API requests by route and status", ["route", "status"],
+                                registry=r)
+        self.in_flight = Gauge("edgespec_requests_in_flight", "generations running now", registry=r)
+        self.tokens = Counter("edgespec_generated_tokens", "completion tokens by policy", ["policy"], registry=r)
+        self.prompt_tokens = Counter("edgespec_prompt_tokens", "prompt tokens processed", registry=r)
+        self.ttft = Histogram("edgespec_time_to_first_token_seconds", "time to first token", ["policy"], registry=r,
+                              buckets=(0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30))
+        self.decode_rate = Histogram("edgespec_decode_tokens_per_second", "decode speed per request", ["policy"],
+                                     registry=r, buckets=(1, 5, 10, 20, 30, 40, 50, 75, 100, 150, 200, 400))
+        self.tokens_per_step = Histogram("edgespec_tokens_per_step", "tokens per decoding step per request",
+                                         ["policy"], registry=r, buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 6, 8))
+        self.kv_bytes = Gauge("edgespec_kv_cache_bytes", "bytes held by KV caches", registry=r)
+
+    def observe_generation(self, stats: dict, tokens: int) -> None:
+        policy = stats["policy"]
+        self.tokens.labels(policy).inc(tokens)
+        self.ttft.labels(policy).observe(stats["ttft_ms"] / 1000)
+        if stats["decode_tokens_per_s"]:
+            self.decode_rate.labels(policy).observe(stats["decode_tokens_per_s"])
+        if stats["tokens_per_step"]:
+            self.tokens_per_step.labels(policy).observe(stats["tokens_per_step"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,106 @@
+"""The completion service: OpenAI requests in, TokenEvents out. No tensor code: token ids only."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from decoding.policy import PolicyOptionsError, UnknownPolicyError, select_policy
+from decoding.types import GenerationRequest, SamplingParams, TokenEvent
+from model.load import LoadedModel
+from model.stage import CapacityError
+from server.errors import APIError
+from server.metrics import Metrics
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.settings import ServeSettings
+
+
+class CompletionService:
+    """Validates requests against the served model and runs them through a decoding policy."""
+
+    def __init__(self, loaded: LoadedModel, policies: dict, settings: ServeSettings, metrics: Metrics):
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.policies = policies
+        self.settings = settings
+        self.metrics = metrics
+        self.model_id = settings.served_model_name or loaded.files.name
+        self.context = loaded.cfg.max_position_embeddings
+        eos = set(loaded.cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.stop_token_ids = frozenset(eos)
+        if settings.policy not in policies:
+            raise UnknownPolicyError(settings.policy, sorted(policies))
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_id:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}'",
+                           "model", "model_not_found")
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a template may reject an order of roles
+            raise APIError(400, f"the messages do not fit the model's chat template: {exc}", "messages") from exc
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+        if isinstance(req.prompt, str):
+            return self.tokenizer.encode(req.prompt)
+        vocab = self.loaded.cfg.vocab_size
+        bad = [t for t in req.prompt if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"prompt token ids must be in [0, {vocab}), got {bad[0]}", "prompt")
+        return list(req.prompt)
+
+    def generation_request(self, req, prompt_ids: list[int], max_tokens: int | None, logprobs: bool,
+                           top_logprobs: int, prompt_param: str) -> GenerationRequest:
+        """Check limits and build the internal request (raises APIError with the parameter's name)."""
+        n_prompt = len(prompt_ids)
+        if max_tokens is None:
+            max_tokens = self.context - n_prompt
+        if n_prompt + max_tokens > self.context:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.context} tokens. However, you requested "
+                f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the completion).",
+                prompt_param if max_tokens <= 0 else "max_tokens", "context_length_exceeded")
+        bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+        vocab = self.loaded.cfg.vocab_size
+        if any(not 0 <= k < vocab for k in bias):
+            raise APIError(400, f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+        name, options = req.policy_choice()
+        try:
+            policy = select_policy(self.policies, name or self.settings.policy).name
+        except UnknownPolicyError as exc:
+            raise APIError(400, str(exc), "decoding", "unknown_policy") from exc
+        sampling = SamplingParams(
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=bias,
+            logprobs=logprobs, top_logprobs=top_logprobs)
+        return GenerationRequest(prompt_ids, max_tokens, sampling, req.stop_list(), self.stop_token_ids,
+                                 policy, options)
+
+    async def generate(self, gen: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """The policy's events, with metrics; model-side failures become APIErrors."""
+        policy = self.policies[gen.policy]
+        self.metrics.in_flight.inc()
+        self.metrics.prompt_tokens.inc(len(gen.prompt_ids))
+        tokens = 0
+        try:
+            async with aclosing(policy.generate(gen, self.loaded.runner, self.tokenizer)) as events:
+                async for event in events:
+                    tokens += len(event.token_ids)
+                    if event.stats is not None:
+                        self.metrics.observe_generation(event.stats, tokens)
+                    yield event
+        except CapacityError as exc:
+            raise APIError(503, str(exc), None, "kv_cache_full") from exc
+        except PolicyOptionsError as exc:
+            raise APIError(400, str(exc), "decoding", "invalid_policy_option") from exc
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.kv_bytes.set(self.loaded.runner.kv_bytes())
