@@ -25,10 +25,11 @@ class NaivePolicy:
                 row = logits[0, -1]  # [V]
                 token = sampler.choose(row)
                 pushed = text.push(token)
-                stats.tokens_emitted(1)
+                stats.tokens_emitted(1, model.wire(session))
                 logprobs = [sampler.logprob(row, token)] if request.sampling.logprobs else []
                 if pushed.finish_reason:
-                    yield TokenEvent([token], pushed.text, pushed.finish_reason, logprobs, stats.as_dict())
+                    final = stats.as_dict(model.wire(session))
+                    yield TokenEvent([token], pushed.text, pushed.finish_reason, logprobs, final)
                     return
                 yield TokenEvent([token], pushed.text, None, logprobs)
                 logits = await model.forward(session, torch.tensor([[token]]))

@@ -16,21 +16,27 @@ class StepStats:
         self.tokens = 0
         self.proposed = 0  # drafted tokens offered for verification (draft-and-verify policies)
         self.accepted = 0
-        self.wire_bytes = 0
-        self.wire_requests = 0
+        self.prefill_wire: dict[str, tuple[int, int]] = {}  # wire counts when the first token came
 
-    def tokens_emitted(self, n: int) -> None:
+    def tokens_emitted(self, n: int, wire: dict[str, tuple[int, int]]) -> None:
+        """Count n new tokens; `wire` is the session's (bytes, requests) per link so far."""
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
+            self.prefill_wire = wire
         else:
             self.steps += 1
         self.tokens += n
 
-    def as_dict(self) -> dict:
+    def as_dict(self, wire: dict[str, tuple[int, int]]) -> dict:
+        """The statistics so far; `wire` maps each link to (bytes, requests) sent over it."""
         end = time.perf_counter()
         first = self.first_token_at or end
         decoded = self.tokens - 1  # tokens after the first one, produced by the decoding steps
         decode_s = end - first
+
+        def per_token(x: int) -> float:
+            return round(x / self.tokens, 3) if self.tokens else 0.0
+
         return {
             "policy": self.policy,
             "steps": self.steps,
@@ -38,6 +44,11 @@ class StepStats:
             "acceptance_rate": round(self.accepted / self.proposed, 4) if self.proposed else None,
             "ttft_ms": round((first - self.start) * 1000, 3),
             "decode_tokens_per_s": round(decoded / decode_s, 3) if decoded > 0 and decode_s > 0 else None,
-            "wire_bytes_per_token": round(self.wire_bytes / self.tokens, 3) if self.tokens else 0.0,
-            "wire_requests_per_token": round(self.wire_requests / self.tokens, 4) if self.tokens else 0.0,
+            "wire_bytes_per_token": per_token(sum(b for b, _ in wire.values())),
+            "wire_requests_per_token": per_token(sum(n for _, n in wire.values())),
+            # per link; decode_bytes_per_token leaves out the prompt's prefill
+            "wire_links": {link: {"bytes_per_token": per_token(b), "requests_per_token": per_token(n),
+                                  "decode_bytes_per_token": round((b - self.prefill_wire.get(link, (0, 0))[0])
+                                                                  / decoded, 3) if decoded > 0 else None}
+                           for link, (b, n) in wire.items()},
         }

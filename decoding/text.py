@@ -46,14 +46,15 @@ class TextStream:
         """Add one generated token; returns the text that may be shown now and the finish reason."""
         if self.finished:
             raise RuntimeError("push after the generation finished")
-        self.ids.append(token_id)
         if token_id in self.stop_token_ids:
-            return self._finish("stop", self._held + self._pending())
+            text = self._held + self._pending()  # the stop token's own text is not shown
+            self.ids.append(token_id)
+            return self._finish("stop", text)
+        self.ids.append(token_id)
         self._held += self._new_text()
-        for s in self.stop:
-            at = self._held.find(s)
-            if at >= 0:
-                return self._finish("stop", self._held[:at])
+        hits = [at for s in self.stop if (at := self._held.find(s)) >= 0]
+        if hits:  # cut at the earliest stop string, whichever of them it is
+            return self._finish("stop", self._held[: min(hits)])
         if len(self.ids) >= self.max_tokens:
             return self._finish("length", self._held + self._pending())
         keep = self._stop_prefix_len(self._held)

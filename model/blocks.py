@@ -24,7 +24,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [..., H]; normalised in float32 like the reference, then cast back.
+        # x [..., H] -> [..., H]; the statistics in float32 like the reference (bf16 ones derail the model)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
@@ -79,9 +79,9 @@ class AttentionBlock(nn.Module):
         # x [B, T, H] (already normed) -> partial attention output [B, T, H]
         b, t, _ = x.shape
         qkv = self.qkv(x).view(b, t, self.n_q + 2 * self.n_kv, self.hd).transpose(1, 2)  # [B, heads, T, hd]
-        q, k, v = qkv.split([self.n_q, self.n_kv, self.n_kv], dim=1)
         cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qk = apply_rotary(qkv[:, : self.n_q + self.n_kv], cos, sin)  # q and k rotated in one pass
+        q, k, v = qk[:, : self.n_q], qk[:, self.n_q :], qkv[:, self.n_q + self.n_kv :]
         keys, values = cache.write(layer, start, k, v)  # [B, n_kv, S, hd]
         # mask None means every cached slot is visible (one query token at the end of the cache).
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_q != self.n_kv)

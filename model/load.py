@@ -32,12 +32,16 @@ def load_tokenizer(files: ModelFiles):
     return AutoTokenizer.from_pretrained(files.folder)
 
 
+def load_with_pipeline(files: ModelFiles, dtype: str, pipeline, threads: int) -> LoadedModel:
+    """The controller's model around a given stage pipeline (the controller loads only the token ends)."""
+    cfg = ModelConfig.from_folder(files.folder)
+    ends = TokenEnds.load(TensorSource(files.folder), cfg, DTYPES[dtype])
+    return LoadedModel(files, cfg, load_tokenizer(files), ModelRunner(cfg, ends, pipeline, threads))
+
+
 def load_local(files: ModelFiles, dtype: str, kv_budget_gib: float, threads: int) -> LoadedModel:
     """All layers in-process: one LocalStage."""
     cfg = ModelConfig.from_folder(files.folder)
-    torch_dtype = DTYPES[dtype]
-    src = TensorSource(files.folder)
-    ends = TokenEnds.load(src, cfg, torch_dtype)
-    stage = LocalStage(LayerStack.load(src, cfg, 0, cfg.n_layers, torch_dtype), int(kv_budget_gib * 2**30))
-    runner = ModelRunner(cfg, ends, Pipeline([stage]), threads)
-    return LoadedModel(files, cfg, load_tokenizer(files), runner)
+    stack = LayerStack.load(TensorSource(files.folder), cfg, 0, cfg.n_layers, DTYPES[dtype])
+    stage = LocalStage(stack, int(kv_budget_gib * 2**30))
+    return load_with_pipeline(files, dtype, Pipeline([stage]), threads)

@@ -46,18 +46,25 @@ class ModelRunner:
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    async def call(self, fn, *args):
+        """Run fn(*args) on the model thread, in turn with the forward passes."""
+        return await self._run(fn, *args)
+
     async def open(self, capacity: int, rows: int = 1) -> Session:
         """A new session with room for `capacity` slots; CapacityError when it does not fit."""
         session = Session(f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}", capacity, rows)
         try:
             await self._run(self.pipeline.open, session.id, capacity, rows)
-        except Exception:
-            await self._run(self.pipeline.release, session.id)
+        except BaseException:  # a cancelled await may still have opened the cache on the model thread
+            await self.release(session)
             raise
         return session
 
     async def release(self, session: Session) -> None:
-        await self._run(self.pipeline.release, session.id)
+        # Callers release in a `finally` that also runs when the request is cancelled (a client that
+        # disconnected mid-stream): the job is queued before the first await and shielded, so cancelling
+        # the await does not cancel the release and leak the session's KV cache.
+        await asyncio.shield(asyncio.wrap_future(self._executor.submit(self.pipeline.release, session.id)))
 
     def _forward(self, session: Session, ids: torch.Tensor, positions, start: int, mask, last_only: bool):
         # ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32
@@ -94,8 +101,14 @@ class ModelRunner:
         await self._run(self.pipeline.truncate, session.id, length)
         session.length = length
 
+    def wire(self, session: Session) -> dict[str, tuple[int, int]]:
+        """Bytes and requests per link that the session's calls have put on the network so far."""
+        return self.pipeline.wire(session.id)
+
     def kv_bytes(self) -> int:
         return self.pipeline.kv_bytes()
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if hasattr(self.pipeline, "close"):
+            self.pipeline.close()

@@ -129,3 +129,6 @@ class Pipeline:
 
     def kv_bytes(self) -> int:
         return sum(s.kv_bytes() for s in self.stages)
+
+    def wire(self, session: str) -> dict:
+        return {}  # in-process: nothing crosses a network

@@ -9,15 +9,54 @@ from contextlib import aclosing
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
+from starlette.datastructures import Headers
 
 from server.errors import APIError, error_response, install_error_handlers
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.render import Renderer
 from server.service import CompletionService
+from workers.cluster import cluster_health
 
 
 def _dumps(obj) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+class _LimitsAndCounts:
+    """Refuses bodies over max_request_bytes (by Content-Length) and counts /v1 requests by route and status.
+
+    Plain ASGI on purpose: an @app.middleware("http") (BaseHTTPMiddleware) wraps `receive` so that
+    request.is_disconnected() never sees the client leave, and a non-streamed generation would run on.
+    """
+
+    def __init__(self, app, settings, metrics):
+        self.app, self.settings, self.metrics = app, settings, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        limit = self.settings.max_request_bytes
+        length = Headers(scope=scope).get("content-length")
+        try:
+            # /internal/ carries hidden states between stages (cluster token; large prefill bodies)
+            if length and length.isdigit() and int(length) > limit and not scope["path"].startswith("/internal/"):
+                err = APIError(413, f"request body of {length} bytes exceeds the limit of {limit}", None,
+                               "body_too_large")
+                await error_response(err)(scope, receive, send_counted)
+            else:
+                await self.app(scope, receive, send_counted)
+        finally:
+            if scope["path"].startswith("/v1/"):
+                self.metrics.requests.labels(scope["path"], str(status)).inc()
 
 
 def create_app(service: CompletionService) -> FastAPI:
@@ -26,17 +65,7 @@ def create_app(service: CompletionService) -> FastAPI:
     app = FastAPI(title="edgespec", summary="OpenAI-compatible inference across small devices")
     install_error_handlers(app)
 
-    @app.middleware("http")
-    async def limits_and_counts(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > settings.max_request_bytes:
-            response = error_response(APIError(413, f"request body of {length} bytes exceeds the limit of "
-                                                    f"{settings.max_request_bytes}", None, "body_too_large"))
-        else:
-            response = await call_next(request)
-        if request.url.path.startswith("/v1/"):
-            metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
+    app.add_middleware(_LimitsAndCounts, settings=settings, metrics=metrics)
 
     async def require_key(request: Request) -> None:
         if not settings.api_key:
@@ -49,7 +78,31 @@ def create_app(service: CompletionService) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": service.model_id}
+        if service.cluster is None:
+            return {"status": "ok", "model": service.model_id}
+        cluster = service.cluster
+        workers = await cluster_health([w.url for w in cluster.pipeline.workers], cluster.config.token)
+        for w, ref in zip(workers, cluster.pipeline.workers, strict=True):
+            w["name"] = ref.name
+            if w.get("status") == "ok" and not w.get("assigned"):
+                try:  # a worker that came back empty gets its layers again
+                    await service.loaded.runner.call(cluster.pipeline.assign, ref)
+                    w["assigned"] = True
+                except Exception as exc:
+                    w["error"] = str(exc)
+        ok = all(w.get("status") == "ok" and w.get("assigned") for w in workers)
+        body = {"status": "ok" if ok else "degraded", "model": service.model_id, "workers": workers}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.post("/internal/stage-result")
+    async def stage_result(session: str, step: int, request: Request):
+        cluster = service.cluster
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if cluster is None or scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(),
+                                                                                    cluster.config.token.encode()):
+            raise APIError(401, "missing or wrong cluster token", None, "invalid_cluster_token")
+        cluster.mailbox.put(session, step, await request.body())
+        return {"hops": []}
 
     @app.get("/metrics")
     async def prometheus():

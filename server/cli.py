@@ -1,10 +1,9 @@
-"""`edgespec` command line: serve, bench."""
+"""`edgespec` command line: serve, worker, bench."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 
@@ -19,6 +18,23 @@ def _serve_parser(sub) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int)
     p.add_argument("--kv-cache-gib", type=float)
+    p.add_argument("--log-level")
+    p.add_argument("--local-workers", type=int, help="start N worker processes on loopback and serve through them")
+    p.add_argument("--cluster", help="TOML file naming running workers (see config/cluster.example.toml)")
+    p.add_argument("--advertise-url", help="URL at which workers reach this controller")
+    p.add_argument("--worker-threads", type=int, help="torch threads of each local worker (0: all cores)")
+    p.add_argument("--stage-timeout-s", type=float)
+
+
+def _worker_parser(sub) -> None:
+    p = sub.add_parser("worker", help="serve a share of the model's layers to a controller")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--token", required=True, help="the cluster's shared token")
+    p.add_argument("--host")
+    p.add_argument("--name")
+    p.add_argument("--memory-budget-gib", type=float)
+    p.add_argument("--model", help="local copy of the model (folder or .gguf); default: the embedded one")
+    p.add_argument("--threads", type=int)
     p.add_argument("--log-level")
 
 
@@ -37,24 +53,41 @@ def _bench_parser(sub) -> None:
     p.add_argument("--out", required=True, help="folder for results.json and plots")
 
 
+def _overrides(args: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(args).items() if v is not None and k != "command"}
+
+
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from decoding.policy import build_policies
-    from model.load import load_local
-    from model.source import resolve_model
     from server.app import create_app
+    from server.boot import load_served_model
     from server.metrics import Metrics
     from server.service import CompletionService
     from server.settings import ServeSettings
 
-    overrides = {k: v for k, v in vars(args).items() if v is not None and k not in ("command", "func")}
-    settings = ServeSettings(**overrides)
+    settings = ServeSettings(**_overrides(args))
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    threads = settings.threads or os.cpu_count() or 1
-    loaded = load_local(resolve_model(settings.model), settings.dtype, settings.kv_cache_gib, threads)
-    service = CompletionService(loaded, build_policies(), settings, Metrics())
-    app = create_app(service)
+    metrics = Metrics()
+    loaded, cluster = load_served_model(settings, metrics)
+    try:
+        service = CompletionService(loaded, build_policies(), settings, metrics, cluster)
+        uvicorn.run(create_app(service), host=settings.host, port=settings.port, log_level=settings.log_level)
+    finally:
+        loaded.runner.close()
+        if cluster is not None:
+            cluster.config.stop()
+
+
+def worker(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from workers.app import create_worker_app
+    from workers.settings import WorkerSettings
+
+    settings = WorkerSettings(**_overrides(args))
+    app = create_worker_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
 
 
@@ -68,10 +101,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="edgespec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    _worker_parser(sub)
     _bench_parser(sub)
     args = parser.parse_args(argv)
     try:
-        {"serve": serve, "bench": bench}[args.command](args)
+        {"serve": serve, "worker": worker, "bench": bench}[args.command](args)
     except (FileNotFoundError, ValueError) as exc:
         print(f"edgespec {args.command}: {exc}", file=sys.stderr)
         sys.exit(2)

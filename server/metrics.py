@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 
 class Metrics:
@@ -11,6 +11,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and friends
         self.requests = Counter("edgespec_requests", "HTTP API requests by route and status", ["route", "status"],
                                 registry=r)
         self.in_flight = Gauge("edgespec_requests_in_flight", "generations running now", registry=r)
@@ -22,6 +23,10 @@ class Metrics:
                                      registry=r, buckets=(1, 5, 10, 20, 30, 40, 50, 75, 100, 150, 200, 400))
         self.tokens_per_step = Histogram("edgespec_tokens_per_step", "tokens per decoding step per request",
                                          ["policy"], registry=r, buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 6, 8))
+        self.wire_bytes = Counter("edgespec_wire_bytes", "payload bytes sent over each link", ["link"], registry=r)
+        self.wire_requests = Counter("edgespec_wire_requests", "HTTP requests over each link", ["link"], registry=r)
+        self.stage_forward = Histogram("edgespec_stage_forward_seconds", "forward time per stage call", ["stage"],
+                                       registry=r, buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2))
         self.kv_bytes = Gauge("edgespec_kv_cache_bytes", "bytes held by KV caches", registry=r)
 
     def observe_generation(self, stats: dict, tokens: int) -> None:
@@ -32,6 +37,13 @@ class Metrics:
             self.decode_rate.labels(policy).observe(stats["decode_tokens_per_s"])
         if stats["tokens_per_step"]:
             self.tokens_per_step.labels(policy).observe(stats["tokens_per_step"])
+
+    def observe_hop(self, link: str, nbytes: int, stage: str | None, forward_ms: float | None) -> None:
+        """One link crossed by a forward call (called on the model thread; prometheus-client is thread-safe)."""
+        self.wire_bytes.labels(link).inc(nbytes)
+        self.wire_requests.labels(link).inc()
+        if stage is not None and forward_ms:
+            self.stage_forward.labels(stage).observe(forward_ms / 1000)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

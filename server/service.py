@@ -13,13 +13,16 @@ from server.errors import APIError
 from server.metrics import Metrics
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.settings import ServeSettings
+from workers.client import StageFailure
 
 
 class CompletionService:
     """Validates requests against the served model and runs them through a decoding policy."""
 
-    def __init__(self, loaded: LoadedModel, policies: dict, settings: ServeSettings, metrics: Metrics):
+    def __init__(self, loaded: LoadedModel, policies: dict, settings: ServeSettings, metrics: Metrics,
+                 cluster=None):
         self.loaded = loaded
+        self.cluster = cluster  # server.boot.ClusterHandle when the layers live on workers
         self.tokenizer = loaded.tokenizer
         self.policies = policies
         self.settings = settings
@@ -97,6 +100,8 @@ class CompletionService:
                     if event.stats is not None:
                         self.metrics.observe_generation(event.stats, tokens)
                     yield event
+        except StageFailure as exc:
+            raise APIError(exc.status, f"a worker failed during generation: {exc}", None, "worker_failed") from exc
         except CapacityError as exc:
             raise APIError(503, str(exc), None, "kv_cache_full") from exc
         except PolicyOptionsError as exc:

@@ -23,4 +23,9 @@ class ServeSettings(BaseSettings):
     threads: int = Field(0, ge=0, description="torch threads for the model; 0: all cores")
     kv_cache_gib: float = Field(2.0, gt=0, description="memory bound for all sessions' KV caches")
     max_request_bytes: int = Field(4 * 2**20, gt=0)
+    local_workers: int = Field(0, ge=0, description="start N worker processes on loopback and serve through them")
+    cluster: str | None = Field(None, description="TOML file naming running workers (see config/)")
+    advertise_url: str | None = Field(None, description="URL at which workers reach this controller")
+    stage_timeout_s: float = Field(60.0, gt=0, description="timeout of one call to a worker")
+    worker_threads: int = Field(0, ge=0, description="torch threads of each local worker; 0: all cores")
     log_level: str = "info"

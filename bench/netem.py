@@ -1,0 +1,173 @@
+"""Emulated home network for benchmarks: every device (controller and workers) in its own Linux network
+namespace, joined through a bridge by veth links shaped with `tc` (tbf for the rate; netem for a delay
+where the kernel has it). Starts the workers and the controller inside, runs `edgespec bench` per rate,
+and always tears everything down.
+
+    python -m bench.netem --workers 2 --rates 100mbit,1gbit --prompts FILE --max-tokens 64 --out DIR
+
+Needs root (ip netns). Where namespaces are not permitted it says so and exits 0 without measuring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PREFIX = "es"  # namespace and link names: es-lan, es-ctl, es-w0, ...
+SUBNET = "10.231.0"
+PORT = 9100
+
+
+def sh(*cmd: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    full = (["ip", "netns", "exec", ns] if ns else []) + list(cmd)
+    return subprocess.run(full, check=check, capture_output=True, text=True)
+
+
+class Lan:
+    """A bridge namespace plus one namespace per device, each linked by a shaped veth pair."""
+
+    def __init__(self, devices: list[str], rate: str, delay_ms: float):
+        self.devices, self.rate, self.delay_ms = devices, rate, delay_ms
+        self.namespaces = [f"{PREFIX}-lan"] + [f"{PREFIX}-{d}" for d in devices]
+        self.notes: list[str] = []
+
+    def ip(self, device: str) -> str:
+        return f"{SUBNET}.{10 + self.devices.index(device)}"
+
+    def up(self) -> None:
+        lan = f"{PREFIX}-lan"
+        for ns in self.namespaces:
+            sh("ip", "netns", "add", ns)
+            sh("ip", "link", "set", "lo", "up", ns=ns)
+        sh("ip", "link", "add", "br0", "type", "bridge", ns=lan)
+        sh("ip", "link", "set", "br0", "up", ns=lan)
+        for d in self.devices:
+            ns, outer = f"{PREFIX}-{d}", f"b-{d}"
+            sh("ip", "link", "add", "eth0", "type", "veth", "peer", "name", outer, ns=ns)
+            sh("ip", "link", "set", outer, "netns", lan, ns=ns)
+            sh("ip", "addr", "add", f"{self.ip(d)}/24", "dev", "eth0", ns=ns)
+            sh("ip", "link", "set", "eth0", "up", ns=ns)
+            sh("ip", "link", "set", outer, "master", "br0", ns=lan)
+            sh("ip", "link", "set", outer, "up", ns=lan)
+            # shape both directions of the device's link
+            self._shape("eth0", ns)
+            self._shape(outer, lan)
+
+    def _shape(self, dev: str, ns: str) -> None:
+        tbf = ["tbf", "rate", self.rate, "burst", "32kbit", "latency", "50ms"]
+        if self.delay_ms:
+            r = sh("tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", f"{self.delay_ms}ms",
+                   ns=ns, check=False)
+            if r.returncode == 0:
+                sh("tc", "qdisc", "add", "dev", dev, "parent", "1:", "handle", "2:", *tbf, ns=ns)
+                return
+            note = f"no delay: this kernel has no netem qdisc ({r.stderr.strip()})"
+            if note not in self.notes:
+                self.notes.append(note)
+        sh("tc", "qdisc", "add", "dev", dev, "root", *tbf, ns=ns)
+
+    def down(self) -> None:
+        for ns in self.namespaces:
+            sh("ip", "netns", "del", ns, check=False)
+
+
+def spawn(ns: str, args: list[str], log: Path) -> subprocess.Popen:
+    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "server.cli", *args]
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+
+
+def wait_health(ns: str, url: str, timeout_s: float, procs: list[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = sh(sys.executable, "-c", f"import httpx,sys; sys.exit(httpx.get('{url}/health').status_code != 200)",
+               ns=ns, check=False)
+        if r.returncode == 0:
+            return
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("a process exited during start-up; see the logs in the output folder")
+        time.sleep(1)
+    raise TimeoutError(f"{url} not healthy after {timeout_s} s")
+
+
+def run_rate(args, rate: str, out: Path) -> dict:
+    devices = ["ctl"] + [f"w{i}" for i in range(args.workers)]
+    lan = Lan(devices, rate, args.delay_ms)
+    procs: list[subprocess.Popen] = []
+    token = secrets.token_urlsafe(16)
+    try:
+        lan.up()
+        cluster = out / f"cluster-{rate}.toml"
+        lines = [f'token = "{token}"', f'controller_url = "http://{lan.ip("ctl")}:8000"']
+        for i in range(args.workers):
+            d = f"w{i}"
+            lines += ["[[workers]]", f'url = "http://{lan.ip(d)}:{PORT}"', f'name = "{d}"']
+            procs.append(spawn(f"{PREFIX}-{d}", ["worker", "--host", lan.ip(d), "--port", str(PORT), "--token", token,
+                                                 "--name", d], out / f"{d}-{rate}.log"))
+        cluster.write_text("\n".join(lines) + "\n")
+        procs.append(spawn(f"{PREFIX}-ctl", ["serve", "--host", lan.ip("ctl"), "--port", "8000", "--cluster",
+                                             str(cluster), "--dtype", args.dtype, "--log-level", "warning"],
+                           out / f"ctl-{rate}.log"))
+        url = f"http://{lan.ip('ctl')}:8000"
+        wait_health(f"{PREFIX}-ctl", url, 300, procs)
+        bench_out = out / rate
+        sh(sys.executable, "-m", "server.cli", "bench", "--url", url, "--prompts", args.prompts, "--policies",
+           "naive", "--max-tokens", str(args.max_tokens), "--out", str(bench_out),
+           *(["--limit", str(args.limit)] if args.limit else []), ns=f"{PREFIX}-ctl")
+        result = json.loads((bench_out / "results.json").read_text())["policies"]["naive"]
+        return {"rate": rate, "delay_ms": args.delay_ms, "notes": lan.notes, **result}
+    finally:
+        stop(procs)
+        lan.down()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--rates", default="100mbit,1gbit")
+    p.add_argument("--delay-ms", type=float, default=0.0)
+    p.add_argument("--prompts", required=True)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--limit", type=int)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    probe = subprocess.run(["ip", "netns", "add", f"{PREFIX}-probe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        print(f"skipped: network namespaces are not permitted here ({probe.stderr.strip()})")
+        return
+    subprocess.run(["ip", "netns", "del", f"{PREFIX}-probe"], check=False)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [run_rate(args, rate, out) for rate in args.rates.split(",")]
+    base = rows[-1]["median_decode_tokens_per_s"]
+    for row in rows:
+        rate = row["median_decode_tokens_per_s"]
+        row["ms_per_token"] = round(1000 / rate, 3) if rate else None
+        row["latency_ratio_to_last"] = round(base / rate, 4) if rate and base else None
+    (out / "netem.json").write_text(json.dumps(rows, indent=2))
+    for row in rows:
+        print(f"{row['rate']:>8}: {row['median_decode_tokens_per_s']} tok/s, {row['ms_per_token']} ms/token, "
+              f"latency x{row['latency_ratio_to_last']} of {rows[-1]['rate']} {' '.join(row['notes'])}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Shared fixtures: one real `edgespec serve` process for the end-to-end tests, and an OpenAI client for it."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+API_KEY = "test-key"
+STARTUP_TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _log_tail(path: Path, chars: int = 6000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError as exc:
+        return f"(no log: {exc})"
+
+
+@pytest.fixture(scope="session")
+def server_url(tmp_path_factory):
+    """Base URL (no trailing slash) of a real server: SmolLM2 in float32, API key `test-key`."""
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("server") / "serve.log"
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--dtype", "float32",
+           "--api-key", API_KEY]
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"`{' '.join(cmd)}` exited with {proc.returncode} before it was healthy; its log:\n"
+                            f"{_log_tail(log_path)}", pytrace=False)
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server was not healthy within {STARTUP_TIMEOUT_S} s; its log:\n"
+                            f"{_log_tail(log_path)}", pytrace=False)
+            time.sleep(0.25)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+
+
+@pytest.fixture(scope="session")
+def client(server_url) -> openai.OpenAI:
+    # No retries: a failure should show as it happened, not after the SDK's back-off.
+    return openai.OpenAI(base_url=server_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)

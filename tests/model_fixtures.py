@@ -1,0 +1,131 @@
+"""Shared model helpers for the tests (a plain module: test files import what they need from here).
+
+`make_tiny_model` writes a tiny random Llama checkpoint (safetensors) that loads in well under a second;
+`smollm2_folder` is the converted SmolLM2-135M-Instruct cache that the server serves by default.
+The rest runs our block model (TokenEnds around a LayerStack) the way a decoding policy does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model.config import ModelConfig
+from model.kv_cache import KVCache
+from model.stack import LayerStack, TokenEnds
+from model.weights import TensorSource
+
+TINY_CONFIG = {
+    "hidden_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,  # GQA: two query heads per KV head
+    "intermediate_size": 128,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+    "rope_theta": 10000.0,
+}
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def make_tiny_model(folder: Path | str, seed: int = 0, **overrides) -> Path:
+    """Write a tiny random Llama model (config.json + model.safetensors) into `folder`; returns it.
+
+    `overrides` are extra LlamaConfig arguments (attention_bias=True, rope_scaling=LLAMA3_ROPE, ...).
+    Biases and norm weights, which transformers initialises to constants, are randomised too so that
+    loading them into the wrong place cannot go unnoticed.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY_CONFIG, **overrides}))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+            elif "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def smollm2_folder() -> Path:
+    """The SmolLM2-135M-Instruct safetensors folder (converted once from the packaged GGUF; offline)."""
+    from model.source import resolve_model
+
+    return resolve_model(None).folder
+
+
+def load_reference(folder: Path | str):
+    """transformers' model for `folder` in float32, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@dataclass
+class Blocks:
+    """Our model: the token ends and a stack of all decoder layers."""
+
+    cfg: ModelConfig
+    ends: TokenEnds
+    stack: LayerStack
+
+    def new_cache(self, capacity: int, rows: int = 1) -> KVCache:
+        return self.stack.new_cache(capacity, rows)
+
+    def forward(
+        self,
+        ids: list[int] | torch.Tensor,
+        cache: KVCache,
+        start: int | None = None,
+        positions: torch.Tensor | list | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Tokens ids [B, T] (or a flat list: one row) written at slots start.. -> float32 logits [B, T, V]."""
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0)
+        start = cache.length if start is None else start
+        if positions is None:
+            positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
+        positions = torch.as_tensor(positions, dtype=torch.long)
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0)
+        hidden = self.stack(self.ends.embed_tokens(ids), positions, cache, start, mask)
+        return self.ends.logits(hidden)
+
+    def logits_from_scratch(self, ids: list[int]) -> torch.Tensor:
+        """Logits [T, V] of one sequence run through a fresh cache in one pass."""
+        return self.forward(ids, self.new_cache(len(ids)))[0]
+
+    def greedy(self, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+        """n greedy tokens after `prompt` using the KV cache (prefill, then one token per step).
+
+        Returns the tokens and the prompt's logits [T, V].
+        """
+        cache = self.new_cache(len(prompt) + n)
+        prompt_logits = self.forward(prompt, cache, 0)[0]
+        out = [int(prompt_logits[-1].argmax())]
+        while len(out) < n:
+            logits = self.forward([out[-1]], cache, cache.length)[0, -1]
+            out.append(int(logits.argmax()))
+        return out, prompt_logits
+
+
+def load_blocks(folder: Path | str, dtype: torch.dtype = torch.float32) -> Blocks:
+    """Our block model for `folder`, loaded through TensorSource and ModelConfig."""
+    cfg = ModelConfig.from_folder(Path(folder))
+    src = TensorSource(Path(folder))
+    return Blocks(cfg, TokenEnds.load(src, cfg, dtype), LayerStack.load(src, cfg, 0, cfg.n_layers, dtype))

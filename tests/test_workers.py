@@ -1,0 +1,176 @@
+"""Distributed serving over real worker processes: equivalence, the cluster token, input validation, and
+a worker that dies mid-generation. Tiny random model (SmolLM2's tokenizer) except where marked slow."""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+import httpx
+import pytest
+import torch
+from model_fixtures import smollm2_folder
+from processes import greedy, model_id, start_server, start_worker, tiny_chat_model
+
+from workers.wire import encode
+
+PROMPTS = ["Name three rivers.", "Write a haiku about the sea, please, with care."]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(tiny_chat_model(tmp_path_factory.mktemp("tiny"), smollm2_folder()))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, tmp_path_factory):
+    """Greedy outputs of the in-process server."""
+    proc, url = start_server(tmp_path_factory.mktemp("ref"), "inproc", "--model", tiny)
+    try:
+        yield {p: greedy(url, p, 24) for p in PROMPTS}
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_local_workers_match_in_process(n, tiny, reference, tmp_path):
+    proc, url = start_server(tmp_path, f"serve{n}", "--model", tiny, "--local-workers", str(n),
+                             "--worker-threads", "1")
+    try:
+        for prompt, expected in reference.items():
+            assert greedy(url, prompt, 24) == expected
+        stats = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": model_id(url), "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+            "max_tokens": 8, "min_tokens": 8}).json()["decoding"]
+        links = stats["wire_links"]
+        assert len(links) == n + 1  # controller -> w0 -> ... -> controller
+        hidden_bytes = 64 * 4  # tiny model: hidden 64, float32
+        for link in links.values():
+            assert link["requests_per_token"] > 0
+            if link["decode_bytes_per_token"] is not None:
+                # one hidden state per decoding step plus the safetensors header
+                assert hidden_bytes <= link["decode_bytes_per_token"] <= hidden_bytes + 200
+        metrics = httpx.get(url + "/metrics").text
+        assert 'edgespec_wire_bytes_total{link="controller->worker0"}' in metrics
+        assert "edgespec_stage_forward_seconds" in metrics
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def worker(tiny, tmp_path_factory):
+    token = secrets.token_hex(8)
+    proc, url = start_worker(tmp_path_factory.mktemp("w"), token, tiny, "solo")
+    auth = {"authorization": f"Bearer {token}"}
+    r = httpx.post(url + "/assign", json={"first": 0, "last": 2, "dtype": "float32"}, headers=auth, timeout=60)
+    assert r.status_code == 200, r.text
+    try:
+        yield url, auth
+    finally:
+        proc.stop()
+
+
+def test_worker_refuses_wrong_or_missing_token(worker):
+    url, auth = worker
+    calls = [("GET", "/health", None), ("GET", "/info", None), ("POST", "/assign", {"first": 0, "last": 1}),
+             ("POST", "/sessions/a/open", {"step": 1, "capacity": 8}), ("DELETE", "/sessions/a", None)]
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": auth["authorization"] + "x"}):
+        for method, path, body in calls:
+            r = httpx.request(method, url + path, json=body, headers=headers)
+            assert r.status_code == 401, (method, path, headers, r.text)
+            assert "token" in r.json()["error"]["message"]
+    info = httpx.get(url + "/info", headers=auth).json()
+    assert info["holds"]["layers"] == [0, 2]  # the refused /assign changed nothing
+    assert info["sessions"] == 0
+
+
+def test_worker_validates_inputs_and_keeps_other_sessions(worker):
+    url, auth = worker
+    ok = httpx.post(url + "/sessions/good/open", json={"step": 1, "capacity": 16}, headers=auth)
+    assert ok.status_code == 200
+    fwd = url + "/sessions/{}/forward"
+    hidden = torch.randn(1, 3, 64)
+    cases = [
+        ("garbage body", "good", {"start": 0, "step": 2}, b"not safetensors", 400),
+        ("wrong hidden size", "good", {"start": 0, "step": 2}, encode({"hidden": torch.randn(1, 3, 65)}), 400),
+        ("integer hidden", "good", {"start": 0, "step": 2}, encode({"hidden": torch.ones(1, 3, 64, dtype=torch.int64)}),
+         400),
+        ("extra tensor", "good", {"start": 0, "step": 2}, encode({"hidden": hidden, "x": torch.zeros(1)}), 400),
+        ("bad positions", "good", {"start": 0, "step": 2},
+         encode({"hidden": hidden, "positions": torch.tensor([[0, 1, 9999]])}), 400),
+        ("gap in the cache", "good", {"start": 5, "step": 2}, encode({"hidden": hidden}), 400),
+        ("past capacity", "good", {"start": 0, "step": 2}, encode({"hidden": torch.randn(1, 17, 64)}), 400),
+        ("unknown session", "nope", {"start": 0, "step": 2}, encode({"hidden": hidden}), 404),
+        ("missing start", "good", {"step": 2}, encode({"hidden": hidden}), 400),
+    ]
+    for label, sid, params, body, status in cases:
+        r = httpx.post(fwd.format(sid), params=params, content=body, headers={**auth, "x-callback": "http://x"})
+        assert r.status_code == status, (label, r.text)
+        assert r.json()["error"]["message"], label
+    bad_json = httpx.post(url + "/sessions/x/open", content=b"{", headers={**auth, "content-type": "application/json"})
+    assert bad_json.status_code == 400
+    assert httpx.post(url + "/sessions/x/open", json={"step": 1, "capacity": -3}, headers=auth).status_code == 400
+    big = httpx.post(fwd.format("good"), params={"start": 0, "step": 2}, content=b"0" * (65 * 2**20), headers=auth)
+    assert big.status_code == 413
+    # a stale step is refused; the session itself is untouched by everything above
+    assert httpx.post(url + "/sessions/good/truncate", json={"step": 0, "length": 0}, headers=auth).status_code == 409
+    info = httpx.get(url + "/info", headers=auth).json()
+    assert info["sessions"] == 1
+    assert httpx.delete(url + "/sessions/good", headers=auth).status_code == 200
+
+
+def _stream(url: str, prompt: str, max_tokens: int):
+    body = {"model": model_id(url), "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+            "max_tokens": max_tokens, "stream": True}
+    return httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120)
+
+
+def test_killed_worker_fails_requests_in_flight_then_recovers(tiny, reference, tmp_path):
+    token = secrets.token_hex(8)
+    w0, url0 = start_worker(tmp_path, token, tiny, "w0")
+    w1, url1 = start_worker(tmp_path, token, tiny, "w1")
+    port1 = int(url1.rsplit(":", 1)[1])
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text(f'token = "{token}"\n[[workers]]\nurl = "{url0}"\nname = "w0"\n'
+                       f'[[workers]]\nurl = "{url1}"\nname = "w1"\n')
+    server, url = start_server(tmp_path, "serve", "--model", tiny, "--cluster", str(cluster))
+    try:
+        lines = []
+        with _stream(url, PROMPTS[0], 400) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                lines.append(line)
+                if len(lines) == 6:
+                    w1.kill()  # dies mid-stream
+        payloads = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert lines[-1] == "data: [DONE]"
+        assert "error" in payloads[-1] and url1 in payloads[-1]["error"]["message"]  # names the dead stage
+        body = {"model": model_id(url), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code in (502, 503) and r.json()["error"]["code"] == "worker_failed"
+        health = httpx.get(url + "/health", timeout=30)
+        assert health.status_code == 503 and health.json()["status"] == "degraded"
+        w1, _ = start_worker(tmp_path, token, tiny, "w1", port=port1)  # back, empty
+        assert httpx.get(url + "/health", timeout=60).status_code == 200
+        assert greedy(url, PROMPTS[0], 24) == reference[PROMPTS[0]]
+    finally:
+        server.stop()
+        w0.stop()
+        w1.stop()
+
+
+@pytest.mark.slow
+def test_smollm2_over_two_workers_matches_in_process(tmp_path):
+    prompt = "What is the capital of France? Answer in one sentence."
+    ref, url = start_server(tmp_path, "ref")
+    try:
+        expected = greedy(url, prompt, 32)
+    finally:
+        ref.stop()
+    dist, url = start_server(tmp_path, "dist", "--local-workers", "2")
+    try:
+        assert greedy(url, prompt, 32) == expected
+    finally:
+        dist.stop()

@@ -1,0 +1,179 @@
+"""The worker's HTTP API. Every route needs the cluster token; tensor work runs on one model thread.
+
+A forward call's output goes straight to the next stage named in its X-Route header; the last stage posts
+it to the controller's callback (X-Callback). Each hop answers with a small JSON list of per-stage
+figures, so every link carries one hidden state per step and the replies stay tiny.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+
+import httpx
+import torch
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from model.kv_cache import KVCacheError
+from model.stage import CapacityError, SessionError
+from workers.host import NotAssignedError, StageHost, StepError
+from workers.settings import WorkerSettings
+from workers.wire import WireError
+
+ERRORS = [(PermissionError, 401), (WireError, 400), (KVCacheError, 400), (SessionError, 404), (StepError, 409),
+          (NotAssignedError, 409), (CapacityError, 507), (MemoryError, 507), (ValueError, 400)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AssignBody(Strict):
+    model: str | None = None
+    first: int = Field(ge=0)
+    last: int = Field(ge=1)
+    dtype: str = "float32"
+
+
+class OpenBody(Strict):
+    step: int = Field(ge=0)
+    capacity: int = Field(ge=1)
+    rows: int = Field(1, ge=1)
+
+
+class TruncateBody(Strict):
+    step: int = Field(ge=0)
+    length: int = Field(ge=0)
+
+
+class CommitBody(Strict):
+    step: int = Field(ge=0)
+    kept: list[int]
+    dest: int = Field(ge=0)
+
+
+class ForkBody(Strict):
+    step: int = Field(ge=0)
+    child: str = Field(min_length=1, max_length=128)
+    prefix_len: int = Field(ge=0)
+    rows: int = Field(ge=1)
+    capacity: int = Field(ge=1)
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "worker_error", "code": status}}, status_code=status)
+
+
+def create_worker_app(settings: WorkerSettings) -> FastAPI:
+    host = StageHost(settings)
+    threads = settings.threads or None
+    executor = ThreadPoolExecutor(1, thread_name_prefix="stage",
+                                  initializer=lambda: torch.set_num_threads(threads or torch.get_num_threads()))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        limits = httpx.Limits(max_keepalive_connections=8, keepalive_expiry=60)
+        async with httpx.AsyncClient(timeout=settings.downstream_timeout_s, limits=limits) as client:
+            app.state.client = client
+            yield
+        executor.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="edgespec worker", lifespan=lifespan)
+    app.state.host = host
+
+    async def run(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+    async def require_token(request: Request) -> None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.token.encode()):
+            raise PermissionError("missing or wrong cluster token")
+
+    for kind, status in ERRORS:
+        # bind status now: one handler per exception class, matched along the exception's MRO
+        app.add_exception_handler(kind, lambda _, exc, status=status: _error(status, str(exc)))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        return _error(400, f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}")
+
+    auth = [Depends(require_token)]
+
+    @app.get("/health", dependencies=auth)
+    async def health():
+        return {"status": "ok", "instance": host.instance, "assigned": host.assignment is not None}
+
+    @app.get("/info", dependencies=auth)
+    async def info():
+        return host.info()
+
+    @app.post("/assign", dependencies=auth)
+    async def assign(body: AssignBody):
+        return await run(host.assign, body.model, body.first, body.last, body.dtype)
+
+    @app.post("/sessions/{sid}/open", dependencies=auth)
+    async def open_session(sid: str, body: OpenBody):
+        await run(host.open, sid, body.step, body.capacity, body.rows)
+        return {"ok": True}
+
+    @app.post("/sessions/{sid}/truncate", dependencies=auth)
+    async def truncate(sid: str, body: TruncateBody):
+        await run(host.truncate, sid, body.step, body.length)
+        return {"ok": True}
+
+    @app.post("/sessions/{sid}/commit", dependencies=auth)
+    async def commit(sid: str, body: CommitBody):
+        await run(host.commit, sid, body.step, body.kept, body.dest)
+        return {"ok": True}
+
+    @app.post("/sessions/{sid}/fork", dependencies=auth)
+    async def fork(sid: str, body: ForkBody):
+        await run(host.fork, sid, body.step, body.child, body.prefix_len, body.rows, body.capacity)
+        return {"ok": True}
+
+    @app.delete("/sessions/{sid}", dependencies=auth)
+    async def release(sid: str):
+        await run(host.release, sid)
+        return {"ok": True}
+
+    @app.post("/sessions/{sid}/forward", dependencies=auth)
+    async def forward(sid: str, start: int, step: int, request: Request):
+        length = request.headers.get("content-length")
+        if length is None or not length.isdigit() or int(length) > settings.max_body_bytes:
+            return _error(413 if length and length.isdigit() else 411,
+                          f"forward bodies need a Content-Length of at most {settings.max_body_bytes} bytes")
+        body = await request.body()
+        out, seconds = await run(host.forward, sid, step, start, body)
+        hop = {"stage": host.name, "bytes": len(out), "forward_ms": round(seconds * 1000, 3)}
+        route = [u for u in request.headers.get("x-route", "").split(",") if u]
+        callback = request.headers.get("x-callback")
+        headers = {"authorization": f"Bearer {settings.token}", "content-type": "application/octet-stream"}
+        if route:
+            target = f"{route[0]}/sessions/{sid}/forward"
+            headers["x-route"] = ",".join(route[1:])
+            if callback:
+                headers["x-callback"] = callback
+            params = {"start": start, "step": step}
+        elif callback:
+            target, params = callback, {"session": sid, "step": step}
+        else:
+            return _error(400, "a forward call needs an X-Route or an X-Callback header")
+        try:
+            reply = await app.state.client.post(target, content=out, headers=headers, params=params)
+        except httpx.HTTPError as exc:
+            return _error(502, f"stage {host.name} could not reach {target}: {type(exc).__name__}: {exc}")
+        if reply.status_code != 200:
+            try:
+                message = reply.json()["error"]["message"]
+            except Exception:
+                message = reply.text[:200]
+            return _error(502, f"{target} answered {reply.status_code}: {message}")
+        return {"hops": [hop, *reply.json().get("hops", [])]}
+
+    return app

@@ -1,0 +1,184 @@
+"""The controller's side of remote stages: a pipeline of workers used as one Stage.
+
+A forward call goes to the first worker with the rest of the route; each worker forwards its output to the
+next, and the last one posts the final hidden state to the controller's callback, where a ResultMailbox
+holds it for the waiting model thread. Calls carry per-session step numbers, so a retried call is applied
+once. Runs on the controller's model thread (synchronous httpx with pooled keep-alive connections).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+
+import httpx
+import torch
+
+from workers.wire import decode, encode
+
+
+class StageFailure(RuntimeError):
+    """A worker failed, timed out or could not be reached; `status` is the HTTP status to report."""
+
+    def __init__(self, message: str, status: int = 502):
+        super().__init__(message)
+        self.status = status
+
+
+class ResultMailbox:
+    """Final hidden states posted by the last stage, keyed by (session, step), taken by the model thread."""
+
+    def __init__(self) -> None:
+        self._items: dict[tuple[str, int], bytes] = {}
+        self._cond = threading.Condition()
+
+    def put(self, session: str, step: int, body: bytes) -> None:
+        with self._cond:
+            self._items[(session, step)] = body
+            self._cond.notify_all()
+
+    def take(self, session: str, step: int, timeout: float) -> bytes:
+        with self._cond:
+            if not self._cond.wait_for(lambda: (session, step) in self._items, timeout):
+                raise StageFailure(f"the last stage's result for step {step} never arrived", 504)
+            return self._items.pop((session, step))
+
+    def drop(self, session: str) -> None:
+        with self._cond:
+            for key in [k for k in self._items if k[0] == session]:
+                del self._items[key]
+
+
+@dataclass
+class WorkerRef:
+    """A worker and the layers it is assigned."""
+
+    url: str
+    name: str
+    first: int
+    last: int
+
+
+class RemotePipeline:
+    """Workers in layer order, used as one Stage by the ModelRunner."""
+
+    def __init__(self, workers: list[WorkerRef], token: str, callback_url: str, mailbox: ResultMailbox,
+                 model: str | None, dtype: str, timeout_s: float = 60.0, on_hop=None):
+        self.workers = workers
+        self.callback_url = callback_url
+        self.mailbox = mailbox
+        self.model, self.dtype = model, dtype
+        self.timeout_s = timeout_s
+        self.on_hop = on_hop  # on_hop(link, bytes, stage, forward_ms): metrics
+        self.http = httpx.Client(headers={"authorization": f"Bearer {token}"}, timeout=timeout_s,
+                                 transport=httpx.HTTPTransport(retries=1),
+                                 limits=httpx.Limits(max_keepalive_connections=16, keepalive_expiry=60))
+        self.steps: dict[str, int] = defaultdict(int)
+        self.wire_stats: dict[str, dict[str, list[int]]] = {}
+        names = ["controller", *(w.name for w in workers), "controller"]
+        self.links = [f"{a}->{b}" for a, b in itertools.pairwise(names)]
+
+    # plumbing
+
+    def _call(self, worker: WorkerRef, method: str, path: str, **kwargs) -> httpx.Response:
+        try:
+            r = self.http.request(method, worker.url + path, **kwargs)
+        except httpx.TimeoutException as exc:
+            raise StageFailure(f"worker {worker.name} timed out ({type(exc).__name__})", 504) from exc
+        except httpx.HTTPError as exc:
+            raise StageFailure(f"worker {worker.name} is unreachable: {type(exc).__name__}: {exc}", 503) from exc
+        if r.status_code != 200:
+            raise StageFailure(f"worker {worker.name} answered {r.status_code}: {_message(r)}",
+                               503 if r.status_code >= 500 else 502)
+        return r
+
+    def _step(self, session: str) -> int:
+        self.steps[session] += 1
+        return self.steps[session]
+
+    def assign(self, worker: WorkerRef) -> dict:
+        body = {"model": self.model, "first": worker.first, "last": worker.last, "dtype": self.dtype}
+        return self._call(worker, "POST", "/assign", json=body, timeout=max(self.timeout_s, 300)).json()
+
+    def _each(self, session: str, op: str, body: dict) -> None:
+        step = self._step(session)
+        for w in self.workers:
+            self._call(w, "POST", f"/sessions/{session}/{op}", json={"step": step, **body})
+
+    # the Stage interface
+
+    def open(self, session: str, capacity: int, rows: int = 1) -> None:
+        step = self._step(session)
+        self.wire_stats[session] = {link: [0, 0] for link in self.links}
+        for w in self.workers:
+            path, body = f"/sessions/{session}/open", {"step": step, "capacity": capacity, "rows": rows}
+            try:
+                self._call(w, "POST", path, json=body)
+            except StageFailure as exc:
+                if "holds no layers" not in str(exc):
+                    raise
+                self.assign(w)  # the worker restarted: give it its layers back, then open again
+                self._call(w, "POST", path, json=body)
+
+    def forward(self, session, hidden, positions, start, mask=None):
+        # hidden [B, T, H] -> hidden [B, T, H] after every worker's layers
+        b, t = hidden.shape[:2]
+        default = torch.arange(start, start + t).expand(b, -1)
+        body = encode({"hidden": hidden, "positions": None if torch.equal(positions, default) else positions,
+                       "mask": mask})
+        step = self._step(session)
+        route = ",".join(w.url for w in self.workers[1:])
+        headers = {"x-route": route, "x-callback": self.callback_url, "content-type": "application/octet-stream"}
+        first = self.workers[0]
+        reply = self._call(first, "POST", f"/sessions/{session}/forward", content=body, headers=headers,
+                           params={"start": start, "step": step})
+        out = self.mailbox.take(session, step, self.timeout_s)
+        self._record(session, [len(body)] + [h["bytes"] for h in reply.json()["hops"]], reply.json()["hops"])
+        return decode(out, ("hidden",))["hidden"]
+
+    def _record(self, session: str, sizes: list[int], hops: list[dict]) -> None:
+        stats = self.wire_stats.get(session)
+        for i, (link, size) in enumerate(zip(self.links, sizes, strict=False)):
+            if stats is not None:
+                stats[link][0] += size
+                stats[link][1] += 1
+            if self.on_hop:
+                hop = hops[i - 1] if i > 0 else None
+                self.on_hop(link, size, hop["stage"] if hop else None, hop["forward_ms"] if hop else None)
+
+    def truncate(self, session: str, length: int) -> None:
+        self._each(session, "truncate", {"length": length})
+
+    def commit(self, session: str, kept: list[int], dest: int) -> None:
+        self._each(session, "commit", {"kept": kept, "dest": dest})
+
+    def fork(self, session: str, child: str, prefix_len: int, rows: int, capacity: int) -> None:
+        self._each(session, "fork", {"child": child, "prefix_len": prefix_len, "rows": rows, "capacity": capacity})
+
+    def release(self, session: str) -> None:
+        """Free the session everywhere; a worker that is down has lost it already."""
+        self.steps.pop(session, None)
+        self.wire_stats.pop(session, None)
+        self.mailbox.drop(session)
+        for w in self.workers:
+            with contextlib.suppress(httpx.HTTPError):
+                self.http.delete(f"{w.url}/sessions/{session}", timeout=5)
+
+    def wire(self, session: str) -> dict[str, tuple[int, int]]:
+        return {link: (b, n) for link, (b, n) in self.wire_stats.get(session, {}).items()}
+
+    def kv_bytes(self) -> int:
+        return 0  # held on the workers: see their /info
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def _message(r: httpx.Response) -> str:
+    try:
+        return r.json()["error"]["message"]
+    except Exception:
+        return r.text[:200]

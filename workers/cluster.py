@@ -1,0 +1,121 @@
+"""The controller's view of its workers: the cluster file, local worker processes, assignment, health."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+@dataclass
+class WorkerSpec:
+    url: str
+    name: str | None = None
+    memory_budget_gib: float | None = None
+
+
+@dataclass
+class ClusterConfig:
+    """What a cluster file says: the shared token, the workers in pipeline order, the controller's URL."""
+
+    token: str
+    workers: list[WorkerSpec]
+    controller_url: str | None = None
+    processes: list[subprocess.Popen] = field(default_factory=list)  # local workers we started
+
+    @classmethod
+    def from_file(cls, path: Path) -> ClusterConfig:
+        data = tomllib.loads(Path(path).read_text())
+        if not data.get("token"):
+            raise ValueError(f"{path}: 'token' (the cluster's shared token) is required")
+        workers = [WorkerSpec(**w) for w in data.get("workers", [])]
+        if not workers:
+            raise ValueError(f"{path}: at least one [[workers]] entry with a url is required")
+        return cls(data["token"], workers, data.get("controller_url"))
+
+    def stop(self) -> None:
+        for p in self.processes:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.processes:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_command(port: int, token: str, name: str, model: str | None, threads: int) -> list[str]:
+    cmd = [sys.executable, "-m", "server.cli", "worker", "--host", "127.0.0.1", "--port", str(port),
+           "--token", token, "--name", name, "--threads", str(threads)]
+    return cmd + (["--model", model] if model else [])
+
+
+def launch_local_workers(n: int, model: str | None, threads: int, log_dir: Path | None = None) -> ClusterConfig:
+    """Start n worker processes on loopback with a fresh random token."""
+    token = secrets.token_urlsafe(24)
+    config = ClusterConfig(token, [])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for i in range(n):
+        port = free_port()
+        name = f"worker{i}"
+        log = open(log_dir / f"{name}.log", "w") if log_dir else subprocess.DEVNULL  # noqa: SIM115
+        proc = subprocess.Popen(worker_command(port, token, name, model, threads), stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
+        config.processes.append(proc)
+        config.workers.append(WorkerSpec(f"http://127.0.0.1:{port}", name))
+    return config
+
+
+async def wait_healthy(config: ClusterConfig, timeout_s: float) -> list[dict]:
+    """Wait until every worker answers /health; returns their answers."""
+    deadline = time.monotonic() + timeout_s
+    headers = {"authorization": f"Bearer {config.token}"}
+    async with httpx.AsyncClient(headers=headers, timeout=5) as client:
+        answers = []
+        for spec in config.workers:
+            while True:
+                try:
+                    r = await client.get(spec.url + "/health")
+                    if r.status_code == 200:
+                        answers.append(r.json())
+                        break
+                    raise RuntimeError(f"worker {spec.url} answered {r.status_code}: {r.text[:200]}")
+                except httpx.HTTPError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"worker {spec.url} did not answer within {timeout_s:.0f} s") from None
+                    if any(p.poll() is not None for p in config.processes):
+                        raise RuntimeError("a local worker process exited during start-up") from None
+                    await asyncio.sleep(0.3)
+    return answers
+
+
+async def cluster_health(urls: list[str], token: str) -> list[dict]:
+    """Each worker's /health answer, or its error, within a short timeout."""
+    headers = {"authorization": f"Bearer {token}"}
+    async with httpx.AsyncClient(headers=headers, timeout=2) as client:
+
+        async def one(url: str) -> dict:
+            try:
+                r = await client.get(url + "/health")
+                if r.status_code == 200:
+                    return {"url": url, **r.json()}
+                return {"url": url, "status": "error", "error": f"HTTP {r.status_code}"}
+            except httpx.HTTPError as exc:
+                return {"url": url, "status": "down", "error": type(exc).__name__}
+
+        return list(await asyncio.gather(*(one(u) for u in urls)))

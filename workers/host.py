@@ -1,0 +1,186 @@
+"""What a worker holds: its assigned layer range, the sessions' KV caches, and per-session step numbers.
+
+No HTTP here: the worker's routes hand bodies in and out. Every session call carries a step number; a
+call with the step just applied is a retry and is answered without being applied again, an older step is
+refused, so a controller may retry any call safely.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from model.config import ModelConfig
+from model.load import DTYPES
+from model.source import resolve_model
+from model.stack import LayerStack
+from model.stage import LocalStage
+from model.weights import TensorSource
+from workers.settings import WorkerSettings
+from workers.wire import WireError, decode, encode
+
+
+class StepError(ValueError):
+    """A call whose step number is older than the last one applied to its session."""
+
+
+class NotAssignedError(RuntimeError):
+    """The worker holds no layers yet."""
+
+
+@dataclass
+class Assignment:
+    model: str | None
+    first: int
+    last: int
+    dtype: str
+
+
+def total_memory_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class StageHost:
+    """The worker's model state; all tensor work of a worker goes through here (on one thread)."""
+
+    def __init__(self, settings: WorkerSettings):
+        self.settings = settings
+        self.instance = uuid.uuid4().hex
+        self.name = settings.name or f"{socket.gethostname()}:{settings.port}"
+        self.assignment: Assignment | None = None
+        self.cfg: ModelConfig | None = None
+        self.stage: LocalStage | None = None
+        self.weight_bytes = 0
+        self.steps: dict[str, int] = {}
+        self.last_output: dict[str, tuple[int, bytes]] = {}
+
+    # assignment
+
+    def assign(self, model: str | None, first: int, last: int, dtype: str) -> dict:
+        """Load layers [first, last) of `model` (reading only their tensors); drops every session."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}")
+        files = resolve_model(model if model is not None else self.settings.model)
+        cfg = ModelConfig.from_folder(files.folder)
+        if not 0 <= first < last <= cfg.n_layers:
+            raise ValueError(f"layer range [{first}, {last}) is outside the model's {cfg.n_layers} layers")
+        torch_dtype = DTYPES[dtype]
+        weight_bytes = (last - first) * cfg.layer_param_count() * torch.finfo(torch_dtype).bits // 8
+        budget = int(self.settings.memory_budget_gib * 2**30)
+        if weight_bytes >= budget:
+            raise MemoryError(f"layers [{first}, {last}) need {weight_bytes / 2**30:.2f} GiB of weights but the "
+                              f"worker's memory budget is {budget / 2**30:.2f} GiB")
+        self.stage = None  # free the old layers before loading new ones
+        self.steps.clear()
+        self.last_output.clear()
+        stack = LayerStack.load(TensorSource(files.folder), cfg, first, last, torch_dtype)
+        self.stage = LocalStage(stack, budget - weight_bytes)
+        self.cfg, self.weight_bytes = cfg, weight_bytes
+        self.assignment = Assignment(model, first, last, dtype)
+        return self.info()
+
+    def info(self) -> dict:
+        a = self.assignment
+        budget = int(self.settings.memory_budget_gib * 2**30)
+        return {
+            "name": self.name,
+            "instance": self.instance,
+            "memory": {"total_bytes": total_memory_bytes(), "budget_bytes": budget,
+                       "resident_bytes": resident_bytes(), "weight_bytes": self.weight_bytes,
+                       "kv_bytes": self.stage.kv_bytes() if self.stage else 0},
+            "holds": None if a is None else {"model": a.model, "layers": [a.first, a.last], "dtype": a.dtype},
+            "sessions": len(self.stage.caches) if self.stage else 0,
+            "threads": torch.get_num_threads(),
+        }
+
+    # sessions
+
+    def _stage(self) -> LocalStage:
+        if self.stage is None:
+            raise NotAssignedError("this worker holds no layers: assign it first")
+        return self.stage
+
+    def _is_retry(self, session: str, step: int) -> bool:
+        """True for a retry of the last applied step; StepError for an older one."""
+        last = self.steps.get(session)
+        if last is not None and step < last:
+            raise StepError(f"step {step} of session {session!r} is older than the last applied step {last}")
+        return last == step
+
+    def _apply(self, session: str, step: int, fn, *args) -> None:
+        """Apply a KV operation once: a retried step is answered without applying it again. A failed
+        operation does not count as applied."""
+        if not self._is_retry(session, step):
+            fn(*args)
+            self.steps[session] = step
+
+    def open(self, session: str, step: int, capacity: int, rows: int) -> None:
+        stage = self._stage()
+        if capacity > self.cfg.max_position_embeddings:
+            raise ValueError(f"capacity {capacity} exceeds the model's context of {self.cfg.max_position_embeddings}")
+        self._apply(session, step, stage.open, session, capacity, rows)
+
+    def forward(self, session: str, step: int, start: int, body: bytes) -> tuple[bytes, float]:
+        """Run one forward call; returns the output body and the compute time (0 for a retry)."""
+        stage = self._stage()
+        if self._is_retry(session, step):
+            cached_step, out = self.last_output.get(session, (None, b""))
+            if cached_step == step:
+                return out, 0.0
+            raise StepError(f"step {step} of session {session!r} was applied but its output is gone")
+        t0 = time.perf_counter()
+        tensors = decode(body, ("hidden",), ("positions", "mask"))
+        hidden = tensors["hidden"]
+        positions = tensors.get("positions")
+        mask = tensors.get("mask")
+        self._validate(hidden, positions, mask, start)
+        if positions is None:
+            positions = torch.arange(start, start + hidden.shape[1]).expand(hidden.shape[0], -1)
+        out = encode({"hidden": stage.forward(session, hidden, positions, start, mask)})
+        self.steps[session] = step
+        self.last_output[session] = (step, out)
+        return out, time.perf_counter() - t0
+
+    def _validate(self, hidden, positions, mask, start: int) -> None:
+        cfg = self.cfg
+        if hidden.dim() != 3 or hidden.shape[2] != cfg.hidden_size or hidden.shape[1] < 1:
+            raise WireError(f"hidden must be [B, T, {cfg.hidden_size}] with T >= 1, got {list(hidden.shape)}")
+        if not hidden.is_floating_point():
+            raise WireError(f"hidden must be floating point, got {hidden.dtype}")
+        b, t = hidden.shape[:2]
+        if positions is not None:
+            if positions.dtype != torch.int64 or list(positions.shape) != [b, t]:
+                raise WireError(f"positions must be int64 [{b}, {t}], got {positions.dtype} {list(positions.shape)}")
+            if positions.min() < 0 or positions.max() >= cfg.max_position_embeddings:
+                raise WireError(f"positions must lie in [0, {cfg.max_position_embeddings})")
+        elif start + t > cfg.max_position_embeddings:
+            raise WireError(f"slots up to {start + t} exceed the model's context of {cfg.max_position_embeddings}")
+        if mask is not None and (mask.dtype != torch.bool or list(mask.shape[-2:]) != [t, start + t]):
+            raise WireError(f"mask must be bool [..., {t}, {start + t}], got {mask.dtype} {list(mask.shape)}")
+        if start < 0:
+            raise WireError("start must be >= 0")
+
+    def truncate(self, session: str, step: int, length: int) -> None:
+        self._apply(session, step, self._stage().truncate, session, length)
+
+    def commit(self, session: str, step: int, kept: list[int], dest: int) -> None:
+        self._apply(session, step, self._stage().commit, session, kept, dest)
+
+    def fork(self, session: str, step: int, child: str, prefix_len: int, rows: int, capacity: int) -> None:
+        self._apply(session, step, self._stage().fork, session, child, prefix_len, rows, capacity)
+
+    def release(self, session: str) -> None:
+        if self.stage is not None:
+            self.stage.release(session)
+        self.steps.pop(session, None)
+        self.last_output.pop(session, None)

@@ -1,0 +1,23 @@
+"""The one validated settings object of a worker process (environment EDGESPEC_WORKER_*, then CLI flags)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class WorkerSettings(BaseSettings):
+    """Settings of `edgespec worker`."""
+
+    model_config = SettingsConfigDict(env_prefix="EDGESPEC_WORKER_", extra="forbid")
+
+    port: int = Field(ge=0, le=65535)
+    token: str = Field(min_length=1, description="the cluster's shared token; every call must carry it")
+    host: str = "127.0.0.1"
+    name: str | None = Field(None, description="device name shown by /info; default: host name and port")
+    memory_budget_gib: float = Field(4.0, gt=0, description="bound for this worker's weights plus KV caches")
+    model: str | None = Field(None, description="local copy of the model (folder or .gguf); default: embedded")
+    threads: int = Field(0, ge=0, description="torch threads; 0: all cores")
+    max_body_bytes: int = Field(64 * 2**20, gt=0)
+    downstream_timeout_s: float = Field(120.0, gt=0)
+    log_level: str = "warning"
