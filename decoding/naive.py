@@ -15,23 +15,25 @@ class NaivePolicy:
     name = "naive"
 
     async def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
-        sampler = Sampler(request.sampling, model.cfg.vocab_size)
+        sampler = await model.call(Sampler, request.sampling, model.cfg.vocab_size)
         text = TextStream(tokenizer, request.stop, request.stop_token_ids, request.max_tokens)
         stats = StepStats(self.name)
         session = await model.open(len(request.prompt_ids) + request.max_tokens)
         try:
-            logits = await model.forward(session, torch.tensor([request.prompt_ids]), last_only=True)
+            def choose(logits):  # logits [1, 1, V], on the model thread
+                return sampler.choose_with_logprob(logits[0, -1])
+
+            token, logprob = await model.forward(session, torch.tensor([request.prompt_ids]), last_only=True,
+                                                 then=choose)
             while True:
-                row = logits[0, -1]  # [V]
-                token = sampler.choose(row)
                 pushed = text.push(token)
                 stats.tokens_emitted(1, model.wire(session))
-                logprobs = [sampler.logprob(row, token)] if request.sampling.logprobs else []
+                logprobs = [logprob] if logprob else []
                 if pushed.finish_reason:
                     final = stats.as_dict(model.wire(session))
                     yield TokenEvent([token], pushed.text, pushed.finish_reason, logprobs, final)
                     return
                 yield TokenEvent([token], pushed.text, None, logprobs)
-                logits = await model.forward(session, torch.tensor([[token]]))
+                token, logprob = await model.forward(session, torch.tensor([[token]]), then=choose)
         finally:
             await model.release(session)

@@ -74,9 +74,16 @@ class Sampler:
 
     def choose(self, logits: torch.Tensor) -> int:
         """Sample the next token from raw logits [V] and record it."""
-        token = self.sample(self.probs(logits))
+        # greedy: the argmax of probs(), without building the one-hot vector
+        greedy = self.params.greedy
+        token = int(self.adjusted_logits(logits).argmax()) if greedy else self.sample(self.probs(logits))
         self.observe(token)
         return token
+
+    def choose_with_logprob(self, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+        """choose(), plus the token's log-probability when the request asked for logprobs."""
+        token = self.choose(logits)
+        return token, self.logprob(logits, token) if self.params.logprobs else None
 
     def logprob(self, logits: torch.Tensor, token_id: int) -> TokenLogprob:
         """Log-probability of `token_id` and the top alternatives under the model's raw distribution."""

@@ -18,20 +18,33 @@ from model.kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
+    """RMS norm with its statistics in float32 (bf16 ones derail the model). In bf16 the normalised
+    values are cast back before the weight multiplies them, as the reference does: the order of those
+    roundings changes SmolLM2's greedy output."""
+
     def __init__(self, size: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [..., H] -> [..., H]; the statistics in float32 like the reference (bf16 ones derail the model)
+        # x [..., H] -> [..., H]
+        # torch.rms_norm, not F.rms_norm: the functional wrapper's checks cost more than the math here
         if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+            return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.weight * torch.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
 
 class Rotary(nn.Module):
-    """cos/sin tables for rotary position embedding, looked up by position id."""
+    """Rotary position embedding: cos/sin tables looked up by position id.
+
+    Called with positions [B, T], it returns the function that rotates q or k [B, heads, T, hd] at those
+    positions. A decoding step pays one dispatch per tensor op, and on a small CPU those dominate once the
+    weights stream at memory speed, so for a few tokens the rotation is one matmul with a per-token matrix
+    M = diag(cos) + P diag(sin) (P the signed rotate-half permutation) instead of six elementwise ops.
+    """
+
+    MATRIX_TOKENS = 16  # up to this many tokens per forward, rotate with matrices
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
@@ -40,10 +53,28 @@ class Rotary(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, hd]
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        hd, half = cfg.head_dim, cfg.head_dim // 2
+        # rotate_half(x) = x @ P: out[i] = -x[i + half] for i < half, x[i - half] for i >= half
+        perm = torch.zeros(hd, hd, dtype=dtype)
+        perm[torch.arange(half) + half, torch.arange(half)] = -1
+        perm[torch.arange(half), torch.arange(half) + half] = 1
+        self.register_buffer("perm", perm, persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [B, T] -> cos, sin [B, 1, T, hd] (broadcast over heads)
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def forward(self, positions: torch.Tensor):
+        # positions [B, T] -> function x [B, heads, T, hd] -> rotated x [B, heads, T, hd]
+        b, t = positions.shape
+        cos, sin = self.cos[positions], self.sin[positions]  # [B, T, hd]
+        if b * t > self.MATRIX_TOKENS:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+            return lambda x: apply_rotary(x, cos, sin)
+        # [B, T, hd, hd] with x_row @ M = rotated x_row; in float32, where small matmuls are fast on CPU
+        # (3 us against 21 us in bf16) and the one rounding afterwards is no coarser than the reference's
+        mats = (torch.diag_embed(cos) + self.perm * sin.unsqueeze(-2)).float()
+        if b == 1 and t == 1:
+            m = mats[0, 0]
+            return lambda x: (x.float() @ m).to(x.dtype)
+        mats = mats.unsqueeze(1)  # [B, 1, T, hd, hd]
+        return lambda x: (x.float().unsqueeze(-2) @ mats).squeeze(-2).to(x.dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -67,25 +98,20 @@ class AttentionBlock(nn.Module):
         self.o = nn.Linear(self.n_q * self.hd, cfg.hidden_size, bias=with_o_bias, dtype=dtype)
         self.requires_grad_(False)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache,
-        layer: int,
-        start: int,
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
         # x [B, T, H] (already normed) -> partial attention output [B, T, H]
         b, t, _ = x.shape
-        qkv = self.qkv(x).view(b, t, self.n_q + 2 * self.n_kv, self.hd).transpose(1, 2)  # [B, heads, T, hd]
-        cos, sin = rope
-        qk = apply_rotary(qkv[:, : self.n_q + self.n_kv], cos, sin)  # q and k rotated in one pass
+        heads = self.n_q + 2 * self.n_kv
+        qkv = self.qkv(x)  # [B, T, heads * hd]
+        # -> [B, heads, T, hd]; with one token that is a plain view (fewer ops on the decoding path)
+        qkv = qkv.view(b, heads, 1, self.hd) if t == 1 else qkv.view(b, t, heads, self.hd).transpose(1, 2)
+        qk = rope(qkv[:, : self.n_q + self.n_kv])  # q and k rotated together
         q, k, v = qk[:, : self.n_q], qk[:, self.n_q :], qkv[:, self.n_q + self.n_kv :]
         keys, values = cache.write(layer, start, k, v)  # [B, n_kv, S, hd]
         # mask None means every cached slot is visible (one query token at the end of the cache).
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_q != self.n_kv)
-        return self.o(attn.transpose(1, 2).reshape(b, t, self.n_q * self.hd))
+        out = attn.reshape(b, 1, self.n_q * self.hd) if t == 1 else attn.transpose(1, 2).reshape(b, t, -1)
+        return self.o(out)
 
 
 class FFN(nn.Module):

@@ -11,6 +11,7 @@ from model.runner import ModelRunner
 from model.source import ModelFiles
 from model.stack import LayerStack, TokenEnds
 from model.stage import LocalStage, Pipeline
+from model.thread import ModelThread
 from model.weights import TensorSource
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -32,16 +33,16 @@ def load_tokenizer(files: ModelFiles):
     return AutoTokenizer.from_pretrained(files.folder)
 
 
-def load_with_pipeline(files: ModelFiles, dtype: str, pipeline, threads: int) -> LoadedModel:
+def load_with_pipeline(files: ModelFiles, dtype: str, pipeline, thread: ModelThread) -> LoadedModel:
     """The controller's model around a given stage pipeline (the controller loads only the token ends)."""
     cfg = ModelConfig.from_folder(files.folder)
-    ends = TokenEnds.load(TensorSource(files.folder), cfg, DTYPES[dtype])
-    return LoadedModel(files, cfg, load_tokenizer(files), ModelRunner(cfg, ends, pipeline, threads))
+    ends = thread.run_sync(TokenEnds.load, TensorSource(files.folder), cfg, DTYPES[dtype])
+    return LoadedModel(files, cfg, load_tokenizer(files), ModelRunner(cfg, ends, pipeline, thread))
 
 
-def load_local(files: ModelFiles, dtype: str, kv_budget_gib: float, threads: int) -> LoadedModel:
+def load_local(files: ModelFiles, dtype: str, kv_budget_gib: float, thread: ModelThread) -> LoadedModel:
     """All layers in-process: one LocalStage."""
     cfg = ModelConfig.from_folder(files.folder)
-    stack = LayerStack.load(TensorSource(files.folder), cfg, 0, cfg.n_layers, DTYPES[dtype])
+    stack = thread.run_sync(LayerStack.load, TensorSource(files.folder), cfg, 0, cfg.n_layers, DTYPES[dtype])
     stage = LocalStage(stack, int(kv_budget_gib * 2**30))
-    return load_with_pipeline(files, dtype, Pipeline([stage]), threads)
+    return load_with_pipeline(files, dtype, Pipeline([stage]), thread)

@@ -26,10 +26,8 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [..., in] -> [..., out]
-        flat = x.reshape(-1, self.in_features)
-        y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
-        return y.view(*x.shape[:-1], self.out_features)
+        # x [..., in] -> [..., out] (the op takes any leading dims)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def pack_linears(module: nn.Module) -> nn.Module:

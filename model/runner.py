@@ -1,21 +1,23 @@
 """The controller's model: token ends (embedding, norm, head) around a stage pipeline.
 
-Policies drive it through async methods; the tensor work runs on one model thread, so concurrent
+Policies drive it through async methods; the tensor work runs on the process's ModelThread, so concurrent
 requests interleave step by step (each with its own KV cache) and the event loop stays free for I/O.
+Policies run their own tensor work (sampling) there too, through `call`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from model.config import ModelConfig
 from model.stack import TokenEnds
+from model.thread import ModelThread
 
 
 @dataclass
@@ -32,22 +34,16 @@ class Session:
 class ModelRunner:
     """Embedding -> stages -> final norm and head, with per-session KV caches on the stages."""
 
-    def __init__(self, cfg: ModelConfig, ends: TokenEnds, pipeline, threads: int):
+    def __init__(self, cfg: ModelConfig, ends: TokenEnds, pipeline, thread: ModelThread):
         self.cfg = cfg
         self.ends = ends
         self.pipeline = pipeline
-        self._threads = threads
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model", initializer=self._init_thread)
+        self.thread = thread
+        self._run = thread.run
         self._ids = itertools.count()
 
-    def _init_thread(self) -> None:
-        torch.set_num_threads(self._threads)
-
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
     async def call(self, fn, *args):
-        """Run fn(*args) on the model thread, in turn with the forward passes."""
+        """Run fn(*args) on the model thread, in turn with the forward passes (a policy's tensor work)."""
         return await self._run(fn, *args)
 
     async def open(self, capacity: int, rows: int = 1) -> Session:
@@ -62,18 +58,20 @@ class ModelRunner:
 
     async def release(self, session: Session) -> None:
         # Callers release in a `finally` that also runs when the request is cancelled (a client that
-        # disconnected mid-stream): the job is queued before the first await and shielded, so cancelling
-        # the await does not cancel the release and leak the session's KV cache.
-        await asyncio.shield(asyncio.wrap_future(self._executor.submit(self.pipeline.release, session.id)))
+        # disconnected mid-stream): shielded, so cancelling it does not leak the session's KV cache.
+        await self.thread.run_shielded(self.pipeline.release, session.id)
 
-    def _forward(self, session: Session, ids: torch.Tensor, positions, start: int, mask, last_only: bool):
-        # ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32
+    def _forward(self, session: Session, ids: torch.Tensor, positions, start: int, mask, last_only: bool, then):
+        # ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32; or then(logits)
+        if positions is None:
+            positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
         with torch.inference_mode():
             hidden = self.ends.embed_tokens(ids)
             hidden = self.pipeline.forward(session.id, hidden, positions, start, mask)
             if last_only:
                 hidden = hidden[:, -1:]
-            return self.ends.logits(hidden)
+            logits = self.ends.logits(hidden)
+            return logits if then is None else then(logits)
 
     async def forward(
         self,
@@ -83,19 +81,19 @@ class ModelRunner:
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         last_only: bool = False,
-    ) -> torch.Tensor:
+        then: Callable[[torch.Tensor], Any] | None = None,
+    ) -> Any:
         """Run tokens ids [B, T] written at cache slots start.. (default: the session's end).
 
         positions [B, T] default to the slots; mask [B, T, start+T] defaults to causal. Returns float32
-        logits [B, T, V], or [B, 1, V] for the last position only.
+        logits [B, T, V], or [B, 1, V] for the last position only; with `then`, returns then(logits)
+        computed on the model thread (sampling there saves a thread hand-off per token).
         """
         start = session.length if start is None else start
-        if positions is None:
-            positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
-        logits = await self._run(self._forward, session, ids, positions, start, mask, last_only)
+        out = await self._run(self._forward, session, ids, positions, start, mask, last_only, then)
         session.length = start + ids.shape[1]
         session.forwards += 1
-        return logits
+        return out
 
     async def truncate(self, session: Session, length: int) -> None:
         await self._run(self.pipeline.truncate, session.id, length)
@@ -109,6 +107,6 @@ class ModelRunner:
         return self.pipeline.kv_bytes()
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.thread.shutdown()
         if hasattr(self.pipeline, "close"):
             self.pipeline.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 import json
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -59,10 +59,19 @@ class _LimitsAndCounts:
                 self.metrics.requests.labels(scope["path"], str(status)).inc()
 
 
-def create_app(service: CompletionService) -> FastAPI:
-    """The controller's ASGI app around a ready CompletionService."""
+def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
+    """The controller's ASGI app around a ready CompletionService; on_shutdown() runs when it stops."""
     settings, metrics = service.settings, service.metrics
-    app = FastAPI(title="edgespec", summary="OpenAI-compatible inference across small devices")
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        try:
+            yield
+        finally:
+            if on_shutdown is not None:
+                on_shutdown()
+
+    app = FastAPI(title="edgespec", summary="OpenAI-compatible inference across small devices", lifespan=lifespan)
     install_error_handlers(app)
 
     app.add_middleware(_LimitsAndCounts, settings=settings, metrics=metrics)

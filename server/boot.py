@@ -11,6 +11,7 @@ from pathlib import Path
 from model.config import ModelConfig
 from model.load import LoadedModel, load_local, load_with_pipeline
 from model.source import resolve_model
+from model.thread import ModelThread
 from planning.split import even_split
 from server.metrics import Metrics
 from server.settings import ServeSettings
@@ -30,10 +31,10 @@ class ClusterHandle:
 
 
 def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[LoadedModel, ClusterHandle | None]:
-    threads = settings.threads or os.cpu_count() or 1
+    thread = ModelThread(settings.threads or os.cpu_count() or 1)
     files = resolve_model(settings.model)  # converts a GGUF once, before any worker needs the cache
     if not settings.local_workers and not settings.cluster:
-        return load_local(files, settings.dtype, settings.kv_cache_gib, threads), None
+        return load_local(files, settings.dtype, settings.kv_cache_gib, thread), None
     if settings.local_workers:
         config = launch_local_workers(settings.local_workers, settings.model, settings.worker_threads)
     else:
@@ -52,7 +53,7 @@ def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[Loaded
         for ref in refs:
             pipeline.assign(ref)
             log.info("worker %s (%s) holds layers [%d, %d)", ref.name, ref.url, ref.first, ref.last)
-        loaded = load_with_pipeline(files, settings.dtype, pipeline, threads)
+        loaded = load_with_pipeline(files, settings.dtype, pipeline, thread)
     except BaseException:
         config.stop()
         raise

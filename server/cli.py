@@ -71,13 +71,19 @@ def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     metrics = Metrics()
     loaded, cluster = load_served_model(settings, metrics)
-    try:
-        service = CompletionService(loaded, build_policies(), settings, metrics, cluster)
-        uvicorn.run(create_app(service), host=settings.host, port=settings.port, log_level=settings.log_level)
-    finally:
+
+    def shutdown() -> None:
+        # From the app's lifespan: uvicorn re-raises SIGTERM after its shutdown, so code after run() may not run.
         loaded.runner.close()
         if cluster is not None:
             cluster.config.stop()
+
+    try:
+        service = CompletionService(loaded, build_policies(), settings, metrics, cluster)
+        uvicorn.run(create_app(service, shutdown), host=settings.host, port=settings.port,
+                    log_level=settings.log_level)
+    finally:
+        shutdown()
 
 
 def worker(args: argparse.Namespace) -> None:

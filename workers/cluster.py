@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -43,6 +46,7 @@ class ClusterConfig:
         return cls(data["token"], workers, data.get("controller_url"))
 
     def stop(self) -> None:
+        """Stop the local workers we started (idempotent)."""
         for p in self.processes:
             if p.poll() is None:
                 p.terminate()
@@ -65,6 +69,12 @@ def worker_command(port: int, token: str, name: str, model: str | None, threads:
     return cmd + (["--model", model] if model else [])
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the controller dies, however it dies (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def launch_local_workers(n: int, model: str | None, threads: int, log_dir: Path | None = None) -> ClusterConfig:
     """Start n worker processes on loopback with a fresh random token."""
     token = secrets.token_urlsafe(24)
@@ -75,7 +85,7 @@ def launch_local_workers(n: int, model: str | None, threads: int, log_dir: Path 
         name = f"worker{i}"
         log = open(log_dir / f"{name}.log", "w") if log_dir else subprocess.DEVNULL  # noqa: SIM115
         proc = subprocess.Popen(worker_command(port, token, name, model, threads), stdout=log,
-                                stderr=subprocess.STDOUT, env=env)
+                                stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
         config.processes.append(proc)
         config.workers.append(WorkerSpec(f"http://127.0.0.1:{port}", name))
     return config
