@@ -13,6 +13,7 @@ from model.runner import ModelRunner
 
 class NaivePolicy:
     name = "naive"
+    options = frozenset()
 
     async def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
         sampler = await model.call(Sampler, request.sampling, model.cfg.vocab_size)

@@ -25,6 +25,7 @@ class DecodingPolicy(Protocol):
     """Turns a GenerationRequest into a stream of TokenEvents using the model."""
 
     name: str
+    options: frozenset[str]  # the policy options a request may set in its `decoding` object
 
     def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer) -> AsyncIterator[TokenEvent]:
         """Async generator of events; the last one has a finish_reason and the statistics."""

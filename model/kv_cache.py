@@ -17,9 +17,10 @@ class KVCacheError(ValueError):
 class KVCache:
     """K and V for `n_layers` layers, `rows` sequences and `capacity` slots.
 
-    Storage: k[layer], v[layer] [rows, n_kv, capacity - prefix_len, head_dim], one tensor per layer (fewer
-    indexing ops per decoding step). A forked cache reads slots [0, prefix_len) from its parent's row 0
-    and owns the rest.
+    Storage: k[layer], v[layer] [rows, n_kv, allocated - prefix_len, head_dim], one tensor per layer (fewer
+    indexing ops per decoding step). Storage starts at `initial` slots and doubles when a write needs
+    more, up to `capacity`: a request that may run to the whole context but stops early costs what it
+    used. A forked cache reads slots [0, prefix_len) from its parent's row 0 and owns the rest.
     """
 
     def __init__(
@@ -31,12 +32,14 @@ class KVCache:
         dtype: torch.dtype,
         rows: int = 1,
         prefix: tuple[KVCache, int] | None = None,
+        initial: int | None = None,
     ):
         self.prefix, self.prefix_len = prefix if prefix else (None, 0)
         own = capacity - self.prefix_len
         if own < 0:
             raise KVCacheError(f"capacity {capacity} is below the shared prefix length {self.prefix_len}")
-        shape = (rows, n_kv, own, head_dim)
+        alloc = own if initial is None else max(0, min(own, initial - self.prefix_len))
+        shape = (rows, n_kv, alloc, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
         self.capacity = capacity
@@ -44,9 +47,38 @@ class KVCache:
         self.length = self.prefix_len  # valid slots, shared prefix included
 
     @property
+    def allocated(self) -> int:
+        """Slots that have storage now (shared prefix included)."""
+        return self.prefix_len + self.k[0].shape[2]
+
+    @property
     def nbytes(self) -> int:
         """Bytes this cache owns (a shared prefix is counted once, in its parent)."""
         return sum(t.nbytes for t in self.k) + sum(t.nbytes for t in self.v)
+
+    def _grown_slots(self, end: int) -> int:
+        """Own slots to allocate so that slot end-1 has storage (doubling, capped at capacity)."""
+        own = self.k[0].shape[2]
+        need = end - self.prefix_len
+        return own if need <= own else min(self.capacity - self.prefix_len, max(need, 2 * own))
+
+    def growth_bytes(self, end: int) -> int:
+        """Bytes that writing up to slot end-1 would add."""
+        rows, n_kv, own, hd = self.k[0].shape
+        slot_bytes = 2 * len(self.k) * rows * n_kv * hd * self.k[0].element_size()
+        return (self._grown_slots(end) - own) * slot_bytes
+
+    def ensure(self, end: int) -> None:
+        """Grow the storage so that slots up to end-1 exist (kept contents are copied)."""
+        slots = self._grown_slots(end)
+        if slots == self.k[0].shape[2]:
+            return
+        used = self.length - self.prefix_len
+        for store in (self.k, self.v):
+            for i, old in enumerate(store):
+                new = old.new_zeros(old.shape[0], old.shape[1], slots, old.shape[3])
+                new[:, :, :used] = old[:, :, :used]
+                store[i] = new
 
     def check_write(self, start: int, n: int, rows: int) -> None:
         """Validate a write of `n` slots from `start` before any layer touches the cache."""
@@ -110,9 +142,10 @@ class KVCache:
             t[:, :, lo : lo + len(kept)] = t[:, :, src]
         self.length = dest + len(kept)
 
-    def fork(self, prefix_len: int, rows: int, capacity: int) -> KVCache:
+    def fork(self, prefix_len: int, rows: int, capacity: int, initial: int | None = None) -> KVCache:
         """A new cache of `rows` rows that shares this cache's slots [0, prefix_len) read-only."""
         if prefix_len > self.length:
             raise KVCacheError(f"prefix of {prefix_len} slots but the cache holds {self.length}")
         _, n_kv, _, hd = self.k[0].shape
-        return KVCache(len(self.k), n_kv, hd, capacity, self.k[0].dtype, rows=rows, prefix=(self, prefix_len))
+        return KVCache(len(self.k), n_kv, hd, capacity, self.k[0].dtype, rows=rows, prefix=(self, prefix_len),
+                       initial=initial)

@@ -40,8 +40,10 @@ class LayerStack(nn.Module):
                 load_layer(layer, src, cfg, first + i, dtype)
         return pack_linears(stack)
 
-    def new_cache(self, capacity: int, rows: int = 1) -> KVCache:
-        return KVCache(len(self.layers), self.cfg.n_kv_heads, self.cfg.head_dim, capacity, self.dtype, rows=rows)
+    def new_cache(self, capacity: int, rows: int = 1, initial: int | None = None) -> KVCache:
+        """A KV cache for these layers; storage for `initial` slots at first (default: all), grown on demand."""
+        return KVCache(len(self.layers), self.cfg.n_kv_heads, self.cfg.head_dim, capacity, self.dtype, rows=rows,
+                       initial=initial)
 
     @torch.inference_mode()
     def forward(
@@ -59,6 +61,7 @@ class LayerStack(nn.Module):
         """
         b, t, _ = hidden.shape
         cache.check_write(start, t, b)
+        cache.ensure(start + t)
         if mask is None and t > 1:
             mask = causal_mask(start, t)
         elif mask is not None:

@@ -53,7 +53,14 @@ class Stage(Protocol):
 
 
 class LocalStage:
-    """An in-process stage over a LayerStack, with a bound on the bytes its KV caches may hold."""
+    """An in-process stage over a LayerStack, with a bound on the bytes its KV caches may hold.
+
+    A session's cache starts with room for INITIAL_SLOTS and grows as it is written, so the bound counts
+    what sessions use, not the context they might reach; a write that would cross it is refused with a
+    CapacityError that names the numbers, and the session's earlier slots stay intact.
+    """
+
+    INITIAL_SLOTS = 256
 
     def __init__(self, stack: LayerStack, kv_budget_bytes: int):
         self.stack = stack
@@ -66,26 +73,29 @@ class LocalStage:
         except KeyError:
             raise SessionError(f"unknown session {session!r}") from None
 
-    def _reserve(self, session: str, nbytes: int) -> None:
-        if session in self.caches:
-            raise KVCacheError(f"session {session!r} is already open")
+    def _check_room(self, nbytes: int) -> None:
         used = self.kv_bytes()
         if used + nbytes > self.kv_budget_bytes:
             raise CapacityError(
-                f"the KV cache needs {nbytes / 2**20:.1f} MiB but only {(self.kv_budget_bytes - used) / 2**20:.1f} "
-                f"of {self.kv_budget_bytes / 2**20:.1f} MiB are free"
+                f"the KV cache needs {nbytes / 2**20:.1f} MiB more but only "
+                f"{(self.kv_budget_bytes - used) / 2**20:.1f} of {self.kv_budget_bytes / 2**20:.1f} MiB are free"
             )
 
-    def _cache_bytes(self, capacity: int, rows: int, prefix_len: int = 0) -> int:
-        cfg = self.stack.cfg
-        return cfg.kv_bytes_per_token(len(self.stack.layers), self.stack.dtype) * rows * (capacity - prefix_len)
+    def _add(self, session: str, make) -> None:
+        if session in self.caches:
+            raise KVCacheError(f"session {session!r} is already open")
+        cache = make()
+        self._check_room(cache.nbytes)
+        self.caches[session] = cache
 
     def open(self, session: str, capacity: int, rows: int = 1) -> None:
-        self._reserve(session, self._cache_bytes(capacity, rows))
-        self.caches[session] = self.stack.new_cache(capacity, rows)
+        self._add(session, lambda: self.stack.new_cache(capacity, rows, initial=self.INITIAL_SLOTS))
 
     def forward(self, session, hidden, positions, start, mask=None):
-        return self.stack(hidden, positions, self._cache(session), start, mask)
+        cache = self._cache(session)
+        cache.check_write(start, hidden.shape[1], hidden.shape[0])
+        self._check_room(cache.growth_bytes(start + hidden.shape[1]))
+        return self.stack(hidden, positions, cache, start, mask)
 
     def truncate(self, session: str, length: int) -> None:
         self._cache(session).truncate(length)
@@ -95,8 +105,7 @@ class LocalStage:
 
     def fork(self, session: str, child: str, prefix_len: int, rows: int, capacity: int) -> None:
         parent = self._cache(session)
-        self._reserve(child, self._cache_bytes(capacity, rows, prefix_len))
-        self.caches[child] = parent.fork(prefix_len, rows, capacity)
+        self._add(child, lambda: parent.fork(prefix_len, rows, capacity, initial=prefix_len + self.INITIAL_SLOTS))
 
     def release(self, session: str) -> None:
         self.caches.pop(session, None)

@@ -23,7 +23,8 @@ def _dumps(obj) -> str:
 
 
 class _LimitsAndCounts:
-    """Refuses bodies over max_request_bytes (by Content-Length) and counts /v1 requests by route and status.
+    """Refuses bodies over max_request_bytes (by Content-Length, or counted as a chunked body arrives) and
+    counts /v1 requests by route template and status.
 
     Plain ASGI on purpose: an @app.middleware("http") (BaseHTTPMiddleware) wraps `receive` so that
     request.is_disconnected() never sees the client leave, and a non-streamed generation would run on.
@@ -37,26 +38,47 @@ class _LimitsAndCounts:
             await self.app(scope, receive, send)
             return
         status = 500
+        limit = self.settings.max_request_bytes
+        # /internal/ carries hidden states between stages (cluster token; large prefill bodies)
+        limited = not scope["path"].startswith("/internal/")
+        received = 0
+        exceeded = False
+
+        def too_large(size: str) -> APIError:
+            return APIError(413, f"request body of {size} bytes exceeds the limit of {limit}", None,
+                            "body_too_large")
+
+        async def receive_counted():
+            nonlocal received, exceeded
+            message = await receive()
+            if message["type"] == "http.request" and limited:
+                received += len(message.get("body", b""))
+                if received > limit:
+                    exceeded = True
+                    raise too_large(f"more than {limit}")  # the app's answer is replaced by a 413 below
+            return message
 
         async def send_counted(message):
             nonlocal status
+            if exceeded:  # whatever the app made of the aborted body (FastAPI: a 400), the client gets a 413
+                if message["type"] == "http.response.start":
+                    status = 413
+                    await error_response(too_large(f"more than {limit}"))(scope, receive, send)
+                return
             if message["type"] == "http.response.start":
                 status = message["status"]
             await send(message)
 
-        limit = self.settings.max_request_bytes
         length = Headers(scope=scope).get("content-length")
         try:
-            # /internal/ carries hidden states between stages (cluster token; large prefill bodies)
-            if length and length.isdigit() and int(length) > limit and not scope["path"].startswith("/internal/"):
-                err = APIError(413, f"request body of {length} bytes exceeds the limit of {limit}", None,
-                               "body_too_large")
-                await error_response(err)(scope, receive, send_counted)
+            if limited and length and length.isdigit() and int(length) > limit:
+                await error_response(too_large(length))(scope, receive, send_counted)
             else:
-                await self.app(scope, receive, send_counted)
+                await self.app(scope, receive_counted, send_counted)
         finally:
             if scope["path"].startswith("/v1/"):
-                self.metrics.requests.labels(scope["path"], str(status)).inc()
+                route = scope.get("route")  # the template, so that arbitrary paths make no new series
+                self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status)).inc()
 
 
 def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
@@ -135,6 +157,8 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
     async def chat(req: ChatCompletionRequest, request: Request):
         service.check_model(req.model)
         prompt = service.chat_prompt(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
         top = (req.top_logprobs or 0) if req.logprobs else None
         gen = service.generation_request(req, prompt, req.max_completion_tokens or req.max_tokens,
                                          req.logprobs, top or 0, "messages")

@@ -9,6 +9,16 @@ from dataclasses import dataclass, field
 from decoding.types import TokenEvent, TokenLogprob
 
 
+def _byte_decoder(tokenizer) -> dict[str, int] | None:
+    """Map from byte-level BPE symbols to bytes, for tokenizers whose decoder is ByteLevel."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+        return None
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {ch: b for b, ch in bytes_to_unicode().items()}
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -27,6 +37,7 @@ class Renderer:
     created: int = field(default_factory=lambda: int(time.time()))
     completion_tokens: int = 0
     _text_offset: int = 0
+    _byte_of: dict | None = None  # byte-level BPE symbol -> byte, built on first use
 
     def __post_init__(self):
         self.id = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.id
@@ -34,10 +45,21 @@ class Renderer:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
+    def _token_bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes: for a byte-level BPE token that ends inside a character, the partial
+        bytes (its decoded text would only be a replacement character)."""
+        if self._byte_of is None:
+            self._byte_of = _byte_decoder(self.tokenizer) or {}
+        byte_of = self._byte_of
+        if byte_of:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if piece is not None and all(ch in byte_of for ch in piece):
+                return [byte_of[ch] for ch in piece]
+        return list(self._token_text(token_id).encode())
+
     def _chat_logprobs(self, entries: list[TokenLogprob]) -> dict:
         def one(token_id: int, lp: float) -> dict:
-            text = self._token_text(token_id)
-            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+            return {"token": self._token_text(token_id), "logprob": lp, "bytes": self._token_bytes(token_id)}
 
         return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
                             for e in entries]}

@@ -77,9 +77,15 @@ class CompletionService:
             raise APIError(400, f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
         name, options = req.policy_choice()
         try:
-            policy = select_policy(self.policies, name or self.settings.policy).name
+            chosen = select_policy(self.policies, name or self.settings.policy)
         except UnknownPolicyError as exc:
             raise APIError(400, str(exc), "decoding", "unknown_policy") from exc
+        unknown = sorted(set(options) - chosen.options)
+        if unknown:
+            accepted = ", ".join(sorted(chosen.options)) or "none"
+            raise APIError(400, f"unknown option(s) {', '.join(unknown)} for decoding policy {chosen.name!r} "
+                                f"(accepted: {accepted})", "decoding", "invalid_policy_option")
+        policy = chosen.name
         sampling = SamplingParams(
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=bias,

@@ -82,8 +82,8 @@ class Blocks:
     ends: TokenEnds
     stack: LayerStack
 
-    def new_cache(self, capacity: int, rows: int = 1) -> KVCache:
-        return self.stack.new_cache(capacity, rows)
+    def new_cache(self, capacity: int, rows: int = 1, initial: int | None = None) -> KVCache:
+        return self.stack.new_cache(capacity, rows, initial)
 
     def forward(
         self,

@@ -176,6 +176,35 @@ def test_body_too_large(http):
     assert http.post("/v1/chat/completions", json=chat_body(max_tokens=1)).status_code == 200
 
 
+def test_chunked_body_too_large(http):
+    payload = json.dumps(chat_body(messages=[{"role": "user", "content": "x" * (MAX_REQUEST_BYTES + 10)}])).encode()
+
+    def chunks():  # no Content-Length: the size is only known as the body arrives
+        for i in range(0, len(payload), 2**16):
+            yield payload[i : i + 2**16]
+
+    r = http.post("/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert "content-length" not in r.request.headers
+    assert_error(r, 413, "body_too_large")
+    assert http.post("/v1/chat/completions", json=chat_body(max_tokens=1)).status_code == 200
+
+
+def test_request_metrics_are_labelled_by_route_template(http):
+    for name in ("no-such-model-1", "no-such-model-2"):
+        assert http.get(f"/v1/models/{name}").status_code == 404
+    text = http.get("/metrics").text
+    assert 'route="/v1/models/{name:path}",status="404"' in text
+    assert "no-such-model" not in text
+
+
+def test_unknown_policy_option_and_top_logprobs_without_logprobs(http):
+    r = http.post("/v1/chat/completions", json=chat_body(decoding={"policy": "naive", "draft_len": 9}))
+    err = assert_error(r, 400, "invalid_policy_option")
+    assert err["param"] == "decoding" and "draft_len" in err["message"]
+    err = assert_error(http.post("/v1/chat/completions", json=chat_body(top_logprobs=2)), 400)
+    assert err["param"] == "top_logprobs"
+
+
 def test_client_disconnect_mid_stream_stops_generation(http, server_url):
     wait_idle(http)
     body = chat_body(messages=[{"role": "user", "content": "Write a very long story about a dragon."}],

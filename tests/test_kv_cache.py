@@ -219,48 +219,73 @@ def test_failed_write_leaves_the_cache_unchanged(blocks):
     seq = tokens(6, 35)
     cache = blocks.new_cache(8)
     blocks.forward(seq, cache, 0)
-    before = (cache.k.clone(), cache.v.clone())
+    before = (torch.stack(cache.k), torch.stack(cache.v))
     with pytest.raises(KVCacheError):
         blocks.forward(tokens(4, 36), cache, 6)
-    assert torch.equal(cache.k, before[0]) and torch.equal(cache.v, before[1])
+    assert torch.equal(torch.stack(cache.k), before[0]) and torch.equal(torch.stack(cache.v), before[1])
 
 
 def test_cache_layout_and_bytes():
     cache = KVCache(n_layers=3, n_kv=2, head_dim=16, capacity=10, dtype=torch.float32, rows=2)
-    assert cache.k.shape == cache.v.shape == (3, 2, 2, 10, 16)
+    assert len(cache.k) == len(cache.v) == 3
+    assert all(t.shape == (2, 2, 10, 16) for t in cache.k + cache.v)
     assert cache.nbytes == 2 * 3 * 2 * 2 * 10 * 16 * 4
     assert cache.length == 0
+
+
+def test_cache_grows_on_demand_and_keeps_its_contents(blocks):
+    seq = tokens(20, 38)
+    grown = blocks.new_cache(64, initial=4)
+    assert grown.allocated == 4
+    assert grown.growth_bytes(6) == (8 - 4) * blocks.cfg.kv_bytes_per_token(dtype=torch.float32)  # doubles
+    logits_grown = torch.cat([blocks.forward(seq[:3], grown, 0), blocks.forward(seq[3:7], grown, 3),
+                              blocks.forward(seq[7:], grown, 7)], dim=1)
+    assert grown.allocated == 20  # grew past the doubling when one write needed more
+    full = blocks.new_cache(64)
+    logits_full = blocks.forward(seq, full, 0)
+    assert torch.allclose(logits_grown, logits_full, atol=1e-5)
+    assert blocks.new_cache(64, initial=4).growth_bytes(4) == 0
+    with pytest.raises(KVCacheError, match="64"):
+        blocks.forward(tokens(50, 39), grown, 20)  # still bounded by the capacity
 
 
 # --- LocalStage memory bound ----------------------------------------------------------------------------
 
 
-def test_local_stage_budget(blocks):
+def test_local_stage_budget(blocks, monkeypatch):
     cfg = blocks.cfg
     per_token = cfg.kv_bytes_per_token(cfg.n_layers, torch.float32)
     assert per_token == 2 * 3 * 2 * 16 * 4
-    stage = LocalStage(blocks.stack, kv_budget_bytes=2 * 2**20)
-    half = 3 * 2**19 // per_token  # 1.5 MiB worth of slots
-    assert half * per_token == 3 * 2**19
-    stage.open("a", half)
-    assert stage.kv_bytes() == 3 * 2**19
+    monkeypatch.setattr(LocalStage, "INITIAL_SLOTS", 16)
+    stage = LocalStage(blocks.stack, kv_budget_bytes=90 * per_token)
+    stage.open("a", 200)  # a large capacity costs only the initial slots
+    assert stage.kv_bytes() == 16 * per_token
+
+    def run(session, n, start=0, seed=40):
+        hidden = blocks.ends.embed_tokens(torch.tensor([tokens(n, seed)]))
+        return stage.forward(session, hidden, torch.arange(start, start + n).unsqueeze(0), start)
+
+    run("a", 60)  # grows to what it holds
+    assert stage.kv_bytes() == 60 * per_token
+    stage.open("b", 200)
+    run("b", 10)
     with pytest.raises(CapacityError) as info:
-        stage.open("b", half)
+        run("b", 30, start=10)  # b would grow from 16 to 40 slots: 60 + 40 > 90
     msg = str(info.value)
-    assert "needs 1.5 MiB" in msg and "only 0.5 of 2.0 MiB are free" in msg, msg
-    assert "b" not in stage.caches and stage.kv_bytes() == 3 * 2**19
-    # a fork pays only for its own slots: 2 rows x (capacity - prefix)
-    hidden = blocks.ends.embed_tokens(torch.tensor([tokens(4, 37)]))
-    stage.forward("a", hidden, torch.arange(4).unsqueeze(0), 0)
-    stage.fork("a", "f", prefix_len=4, rows=2, capacity=4 + 10)
-    assert stage.kv_bytes() == 3 * 2**19 + 2 * 10 * per_token
+    mib = per_token / 2**20
+    assert f"needs {24 * mib:.1f} MiB more" in msg and f"of {90 * mib:.1f} MiB" in msg, msg
+    assert stage.caches["b"].length == 10 and stage.kv_bytes() == 76 * per_token  # b intact
     with pytest.raises(CapacityError):
-        stage.fork("a", "g", prefix_len=4, rows=1, capacity=4 + half)
-    stage.release("a")
-    stage.release("f")
-    stage.release("never-opened")  # ignored
+        stage.open("c", 200)  # its initial slots no longer fit either
+    assert "c" not in stage.caches
+    stage.release("b")
+    # a fork pays only for its own slots
+    stage.fork("a", "f", prefix_len=60, rows=2, capacity=60 + 10)
+    assert stage.kv_bytes() == (60 + 2 * 10) * per_token
+    for s in ("a", "f", "never-opened"):  # unknown sessions are ignored
+        stage.release(s)
     assert stage.kv_bytes() == 0
-    stage.open("b", half)  # fits once the others are gone
+    stage.open("c", 200)  # fits once the others are gone
 
 
 def test_local_stage_sessions(blocks):

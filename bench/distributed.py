@@ -1,0 +1,115 @@
+"""In-process against N local workers, in one run: decode speed, time to first token and wire figures.
+
+    python -m bench.distributed --workers 4 --prompts ../shared/data/prompts/vicuna80.jsonl --out DIR
+
+Starts both servers side by side and alternates them prompt by prompt, so drift in the machine's load
+hits both alike. Writes DIR/distributed.json and DIR/distributed.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.progress import Progress
+
+from bench.prompts import load_prompts
+from bench.run import stream_one, summarise
+from workers.cluster import free_port
+
+
+def start(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), *args],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server {args} exited; see {log}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"server {args} not healthy; see {log}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--prompts", required=True)
+    p.add_argument("--limit", type=int)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = load_prompts(Path(args.prompts), args.limit)
+    common = ["--dtype", args.dtype, "--log-level", "warning"]
+    setups = {"in_process": common, f"{args.workers}_workers": [*common, "--local-workers", str(args.workers)]}
+    procs, urls = {}, {}
+    try:
+        for name, extra in setups.items():
+            procs[name], urls[name] = start(extra, out / f"{name}.log")
+        runs: dict[str, list] = {name: [] for name in setups}
+        clients = {name: httpx.Client(base_url=url, timeout=600) for name, url in urls.items()}
+        model = clients["in_process"].get("/v1/models").json()["data"][0]["id"]
+        for client in clients.values():
+            stream_one(client, model, prompts[0], "naive", 8)  # warm-up
+        with Progress(console=Console()) as progress:
+            task = progress.add_task("in-process vs workers", total=len(prompts) * len(setups))
+            for prompt in prompts:
+                for name, client in clients.items():
+                    runs[name].append(stream_one(client, model, prompt, "naive", args.max_tokens))
+                    progress.advance(task)
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+            proc.wait(30)
+    result = {"settings": {"model": model, "prompts": len(prompts), "max_tokens": args.max_tokens,
+                           "dtype": args.dtype, "workers": args.workers}}
+    for name in setups:
+        result[name] = summarise(runs[name])
+        links = [r["server"]["wire_links"] for r in runs[name] if r["server"] and r["server"]["wire_links"]]
+        if links:
+            result[name]["decode_bytes_per_token_per_link"] = {
+                link: sorted(x[link]["decode_bytes_per_token"] for x in links)[len(links) // 2] for link in links[0]}
+    workers = result[f"{args.workers}_workers"]["median_decode_tokens_per_s"]
+    local = result["in_process"]["median_decode_tokens_per_s"]
+    result["ratio_workers_to_in_process"] = round(workers / local, 4)
+    (out / "distributed.json").write_text(json.dumps(result, indent=2))
+    plot(result, setups, out / "distributed.png")
+    print(json.dumps(result, indent=2))
+
+
+def plot(result: dict, setups: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(setups)
+    rates = [result[n]["median_decode_tokens_per_s"] for n in names]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(names, rates, color=["tab:blue", "tab:green"])
+    for x, v in enumerate(rates):
+        ax.annotate(f"{v:.1f}", (x, v), ha="center", va="bottom")
+    ax.set_ylabel("median decode tokens/s (streaming API)")
+    s = result["settings"]
+    ax.set_title(f"{s['model']} {s['dtype']}, {s['prompts']} prompts, ratio {result['ratio_workers_to_in_process']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
