@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import json
 from contextlib import aclosing, asynccontextmanager
 
@@ -15,6 +14,7 @@ from server.errors import APIError, error_response, install_error_handlers
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.render import Renderer
 from server.service import CompletionService
+from workers.auth import bearer_ok
 from workers.cluster import cluster_health
 
 
@@ -101,9 +101,7 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
     async def require_key(request: Request) -> None:
         if not settings.api_key:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip(), settings.api_key):
+        if not bearer_ok(request.headers.get("authorization"), settings.api_key):
             raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'", None,
                            "invalid_api_key")
 
@@ -128,9 +126,7 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
     @app.post("/internal/stage-result")
     async def stage_result(session: str, step: int, request: Request):
         cluster = service.cluster
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if cluster is None or scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(),
-                                                                                    cluster.config.token.encode()):
+        if cluster is None or not bearer_ok(request.headers.get("authorization"), cluster.config.token):
             raise APIError(401, "missing or wrong cluster token", None, "invalid_cluster_token")
         cluster.mailbox.put(session, step, await request.body())
         return {"hops": []}

@@ -8,7 +8,6 @@ figures, so every link carries one hidden state per step and the replies stay ti
 from __future__ import annotations
 
 import asyncio
-import hmac
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
@@ -21,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from model.kv_cache import KVCacheError
 from model.stage import CapacityError, SessionError
+from workers.auth import bearer_ok
+from workers.client import NODELAY
 from workers.host import NotAssignedError, StageHost, StepError
 from workers.settings import WorkerSettings
 from workers.wire import WireError
@@ -78,7 +79,8 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         limits = httpx.Limits(max_keepalive_connections=8, keepalive_expiry=60)
-        async with httpx.AsyncClient(timeout=settings.downstream_timeout_s, limits=limits) as client:
+        transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=NODELAY)
+        async with httpx.AsyncClient(timeout=settings.downstream_timeout_s, transport=transport) as client:
             app.state.client = client
             yield
         executor.shutdown(wait=False, cancel_futures=True)
@@ -90,8 +92,7 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
         return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
 
     async def require_token(request: Request) -> None:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.token.encode()):
+        if not bearer_ok(request.headers.get("authorization"), settings.token):
             raise PermissionError("missing or wrong cluster token")
 
     for kind, status in ERRORS:
