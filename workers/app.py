@@ -1,4 +1,8 @@
-"""The worker's HTTP API. Every route needs the cluster token; tensor work runs on one model thread.
+"""The worker's HTTP API. Every route needs the cluster token.
+
+Tensor work runs inline on the event loop's thread: a worker serves one forward call at a time anyway,
+a thread hand-off per call measured about 1 ms, and one thread doing all tensor work keeps a single
+OpenMP team (see model/thread.py).
 
 A forward call's output goes straight to the next stage named in its X-Route header; the last stage posts
 it to the controller's callback (X-Callback). Each hop answers with a small JSON list of per-stage
@@ -7,8 +11,6 @@ figures, so every link carries one hidden state per step and the replies stay ti
 
 from __future__ import annotations
 
-import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 import httpx
@@ -72,9 +74,8 @@ def _error(status: int, message: str) -> JSONResponse:
 
 def create_worker_app(settings: WorkerSettings) -> FastAPI:
     host = StageHost(settings)
-    threads = settings.threads or None
-    executor = ThreadPoolExecutor(1, thread_name_prefix="stage",
-                                  initializer=lambda: torch.set_num_threads(threads or torch.get_num_threads()))
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -83,13 +84,9 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
         async with httpx.AsyncClient(timeout=settings.downstream_timeout_s, transport=transport) as client:
             app.state.client = client
             yield
-        executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="edgespec worker", lifespan=lifespan)
     app.state.host = host
-
-    async def run(fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
 
     async def require_token(request: Request) -> None:
         if not bearer_ok(request.headers.get("authorization"), settings.token):
@@ -116,31 +113,31 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
 
     @app.post("/assign", dependencies=auth)
     async def assign(body: AssignBody):
-        return await run(host.assign, body.model, body.first, body.last, body.dtype)
+        return host.assign(body.model, body.first, body.last, body.dtype)
 
     @app.post("/sessions/{sid}/open", dependencies=auth)
     async def open_session(sid: str, body: OpenBody):
-        await run(host.open, sid, body.step, body.capacity, body.rows)
+        host.open(sid, body.step, body.capacity, body.rows)
         return {"ok": True}
 
     @app.post("/sessions/{sid}/truncate", dependencies=auth)
     async def truncate(sid: str, body: TruncateBody):
-        await run(host.truncate, sid, body.step, body.length)
+        host.truncate(sid, body.step, body.length)
         return {"ok": True}
 
     @app.post("/sessions/{sid}/commit", dependencies=auth)
     async def commit(sid: str, body: CommitBody):
-        await run(host.commit, sid, body.step, body.kept, body.dest)
+        host.commit(sid, body.step, body.kept, body.dest)
         return {"ok": True}
 
     @app.post("/sessions/{sid}/fork", dependencies=auth)
     async def fork(sid: str, body: ForkBody):
-        await run(host.fork, sid, body.step, body.child, body.prefix_len, body.rows, body.capacity)
+        host.fork(sid, body.step, body.child, body.prefix_len, body.rows, body.capacity)
         return {"ok": True}
 
     @app.delete("/sessions/{sid}", dependencies=auth)
     async def release(sid: str):
-        await run(host.release, sid)
+        host.release(sid)
         return {"ok": True}
 
     @app.post("/sessions/{sid}/forward", dependencies=auth)
@@ -150,7 +147,7 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
             return _error(413 if length and length.isdigit() else 411,
                           f"forward bodies need a Content-Length of at most {settings.max_body_bytes} bytes")
         body = await request.body()
-        out, seconds = await run(host.forward, sid, step, start, body)
+        out, seconds = host.forward(sid, step, start, body)
         hop = {"stage": host.name, "bytes": len(out), "forward_ms": round(seconds * 1000, 3)}
         route = [u for u in request.headers.get("x-route", "").split(",") if u]
         callback = request.headers.get("x-callback")

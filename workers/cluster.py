@@ -75,7 +75,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
-def launch_local_workers(n: int, model: str | None, threads: int, log_dir: Path | None = None) -> ClusterConfig:
+def launch_local_workers(n: int, model: str | None, threads: int) -> ClusterConfig:
     """Start n worker processes on loopback with a fresh random token."""
     token = secrets.token_urlsafe(24)
     config = ClusterConfig(token, [])
@@ -86,8 +86,8 @@ def launch_local_workers(n: int, model: str | None, threads: int, log_dir: Path 
     for i in range(n):
         port = free_port()
         name = f"worker{i}"
-        log = open(log_dir / f"{name}.log", "w") if log_dir else subprocess.DEVNULL  # noqa: SIM115
-        proc = subprocess.Popen(worker_command(port, token, name, model, threads), stdout=log,
+        # output goes to the controller's own stderr, so a worker that fails to start says why
+        proc = subprocess.Popen(worker_command(port, token, name, model, threads), stdout=sys.stderr,
                                 stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
         config.processes.append(proc)
         config.workers.append(WorkerSpec(f"http://127.0.0.1:{port}", name))
