@@ -161,16 +161,23 @@ def test_killed_worker_fails_requests_in_flight_then_recovers(tiny, reference, t
         w1.stop()
 
 
-@pytest.mark.slow
-def test_smollm2_over_two_workers_matches_in_process(tmp_path):
-    prompt = "What is the capital of France? Answer in one sentence."
-    ref, url = start_server(tmp_path, "ref")
+SMOL_PROMPT = "What is the capital of France? Answer in one sentence."
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(tmp_path_factory):
+    ref, url = start_server(tmp_path_factory.mktemp("smolref"), "ref")
     try:
-        expected = greedy(url, prompt, 32)
+        yield greedy(url, SMOL_PROMPT, 32)
     finally:
         ref.stop()
-    dist, url = start_server(tmp_path, "dist", "--local-workers", "2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_smollm2_over_workers_matches_in_process(n, smollm2_reference, tmp_path):
+    dist, url = start_server(tmp_path, f"dist{n}", "--local-workers", str(n))
     try:
-        assert greedy(url, prompt, 32) == expected
+        assert greedy(url, SMOL_PROMPT, 32) == smollm2_reference
     finally:
         dist.stop()
