@@ -19,6 +19,7 @@ import httpx
 from rich.console import Console
 from rich.progress import Progress
 
+from bench.plot import bar_chart
 from bench.prompts import load_prompts
 from bench.run import stream_one, summarise
 from workers.cluster import free_port
@@ -92,23 +93,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def plot(result: dict, setups: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(setups)
-    rates = [result[n]["median_decode_tokens_per_s"] for n in names]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar(names, rates, color=["tab:blue", "tab:green"])
-    for x, v in enumerate(rates):
-        ax.annotate(f"{v:.1f}", (x, v), ha="center", va="bottom")
-    ax.set_ylabel("median decode tokens/s (streaming API)")
     s = result["settings"]
-    ax.set_title(f"{s['model']} {s['dtype']}, {s['prompts']} prompts, ratio {result['ratio_workers_to_in_process']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    title = f"{s['model']} {s['dtype']}, {s['prompts']} prompts: ratio {result['ratio_workers_to_in_process']}"
+    bar_chart(path, title, [
+        ("median decode tokens/s (streaming API)", names, [result[n]["median_decode_tokens_per_s"] for n in names]),
+        ("median time to first token (ms)", names, [result[n]["median_ttft_ms"] for n in names]),
+    ])
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.plot import bar_chart
+
 PREFIX = "es"  # namespace and link names: es-lan, es-ctl, es-w0, ...
 SUBNET = "10.231.0"
 PORT = 9100
@@ -164,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
         row["ms_per_token"] = round(1000 / rate, 3) if rate else None
         row["latency_ratio_to_last"] = round(base / rate, 4) if rate and base else None
     (out / "netem.json").write_text(json.dumps(rows, indent=2))
+    bar_chart(out / "netem.png", f"{args.workers} workers, each link shaped in both directions", [
+        ("median ms per decoded token", [r["rate"] for r in rows], [r["ms_per_token"] or 0 for r in rows])])
     for row in rows:
         print(f"{row['rate']:>8}: {row['median_decode_tokens_per_s']} tok/s, {row['ms_per_token']} ms/token, "
               f"latency x{row['latency_ratio_to_last']} of {rows[-1]['rate']} {' '.join(row['notes'])}")

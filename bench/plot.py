@@ -1,35 +1,37 @@
-"""PNG plots of a bench run."""
+"""PNG plots of bench runs."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 
-def plot_results(results: dict, path: Path) -> None:
+def bar_chart(path: Path, title: str, panels: list[tuple[str, list[str], list[float]]]) -> None:
+    """One bar panel per (y label, names, values), side by side, values written on the bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names, rates, ttfts = [], [], []
-    for name, s in results["policies"].items():
-        names.append(name)
-        rates.append(s["median_decode_tokens_per_s"] or 0)
-        ttfts.append(s["median_ttft_ms"] or 0)
-    if "transformers_generate" in results:
-        hf = results["transformers_generate"]
-        names.append("transformers\ngenerate")
-        rates.append(hf["median_decode_tokens_per_s"] or 0)
-        ttfts.append(hf["median_ttft_ms"] or 0)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.bar(names, rates, color="tab:blue")
-    ax1.set_ylabel("median decode tokens/s")
-    for x, v in enumerate(rates):
-        ax1.annotate(f"{v:.1f}", (x, v), ha="center", va="bottom")
-    ax2.bar(names, ttfts, color="tab:orange")
-    ax2.set_ylabel("median time to first token (ms)")
-    s = results["settings"]
-    fig.suptitle(f"{s['model']}: {s['prompts']} prompts, {s['max_tokens']} new tokens, greedy")
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (label, names, values) in zip(axes[0], panels, strict=True):
+        ax.bar(names, values)
+        ax.set_ylabel(label)
+        for x, v in enumerate(values):
+            ax.annotate(f"{v:.1f}", (x, v), ha="center", va="bottom")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_results(results: dict, path: Path) -> None:
+    """Decode speed and time to first token per policy (and transformers' generate, when measured)."""
+    rows = [(name, s) for name, s in results["policies"].items()]
+    if "transformers_generate" in results:
+        rows.append(("transformers\ngenerate", results["transformers_generate"]))
+    names = [name for name, _ in rows]
+    s = results["settings"]
+    bar_chart(path, f"{s['model']}: {s['prompts']} prompts, {s['max_tokens']} new tokens, greedy", [
+        ("median decode tokens/s", names, [r["median_decode_tokens_per_s"] or 0 for _, r in rows]),
+        ("median time to first token (ms)", names, [r["median_ttft_ms"] or 0 for _, r in rows]),
+    ])

@@ -28,7 +28,6 @@ class Session:
     capacity: int
     rows: int = 1
     length: int = 0  # cached slots
-    forwards: int = 0  # forward passes run (the policy's steps, prefill included)
 
 
 class ModelRunner:
@@ -92,7 +91,6 @@ class ModelRunner:
         start = session.length if start is None else start
         out = await self._run(self._forward, session, ids, positions, start, mask, last_only, then)
         session.length = start + ids.shape[1]
-        session.forwards += 1
         return out
 
     async def truncate(self, session: Session, length: int) -> None:
