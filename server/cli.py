@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -104,6 +105,11 @@ def bench(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Before torch loads libgomp: OpenMP threads spin 300000 rounds after each parallel region by default.
+    # When stages are processes on shared cores, only one computes at a time and the spinning threads of
+    # the others take its cores: measured with 4 local workers on 2 cores, 17 decode tokens/s with the
+    # default, 24 with 50000 in every process; in-process serving is unchanged.
+    os.environ.setdefault("GOMP_SPINCOUNT", "50000")
     parser = argparse.ArgumentParser(prog="edgespec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
