@@ -17,10 +17,6 @@ class UnknownPolicyError(ValueError):
         self.available = available
 
 
-class PolicyOptionsError(ValueError):
-    """A policy option is invalid; the message names it."""
-
-
 class DecodingPolicy(Protocol):
     """Turns a GenerationRequest into a stream of TokenEvents using the model."""
 

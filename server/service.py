@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from decoding.policy import PolicyOptionsError, UnknownPolicyError, select_policy
+from decoding.policy import UnknownPolicyError, select_policy
 from decoding.types import GenerationRequest, SamplingParams, TokenEvent
 from model.load import LoadedModel
 from model.stage import CapacityError
@@ -110,8 +110,6 @@ class CompletionService:
             raise APIError(exc.status, f"a worker failed during generation: {exc}", None, "worker_failed") from exc
         except CapacityError as exc:
             raise APIError(503, str(exc), None, "kv_cache_full") from exc
-        except PolicyOptionsError as exc:
-            raise APIError(400, str(exc), "decoding", "invalid_policy_option") from exc
         finally:
             self.metrics.in_flight.dec()
             self.metrics.kv_bytes.set(self.loaded.runner.kv_bytes())
