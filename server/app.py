@@ -123,13 +123,18 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
         body = {"status": "ok" if ok else "degraded", "model": service.model_id, "workers": workers}
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.post("/internal/stage-result")
-    async def stage_result(session: str, step: int, request: Request):
+    async def stage_result(request: Request):
+        # A plain Starlette route on the per-token path: no FastAPI parameter machinery.
         cluster = service.cluster
         if cluster is None or not bearer_ok(request.headers.get("authorization"), cluster.config.token):
             raise APIError(401, "missing or wrong cluster token", None, "invalid_cluster_token")
-        cluster.mailbox.put(session, step, await request.body())
-        return {"hops": []}
+        session, step = request.query_params.get("session"), request.query_params.get("step", "")
+        if not session or not step.isdigit():
+            raise APIError(400, "stage results need the query parameters session and step", None, "invalid_value")
+        cluster.mailbox.put(session, int(step), await request.body())
+        return JSONResponse({"hops": []})
+
+    app.add_route("/internal/stage-result", stage_result, methods=["POST"])
 
     @app.get("/metrics")
     async def prometheus():

@@ -140,8 +140,17 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
         host.release(sid)
         return {"ok": True}
 
-    @app.post("/sessions/{sid}/forward", dependencies=auth)
-    async def forward(sid: str, start: int, step: int, request: Request):
+    def int_param(request: Request, name: str) -> int:
+        value = request.query_params.get(name, "")
+        if not value.lstrip("-").isdigit():
+            raise ValueError(f"query parameter {name!r} must be an integer, got {value!r}")
+        return int(value)
+
+    async def forward(request: Request):
+        # A plain Starlette route: the hot path skips FastAPI's dependency and parameter machinery.
+        await require_token(request)
+        sid = request.path_params["sid"]
+        start, step = int_param(request, "start"), int_param(request, "step")
         length = request.headers.get("content-length")
         if length is None or not length.isdigit() or int(length) > settings.max_body_bytes:
             return _error(413 if length and length.isdigit() else 411,
@@ -172,6 +181,7 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
             except Exception:
                 message = reply.text[:200]
             return _error(502, f"{target} answered {reply.status_code}: {message}")
-        return {"hops": [hop, *reply.json().get("hops", [])]}
+        return JSONResponse({"hops": [hop, *reply.json().get("hops", [])]})
 
+    app.add_route("/sessions/{sid}/forward", forward, methods=["POST"])
     return app
