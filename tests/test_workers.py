@@ -181,3 +181,26 @@ def test_smollm2_over_workers_matches_in_process(n, smollm2_reference, tmp_path)
         assert greedy(url, SMOL_PROMPT, 32) == smollm2_reference
     finally:
         dist.stop()
+
+
+def test_local_worker_respawns_when_its_port_was_taken(tiny, monkeypatch):
+    import asyncio
+    import socket
+
+    from workers import cluster
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        ports = iter([busy])
+        real = cluster.free_port
+        monkeypatch.setattr(cluster, "free_port", lambda: next(ports, None) or real())
+        config = cluster.launch_local_workers(1, tiny, threads=1)
+        try:
+            assert config.workers[0].url.endswith(f":{busy}")
+            answers = asyncio.run(cluster.wait_healthy(config, timeout_s=120))
+            assert answers[0]["status"] == "ok"
+            assert not config.workers[0].url.endswith(f":{busy}")  # started again on a free port
+        finally:
+            config.stop()

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,7 @@ class ClusterConfig:
     workers: list[WorkerSpec]
     controller_url: str | None = None
     processes: list[subprocess.Popen] = field(default_factory=list)  # local workers we started
+    respawn: Callable[[int], None] | None = None  # restart local worker i on a fresh port
 
     @classmethod
     def from_file(cls, path: Path) -> ClusterConfig:
@@ -78,39 +80,55 @@ def _die_with_parent() -> None:
 def launch_local_workers(n: int, model: str | None, threads: int) -> ClusterConfig:
     """Start n worker processes on loopback with a fresh random token."""
     token = secrets.token_urlsafe(24)
-    config = ClusterConfig(token, [])
+    config = ClusterConfig(token, [None] * n, processes=[None] * n)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for i in range(n):
-        port = free_port()
-        name = f"worker{i}"
+
+    def spawn(i: int) -> None:
+        # a port found free can be taken before the worker binds it: wait_healthy respawns on a new one
+        port, name = free_port(), f"worker{i}"
         # output goes to the controller's own stderr, so a worker that fails to start says why
-        proc = subprocess.Popen(worker_command(port, token, name, model, threads), stdout=sys.stderr,
-                                stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
-        config.processes.append(proc)
-        config.workers.append(WorkerSpec(f"http://127.0.0.1:{port}", name))
+        config.processes[i] = subprocess.Popen(worker_command(port, token, name, model, threads),
+                                               stdout=sys.stderr, stderr=subprocess.STDOUT, env=env,
+                                               preexec_fn=_die_with_parent)
+        config.workers[i] = WorkerSpec(f"http://127.0.0.1:{port}", name)
+
+    for i in range(n):
+        spawn(i)
+    config.respawn = spawn
     return config
 
 
-async def wait_healthy(config: ClusterConfig, timeout_s: float) -> list[dict]:
-    """Wait until every worker answers /health; returns their answers."""
+async def wait_healthy(config: ClusterConfig, timeout_s: float, tries: int = 3) -> list[dict]:
+    """Wait until every worker answers /health; a local worker that exits (or whose port turns out to be
+    someone else's) is started again on a new port, up to `tries` times."""
     deadline = time.monotonic() + timeout_s
     headers = {"authorization": f"Bearer {config.token}"}
     async with httpx.AsyncClient(headers=headers, timeout=5) as client:
         answers = []
-        for spec in config.workers:
+        for i in range(len(config.workers)):
+            attempt = 1
             while True:
+                problem = None
                 try:
-                    r = await client.get(spec.url + "/health")
+                    r = await client.get(config.workers[i].url + "/health")
                     if r.status_code == 200:
                         answers.append(r.json())
                         break
-                    raise RuntimeError(f"worker {spec.url} answered {r.status_code}: {r.text[:200]}")
+                    problem = f"answered {r.status_code}: {r.text[:200]}"
                 except httpx.HTTPError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"worker {spec.url} did not answer within {timeout_s:.0f} s") from None
-                    if any(p.poll() is not None for p in config.processes):
-                        raise RuntimeError("a local worker process exited during start-up") from None
-                    await asyncio.sleep(0.3)
+                    local = config.processes[i] if i < len(config.processes) else None
+                    if local is not None and local.poll() is not None:
+                        problem = f"exited with {local.returncode} during start-up"
+                if problem and (config.respawn is None or attempt >= tries):
+                    raise RuntimeError(f"worker {config.workers[i].url} {problem}")
+                if problem:
+                    attempt += 1
+                    if config.processes[i].poll() is None:
+                        config.processes[i].terminate()
+                    config.respawn(i)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"worker {config.workers[i].url} did not answer within {timeout_s:.0f} s")
+                await asyncio.sleep(0.3)
     return answers
 
 
