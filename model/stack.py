@@ -81,7 +81,9 @@ class TokenEnds(nn.Module):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
         with torch.device("meta"):
-            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+            # _weight skips the random initialisation, which costs a second even on the meta device
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                      _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         self.to_empty(device="cpu")
