@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -25,10 +26,12 @@ from bench.run import stream_one, summarise
 from workers.cluster import free_port
 
 
-def start(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+def start(args: list[str], log: Path, cpus: set[int] | None = None) -> tuple[subprocess.Popen, str]:
+    """`edgespec serve` with these arguments (pinned to `cpus` if given), once healthy."""
     port = free_port()
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), *args],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, preexec_fn=pin)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

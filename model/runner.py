@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +28,12 @@ class Session:
     capacity: int
     rows: int = 1
     length: int = 0  # cached slots
+    generation: int = 0  # the runner's placement generation its caches were built under
+    tokens: list[int] | None = field(default_factory=list)  # ids in slots 0..length; None: cannot be replayed
+
+
+class SessionLostError(RuntimeError):
+    """The placement changed under a session whose cache cannot be rebuilt from its tokens."""
 
 
 class ModelRunner:
@@ -40,6 +46,12 @@ class ModelRunner:
         self.thread = thread
         self._run = thread.run
         self._ids = itertools.count()
+        self.generation = 0  # bumped (on the model thread) whenever the stages are re-assigned
+        self.rebuilt = 0  # sessions prefilled again after a re-assignment
+
+    def placement_changed(self) -> None:
+        """The stages were re-assigned and hold no sessions: each is rebuilt at its next forward (model thread)."""
+        self.generation += 1
 
     async def call(self, fn, *args):
         """Run fn(*args) on the model thread, in turn with the forward passes (a policy's tensor work)."""
@@ -47,7 +59,7 @@ class ModelRunner:
 
     async def open(self, capacity: int, rows: int = 1) -> Session:
         """A new session with room for `capacity` slots; CapacityError when it does not fit."""
-        session = Session(f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}", capacity, rows)
+        session = Session(f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}", capacity, rows, generation=self.generation)
         try:
             await self._run(self.pipeline.open, session.id, capacity, rows)
         except BaseException:  # a cancelled await may still have opened the cache on the model thread
@@ -62,6 +74,13 @@ class ModelRunner:
 
     def _forward(self, session: Session, ids: torch.Tensor, positions, start: int, mask, last_only: bool, then):
         # ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32; or then(logits)
+        if session.generation != self.generation:
+            self._rebuild(session, start)
+        if session.tokens is not None:
+            if positions is None and mask is None and session.rows == 1:
+                session.tokens[start:] = ids[0].tolist()
+            else:  # a tree or a batch of rows: its cache is not a plain run of tokens
+                session.tokens = None
         if positions is None:
             positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
         with torch.inference_mode():
@@ -71,6 +90,22 @@ class ModelRunner:
                 hidden = hidden[:, -1:]
             logits = self.ends.logits(hidden)
             return logits if then is None else then(logits)
+
+    def _rebuild(self, session: Session, start: int) -> None:
+        # The stages were re-assigned (a re-plan) and dropped their caches: prefill the session's tokens again
+        # on the new placement. Only plain runs of tokens can be rebuilt this way.
+        if session.tokens is None:
+            raise SessionLostError("the cluster was re-planned while this request ran and its cache could not be "
+                                   "rebuilt; please retry")
+        self.pipeline.release(session.id)
+        self.pipeline.open(session.id, session.capacity, session.rows)
+        session.generation = self.generation
+        self.rebuilt += 1
+        history = session.tokens[:start]
+        if history:
+            with torch.inference_mode():
+                ids = torch.tensor([history])  # [1, L]
+                self.pipeline.forward(session.id, self.ends.embed_tokens(ids), torch.arange(len(history))[None], 0)
 
     async def forward(
         self,
@@ -93,9 +128,15 @@ class ModelRunner:
         session.length = start + ids.shape[1]
         return out
 
+    def _truncate(self, session: Session, length: int) -> None:
+        if session.generation == self.generation:  # else the next forward rebuilds the cache, shorter
+            self.pipeline.truncate(session.id, length)
+
     async def truncate(self, session: Session, length: int) -> None:
-        await self._run(self.pipeline.truncate, session.id, length)
+        await self._run(self._truncate, session, length)
         session.length = length
+        if session.tokens is not None:
+            del session.tokens[length:]
 
     def wire(self, session: Session) -> dict[str, tuple[int, int]]:
         """Bytes and requests per link that the session's calls have put on the network so far."""

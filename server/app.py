@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from contextlib import aclosing, asynccontextmanager
 
@@ -11,7 +12,7 @@ from sse_starlette import EventSourceResponse
 from starlette.datastructures import Headers
 
 from server.errors import APIError, error_response, install_error_handlers
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.protocol import ChatCompletionRequest, CompletionRequest, JoinRequest
 from server.render import Renderer
 from server.service import CompletionService
 from workers.auth import bearer_ok
@@ -87,9 +88,12 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        monitor = asyncio.create_task(service.cluster.monitor()) if service.cluster is not None else None
         try:
             yield
         finally:
+            if monitor is not None:
+                monitor.cancel()
             if on_shutdown is not None:
                 on_shutdown()
 
@@ -112,22 +116,29 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
         cluster = service.cluster
         workers = await cluster_health([w.url for w in cluster.pipeline.workers], cluster.config.token)
         for w, ref in zip(workers, cluster.pipeline.workers, strict=True):
-            w["name"] = ref.name
-            if w.get("status") == "ok" and not w.get("assigned"):
-                try:  # a worker that came back empty gets its layers again
-                    await service.loaded.runner.call(cluster.pipeline.assign, ref)
-                    w["assigned"] = True
-                except Exception as exc:
-                    w["error"] = str(exc)
+            w.update(name=ref.name, layers=[ref.first, ref.last])
         ok = all(w.get("status") == "ok" and w.get("assigned") for w in workers)
         body = {"status": "ok" if ok else "degraded", "model": service.model_id, "workers": workers}
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    async def stage_result(request: Request):
-        # A plain Starlette route on the per-token path: no FastAPI parameter machinery.
+    def require_cluster_token(request: Request):
         cluster = service.cluster
         if cluster is None or not bearer_ok(request.headers.get("authorization"), cluster.config.token):
             raise APIError(401, "missing or wrong cluster token", None, "invalid_cluster_token")
+        return cluster
+
+    @app.post("/internal/cluster/join", status_code=202)
+    async def join(body: JoinRequest, request: Request):
+        require_cluster_token(request).request_join(body.url, body.name)
+        return {"accepted": True}
+
+    @app.get("/internal/cluster/plan")
+    async def placement(request: Request):
+        return require_cluster_token(request).plan.to_dict()
+
+    async def stage_result(request: Request):
+        # A plain Starlette route on the per-token path: no FastAPI parameter machinery.
+        cluster = require_cluster_token(request)
         session, step = request.query_params.get("session"), request.query_params.get("step", "")
         if not session or not step.isdigit():
             raise APIError(400, "stage results need the query parameters session and step", None, "invalid_value")

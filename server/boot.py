@@ -1,60 +1,84 @@
-"""Start-up of `edgespec serve`: the model in-process, or over local or listed workers."""
+"""Start-up of `edgespec serve`: the model in-process, or over local or listed workers placed by the planner."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from model.config import ModelConfig
 from model.load import LoadedModel, load_local, load_with_pipeline
-from model.source import resolve_model
+from model.source import ModelFiles, resolve_model
 from model.thread import ModelThread
-from planning.split import even_split
+from planning.plan import PlanOptions
+from planning.profile import ClusterProfile
 from server.metrics import Metrics
+from server.replanner import ClusterManager
 from server.settings import ServeSettings
-from workers.client import RemotePipeline, ResultMailbox, WorkerRef
+from workers.client import RemotePipeline, ResultMailbox
 from workers.cluster import ClusterConfig, launch_local_workers, wait_healthy
+from workers.profiler import Device, ProfileOptions, cache_path, profile_cluster
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class ClusterHandle:
-    """The workers behind a distributed controller."""
+def obtain_profile(settings: ServeSettings, files: ModelFiles, devices: list[Device], token: str,
+                   thread: ModelThread, options: ProfileOptions) -> ClusterProfile:
+    """The profile named in the settings, else a cached one for these devices, else a new measurement."""
+    if settings.profile:
+        profile = ClusterProfile.load(Path(settings.profile))
+        missing = {d.name for d in devices} - {w.name for w in profile.workers}
+        if missing:
+            raise ValueError(f"{settings.profile} has no profile of worker(s) {', '.join(sorted(missing))}")
+        return profile.without({w.name for w in profile.workers} - {d.name for d in devices})
+    local = bool(settings.local_workers)
+    extra = {"local": local, "cpus": settings.worker_cpus, "threads": settings.worker_threads,
+             "urls": [] if local else [d.url for d in devices]}
+    path = cache_path(files, settings.dtype, devices, extra)
+    if path.exists() and not settings.reprofile:
+        log.info("using the cached profile %s", path)
+        return ClusterProfile.load(path)
+    log.info("profiling the controller and %d worker(s) (cached afterwards in %s)", len(devices), path)
+    profile = profile_cluster(files, settings.model, settings.dtype, devices, token, options, thread.run_sync,
+                              lambda what: log.debug("profiled %s", what))
+    profile.save(path)
+    return profile
 
-    config: ClusterConfig
-    mailbox: ResultMailbox
-    pipeline: RemotePipeline
 
-
-def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[LoadedModel, ClusterHandle | None]:
+def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[LoadedModel, ClusterManager | None]:
     thread = ModelThread(settings.threads or os.cpu_count() or 1)
     files = resolve_model(settings.model)  # converts a GGUF once, before any worker needs the cache
     if not settings.local_workers and not settings.cluster:
         return load_local(files, settings.dtype, settings.kv_cache_gib, thread), None
     if settings.local_workers:
-        config = launch_local_workers(settings.local_workers, settings.model, settings.worker_threads)
+        config = launch_local_workers(settings.local_workers, settings.model, settings.worker_threads,
+                                      settings.worker_cpus)
     else:
         config = ClusterConfig.from_file(Path(settings.cluster))
     try:
         asyncio.run(wait_healthy(config, timeout_s=120))
-        n_layers = ModelConfig.from_folder(files.folder).n_layers
-        refs = [WorkerRef(spec.url, spec.name or f"worker{i}", first, last)
-                for i, (spec, (first, last)) in enumerate(zip(config.workers, even_split(n_layers, len(config.workers)),
-                                                            strict=True))]
+        devices = [Device(spec.name or f"worker{i}", spec.url) for i, spec in enumerate(config.workers)]
+        profile_options = ProfileOptions()
+        profile = obtain_profile(settings, files, devices, config.token, thread, profile_options)
+        context = min(settings.plan_context, ModelConfig.from_folder(files.folder).max_position_embeddings)
+        options = PlanOptions(context=context, concurrency=settings.plan_concurrency)
+        manager = ClusterManager(settings, config, profile, metrics, options, profile_options)
+        for d in devices:  # the profile may name old URLs of the same workers
+            manager.members[d.name].url = d.url
         host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
         base = settings.advertise_url or config.controller_url or f"http://{host}:{settings.port}"
         mailbox = ResultMailbox()
-        pipeline = RemotePipeline(refs, config.token, base.rstrip("/") + "/internal/stage-result", mailbox,
-                                  settings.model, settings.dtype, settings.stage_timeout_s, metrics.observe_hop)
-        for ref in refs:
-            pipeline.assign(ref)
-            log.info("worker %s (%s) holds layers [%d, %d)", ref.name, ref.url, ref.first, ref.last)
-        loaded = load_with_pipeline(files, settings.dtype, pipeline, thread)
+        manager.pipeline = RemotePipeline([], config.token, base.rstrip("/") + "/internal/stage-result", mailbox,
+                                          settings.model, settings.dtype, settings.stage_timeout_s, metrics.observe_hop)
+        manager.mailbox = mailbox
+        log.info("placement (%s): %s", settings.placement,
+                 ", ".join(f"{s.device} [{s.first}, {s.last})" for s in manager.plan.stages))
+        manager.apply(manager.plan)
+        loaded = load_with_pipeline(files, settings.dtype, manager.pipeline, thread)
+        manager.runner = loaded.runner
+        metrics.sessions_rebuilt.set_function(lambda: loaded.runner.rebuilt)
     except BaseException:
         config.stop()
         raise
-    return loaded, ClusterHandle(config, mailbox, pipeline)
+    return loaded, manager

@@ -1,4 +1,4 @@
-"""`edgespec` command line: serve, worker, bench."""
+"""`edgespec` command line: serve, worker, profile, plan, bench."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 import logging
 import os
 import sys
+
+from planning.cli import add_plan_parser
 
 
 def _serve_parser(sub) -> None:
@@ -25,6 +27,30 @@ def _serve_parser(sub) -> None:
     p.add_argument("--advertise-url", help="URL at which workers reach this controller")
     p.add_argument("--worker-threads", type=int, help="torch threads of each local worker (0: all cores)")
     p.add_argument("--stage-timeout-s", type=float)
+    p.add_argument("--worker-cpus", help="CPU sets of the local workers, e.g. '0;1'")
+    p.add_argument("--placement", choices=["plan", "even"], help="layers by the planner (default) or evenly")
+    p.add_argument("--profile", help="profile JSON to plan from (default: cached, or measured at start)")
+    p.add_argument("--reprofile", action="store_true", default=None, help="measure a new profile")
+    p.add_argument("--plan-context", type=int, help="KV slots per session the placement must hold")
+    p.add_argument("--plan-concurrency", type=int, help="sessions at once the placement must hold")
+    p.add_argument("--memory-threshold", type=float, help="re-plan when a worker's memory use passes this share")
+    p.add_argument("--monitor-interval-s", type=float, help="how often the controller checks its workers")
+
+
+def _profile_parser(sub) -> None:
+    p = sub.add_parser("profile", help="measure the controller, the workers and their links for the planner")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--local-workers", type=int, help="start N worker processes on loopback and profile them")
+    where.add_argument("--cluster", help="TOML file naming running workers")
+    p.add_argument("--out", required=True, help="profile JSON to write")
+    p.add_argument("--model", help="Hugging Face folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--worker-cpus", help="CPU sets of the local workers, e.g. '0;1'")
+    p.add_argument("--worker-threads", type=int, default=0)
+    p.add_argument("--tokens", help="comma-separated tokens-per-pass points (default 1,2,4,...,512)")
+    p.add_argument("--contexts", help="comma-separated context lengths (default 0,512,2048)")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions per point (median)")
+    p.add_argument("--margin", type=float, default=0.15, help="safety margin on link times")
 
 
 def _worker_parser(sub) -> None:
@@ -37,6 +63,8 @@ def _worker_parser(sub) -> None:
     p.add_argument("--model", help="local copy of the model (folder or .gguf); default: the embedded one")
     p.add_argument("--threads", type=int)
     p.add_argument("--log-level")
+    p.add_argument("--join", help="controller URL to announce this worker to at start-up")
+    p.add_argument("--advertise-url", help="URL at which the controller reaches this worker (with --join)")
 
 
 def _bench_parser(sub) -> None:
@@ -98,6 +126,18 @@ def worker(args: argparse.Namespace) -> None:
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
 
 
+def profile(args: argparse.Namespace) -> None:
+    from workers.profile_cli import run_profile
+
+    run_profile(args)
+
+
+def plan(args: argparse.Namespace) -> None:
+    from planning.cli import run_plan
+
+    sys.exit(run_plan(args))
+
+
 def bench(args: argparse.Namespace) -> None:
     from bench.run import run_bench
 
@@ -114,10 +154,12 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _worker_parser(sub)
+    _profile_parser(sub)
+    add_plan_parser(sub)
     _bench_parser(sub)
     args = parser.parse_args(argv)
     try:
-        {"serve": serve, "worker": worker, "bench": bench}[args.command](args)
+        {"serve": serve, "worker": worker, "profile": profile, "plan": plan, "bench": bench}[args.command](args)
     except (FileNotFoundError, ValueError) as exc:
         print(f"edgespec {args.command}: {exc}", file=sys.stderr)
         sys.exit(2)

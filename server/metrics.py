@@ -28,6 +28,16 @@ class Metrics:
         self.stage_forward = Histogram("edgespec_stage_forward_seconds", "forward time per stage call", ["stage"],
                                        registry=r, buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2))
         self.kv_bytes = Gauge("edgespec_kv_cache_bytes", "bytes held by KV caches", registry=r)
+        self.replans = Counter("edgespec_replans", "re-planning decisions by reason and outcome",
+                               ["reason", "outcome"], registry=r)
+        self.placement_layers = Gauge("edgespec_placement_layers", "decoder layers each worker holds", ["device"],
+                                      registry=r)
+        self.sessions_rebuilt = Gauge("edgespec_sessions_rebuilt", "sessions prefilled again after a re-plan, "
+                                      "since start", registry=r)
+        self.workers_up = Gauge("edgespec_workers_up", "workers answering the controller's checks", registry=r)
+        self.worker_memory_use = Gauge("edgespec_worker_memory_use_ratio",
+                                       "weights plus KV caches over each worker's memory budget", ["device"],
+                                       registry=r)
 
     def observe_generation(self, stats: dict, tokens: int) -> None:
         policy = stats["policy"]

@@ -108,3 +108,12 @@ class CompletionRequest(SamplingFields):
                 raise ValueError("only one prompt per request is supported")
             return v[0]
         return v
+
+
+class JoinRequest(BaseModel):
+    """A worker announcing itself to the controller (POST /internal/cluster/join, cluster token)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(min_length=1, max_length=2048, description="base URL at which the controller reaches it")
+    name: str = Field(min_length=1, max_length=128)

@@ -8,6 +8,7 @@ from contextlib import aclosing
 from decoding.policy import UnknownPolicyError, select_policy
 from decoding.types import GenerationRequest, SamplingParams, TokenEvent
 from model.load import LoadedModel
+from model.runner import SessionLostError
 from model.stage import CapacityError
 from server.errors import APIError
 from server.metrics import Metrics
@@ -22,7 +23,7 @@ class CompletionService:
     def __init__(self, loaded: LoadedModel, policies: dict, settings: ServeSettings, metrics: Metrics,
                  cluster=None):
         self.loaded = loaded
-        self.cluster = cluster  # server.boot.ClusterHandle when the layers live on workers
+        self.cluster = cluster  # server.replanner.ClusterManager when the layers live on workers
         self.tokenizer = loaded.tokenizer
         self.policies = policies
         self.settings = settings
@@ -110,6 +111,8 @@ class CompletionService:
             raise APIError(exc.status, f"a worker failed during generation: {exc}", None, "worker_failed") from exc
         except CapacityError as exc:
             raise APIError(503, str(exc), None, "kv_cache_full") from exc
+        except SessionLostError as exc:
+            raise APIError(503, str(exc), None, "replanned") from exc
         finally:
             self.metrics.in_flight.dec()
             self.metrics.kv_bytes.set(self.loaded.runner.kv_bytes())

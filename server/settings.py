@@ -28,4 +28,13 @@ class ServeSettings(BaseSettings):
     advertise_url: str | None = Field(None, description="URL at which workers reach this controller")
     stage_timeout_s: float = Field(60.0, gt=0, description="timeout of one call to a worker")
     worker_threads: int = Field(0, ge=0, description="torch threads of each local worker; 0: all cores")
+    worker_cpus: str | None = Field(None, description="CPU sets of the local workers, e.g. '0;1' (worker i gets "
+                                                       "the i-th set); default: unpinned")
+    placement: Literal["plan", "even"] = Field("plan", description="layers by the planner's DP, or evenly")
+    profile: str | None = Field(None, description="profile JSON to plan from (default: the cached one, or measure)")
+    reprofile: bool = Field(False, description="measure a new profile even when a cached one exists")
+    plan_context: int = Field(2048, ge=1, description="KV slots per session the placement must hold")
+    plan_concurrency: int = Field(4, ge=1, description="sessions at once the placement must hold")
+    memory_threshold: float = Field(0.85, gt=0, le=1, description="re-plan when a worker's memory use passes this")
+    monitor_interval_s: float = Field(2.0, gt=0, description="how often the controller checks its workers")
     log_level: str = "info"

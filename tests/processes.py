@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -23,11 +24,12 @@ def free_port() -> int:
 class Proc:
     """A child process of `python -m server.cli ...` with its log; stopped by stop()."""
 
-    def __init__(self, args: list[str], log: Path):
+    def __init__(self, args: list[str], log: Path, env: dict | None = None):
         self.args, self.log = args, log
         with open(log, "ab") as f:
             self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", *args], cwd=REPO, stdout=f,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=None if env is None else {**os.environ, **env})
 
     def wait_healthy(self, url: str, headers: dict | None = None, timeout_s: float = 180) -> None:
         deadline = time.monotonic() + timeout_s
@@ -59,19 +61,20 @@ class Proc:
                 self.kill()
 
 
-def start_worker(tmp: Path, token: str, model: str | None, name: str, port: int | None = None) -> tuple[Proc, str]:
+def start_worker(tmp: Path, token: str, model: str | None, name: str, port: int | None = None,
+                 *extra: str) -> tuple[Proc, str]:
     port = port or free_port()
-    args = ["worker", "--port", str(port), "--token", token, "--name", name, "--threads", "1"]
+    args = ["worker", "--port", str(port), "--token", token, "--name", name, "--threads", "1", *extra]
     proc = Proc(args + (["--model", model] if model else []), tmp / f"{name}.log")
     url = f"http://127.0.0.1:{port}"
     proc.wait_healthy(url, {"authorization": f"Bearer {token}"})
     return proc, url
 
 
-def start_server(tmp: Path, name: str, *extra: str) -> tuple[Proc, str]:
+def start_server(tmp: Path, name: str, *extra: str, env: dict | None = None) -> tuple[Proc, str]:
     port = free_port()
     proc = Proc(["serve", "--port", str(port), "--dtype", "float32", "--log-level", "warning", *extra],
-                tmp / f"{name}.log")
+                tmp / f"{name}.log", env)
     url = f"http://127.0.0.1:{port}"
     proc.wait_healthy(url)
     return proc, url

@@ -11,6 +11,8 @@ figures, so every link carries one hidden state per step and the replies stay ti
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from contextlib import asynccontextmanager
 
 import httpx
@@ -22,12 +24,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from model.kv_cache import KVCacheError
 from model.stage import CapacityError, SessionError
+from model.timing import CONTEXTS, TOKENS
 from workers.auth import bearer_ok
 from workers.client import NODELAY
 from workers.host import NotAssignedError, StageHost, StepError
+from workers.probe import measure_link
 from workers.settings import WorkerSettings
 from workers.wire import WireError
 
+log = logging.getLogger(__name__)
 ERRORS = [(PermissionError, 401), (WireError, 400), (KVCacheError, 400), (SessionError, 404), (StepError, 409),
           (NotAssignedError, 409), (CapacityError, 507), (MemoryError, 507), (ValueError, 400)]
 
@@ -41,6 +46,19 @@ class AssignBody(Strict):
     first: int = Field(ge=0)
     last: int = Field(ge=1)
     dtype: str = "float32"
+
+
+class ProfileBody(Strict):
+    model: str | None = None
+    dtype: str = "float32"
+    tokens: list[int] = Field(default_factory=lambda: list(TOKENS), min_length=1, max_length=32)
+    contexts: list[int] = Field(default_factory=lambda: list(CONTEXTS), min_length=1, max_length=16)
+    reps: int = Field(3, ge=1, le=50)
+
+
+class LinkBody(Strict):
+    target: str = Field(min_length=1, description="base URL of another worker")
+    reps: int = Field(5, ge=1, le=50)
 
 
 class OpenBody(Strict):
@@ -72,6 +90,24 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "worker_error", "code": status}}, status_code=status)
 
 
+async def _announce(client: httpx.AsyncClient, settings: WorkerSettings, name: str) -> None:
+    """Tell the controller (--join) that this worker is here; retried until it answers."""
+    url = settings.advertise_url or f"http://{settings.host}:{settings.port}"
+    headers = {"authorization": f"Bearer {settings.token}"}
+    for _ in range(60):
+        await asyncio.sleep(1)  # uvicorn starts listening after the lifespan's start-up
+        try:
+            r = await client.post(settings.join.rstrip("/") + "/internal/cluster/join", headers=headers,
+                                  json={"url": url, "name": name})
+            if r.status_code == 202:
+                return
+            log.warning("the controller at %s refused the join: %s %s", settings.join, r.status_code, r.text[:200])
+            return
+        except httpx.HTTPError:
+            continue
+    log.error("the controller at %s never answered; not joined", settings.join)
+
+
 def create_worker_app(settings: WorkerSettings) -> FastAPI:
     host = StageHost(settings)
     if settings.threads:
@@ -83,7 +119,10 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
         transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=NODELAY)
         async with httpx.AsyncClient(timeout=settings.downstream_timeout_s, transport=transport) as client:
             app.state.client = client
+            announce = asyncio.create_task(_announce(client, settings, host.name)) if settings.join else None
             yield
+            if announce is not None:
+                announce.cancel()
 
     app = FastAPI(title="edgespec worker", lifespan=lifespan)
     app.state.host = host
@@ -114,6 +153,22 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
     @app.post("/assign", dependencies=auth)
     async def assign(body: AssignBody):
         return host.assign(body.model, body.first, body.last, body.dtype)
+
+    @app.post("/profile", dependencies=auth)
+    async def profile(body: ProfileBody):
+        # blocks this worker while it runs: profiling happens before serving or while re-planning
+        return host.profile(body.model, body.dtype, body.tokens, body.contexts, body.reps)
+
+    @app.post("/probe/sink", dependencies=auth)
+    async def sink(request: Request):
+        return {"bytes": len(await request.body())}
+
+    @app.post("/probe/link", dependencies=auth)
+    async def probe_link(body: LinkBody):
+        try:
+            return await measure_link(app.state.client, body.target, settings.token, body.reps)
+        except httpx.HTTPError as exc:
+            return _error(502, f"could not probe {body.target}: {type(exc).__name__}: {exc}")
 
     @app.post("/sessions/{sid}/open", dependencies=auth)
     async def open_session(sid: str, body: OpenBody):

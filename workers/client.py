@@ -73,7 +73,6 @@ class RemotePipeline:
 
     def __init__(self, workers: list[WorkerRef], token: str, callback_url: str, mailbox: ResultMailbox,
                  model: str | None, dtype: str, timeout_s: float = 60.0, on_hop=None):
-        self.workers = workers
         self.callback_url = callback_url
         self.mailbox = mailbox
         self.model, self.dtype = model, dtype
@@ -84,6 +83,11 @@ class RemotePipeline:
                                  limits=httpx.Limits(max_keepalive_connections=16, keepalive_expiry=60))
         self.steps: dict[str, int] = defaultdict(int)
         self.wire_stats: dict[str, dict[str, list[int]]] = {}
+        self.replace(workers)
+
+    def replace(self, workers: list[WorkerRef]) -> None:
+        """Route through these workers from now on (after a re-plan has assigned them)."""
+        self.workers = list(workers)
         names = ["controller", *(w.name for w in workers), "controller"]
         self.links = [f"{a}->{b}" for a, b in itertools.pairwise(names)]
 
@@ -149,8 +153,9 @@ class RemotePipeline:
         stats = self.wire_stats.get(session)
         for i, (link, size) in enumerate(zip(self.links, sizes, strict=False)):
             if stats is not None:
-                stats[link][0] += size
-                stats[link][1] += 1
+                counts = stats.setdefault(link, [0, 0])
+                counts[0] += size
+                counts[1] += 1
             if self.on_hop:
                 hop = hops[i - 1] if i > 0 else None
                 self.on_hop(link, size, hop["stage"] if hop else None, hop["forward_ms"] if hop else None)

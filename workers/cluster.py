@@ -71,17 +71,39 @@ def worker_command(port: int, token: str, name: str, model: str | None, threads:
     return cmd + (["--model", model] if model else [])
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the controller dies, however it dies (Linux)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+def parse_cpu_sets(spec: str | None, n: int) -> list[set[int] | None]:
+    """'0;1' or '0,1;2-3' -> a CPU set per worker (the last set repeats); None: unpinned."""
+    if not spec:
+        return [None] * n
+    sets = []
+    for part in spec.split(";"):
+        cpus = set()
+        for item in part.split(","):
+            lo, _, hi = item.strip().partition("-")
+            if not lo.isdigit() or (hi and not hi.isdigit()):
+                raise ValueError(f"worker CPU sets look like '0;1' or '0,1;2-3', got {spec!r}")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+        sets.append(cpus)
+    return [sets[min(i, len(sets) - 1)] for i in range(n)]
 
 
-def launch_local_workers(n: int, model: str | None, threads: int) -> ClusterConfig:
-    """Start n worker processes on loopback with a fresh random token."""
+def _child_setup(cpus: set[int] | None):
+    def setup() -> None:
+        """In the child before exec: get SIGTERM when the controller dies, however it dies (Linux); pin."""
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
+
+
+def launch_local_workers(n: int, model: str | None, threads: int, cpus: str | None = None) -> ClusterConfig:
+    """Start n worker processes on loopback with a fresh random token, pinned to CPU sets if given."""
     token = secrets.token_urlsafe(24)
     config = ClusterConfig(token, [None] * n, processes=[None] * n)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cpu_sets = parse_cpu_sets(cpus, n)
 
     def spawn(i: int) -> None:
         # a port found free can be taken before the worker binds it: wait_healthy respawns on a new one
@@ -89,7 +111,7 @@ def launch_local_workers(n: int, model: str | None, threads: int) -> ClusterConf
         # output goes to the controller's own stderr, so a worker that fails to start says why
         config.processes[i] = subprocess.Popen(worker_command(port, token, name, model, threads),
                                                stdout=sys.stderr, stderr=subprocess.STDOUT, env=env,
-                                               preexec_fn=_die_with_parent)
+                                               preexec_fn=_child_setup(cpu_sets[i]))
         config.workers[i] = WorkerSpec(f"http://127.0.0.1:{port}", name)
 
     for i in range(n):

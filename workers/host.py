@@ -11,7 +11,7 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -20,6 +20,7 @@ from model.load import DTYPES
 from model.source import resolve_model
 from model.stack import LayerStack
 from model.stage import LocalStage
+from model.timing import PROFILE_LAYERS, time_layers
 from model.weights import TensorSource
 from workers.settings import WorkerSettings
 from workers.wire import WireError, decode, encode
@@ -88,6 +89,16 @@ class StageHost:
         self.cfg, self.weight_bytes = cfg, weight_bytes
         self.assignment = Assignment(model, first, last, dtype)
         return self.info()
+
+    def profile(self, model: str | None, dtype: str, tokens: list[int], contexts: list[int], reps: int) -> dict:
+        """Time per decoder layer on this device (a few layers loaded for the purpose, then freed), and memory."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}")
+        files = resolve_model(model if model is not None else self.settings.model)
+        cfg = ModelConfig.from_folder(files.folder)
+        stack = LayerStack.load(TensorSource(files.folder), cfg, 0, min(PROFILE_LAYERS, cfg.n_layers), DTYPES[dtype])
+        curve = time_layers(stack, tokens, contexts, reps)
+        return {"name": self.name, "layer_ms": asdict(curve), "memory": self.info()["memory"]}
 
     def info(self) -> dict:
         a = self.assignment

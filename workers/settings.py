@@ -20,4 +20,6 @@ class WorkerSettings(BaseSettings):
     threads: int = Field(0, ge=0, description="torch threads; 0: all cores")
     max_body_bytes: int = Field(64 * 2**20, gt=0)
     downstream_timeout_s: float = Field(120.0, gt=0)
+    join: str | None = Field(None, description="controller URL to announce this worker to at start-up")
+    advertise_url: str | None = Field(None, description="URL at which the controller reaches this worker")
     log_level: str = "warning"

@@ -1,0 +1,95 @@
+"""Measured timings of model parts for the planner's profiles (tensor code; the HTTP side is in workers/).
+
+Times are medians over repeated passes on random hidden states: what a pass costs depends on shapes, not
+values. Each point is one pass of `tokens` new tokens after `context` cached ones.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from model.config import ModelConfig
+from model.stack import LayerStack, TokenEnds
+from planning.profile import Curve, ModelCard
+
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+CONTEXTS = (0, 2048)  # attention's cost is linear in the context: two points suffice
+PROFILE_LAYERS = 4  # timed together and divided: fewer calls' overhead per layer than one at a time
+
+
+def model_card(cfg: ModelConfig, name: str, dtype: torch.dtype) -> ModelCard:
+    """The planner's view of a model at a dtype."""
+    nbytes = torch.finfo(dtype).bits // 8
+    ends = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size
+    return ModelCard(name, cfg.n_layers, cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                     cfg.layer_param_count(), ends, cfg.max_position_embeddings, float(nbytes), nbytes, nbytes)
+
+
+def grid(cfg: ModelConfig, tokens: Sequence[int], contexts: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The token and context points that fit the model's context."""
+    limit = cfg.max_position_embeddings
+    toks = tuple(n for n in tokens if n <= limit) or (1,)
+    ctxs = tuple(c for c in contexts if c + toks[-1] <= limit) or (0,)
+    return toks, ctxs
+
+
+def _median_ms(fn: Callable[[], object], reps: int, min_total_s: float = 0.05, max_reps: int = 50) -> float:
+    # At least `reps` runs and at least min_total_s of them (short passes need many runs for a stable median
+    # on a shared machine, where one descheduled OpenMP thread costs a whole scheduler tick).
+    fn()  # warm-up: first calls allocate and pick kernels
+    times = []
+    while len(times) < reps or (sum(times) < min_total_s and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+@torch.inference_mode()
+def time_layers(stack: LayerStack, tokens: Sequence[int], contexts: Sequence[int], reps: int = 3,
+                step: Callable[[], None] | None = None) -> Curve:
+    """Milliseconds per decoder layer at each (context, tokens) point; `step` is called after each point."""
+    cfg, n_layers = stack.cfg, len(stack.layers)
+    toks, ctxs = grid(cfg, tokens, contexts)
+    rows = []
+    for c in ctxs:
+        cache = stack.new_cache(c + toks[-1])
+        if c:  # fill the context once; each timed pass is then truncated back to it
+            stack(torch.randn(1, c, cfg.hidden_size), torch.arange(c).unsqueeze(0), cache, 0)
+        row = []
+        for n in toks:
+            hidden, positions = torch.randn(1, n, cfg.hidden_size), torch.arange(c, c + n).unsqueeze(0)
+
+            def one(hidden=hidden, positions=positions, c=c, cache=cache):
+                stack(hidden, positions, cache, c)
+                cache.truncate(c)
+
+            row.append(_median_ms(one, reps) / n_layers)
+            if step:
+                step()
+        rows.append(tuple(row))
+    return Curve(toks, ctxs, tuple(rows))
+
+
+@torch.inference_mode()
+def time_ends(ends: TokenEnds, tokens: Sequence[int], reps: int = 3) -> tuple[Curve, Curve]:
+    """Embedding and head (final norm + LM head over every position) milliseconds by tokens in the pass."""
+    cfg = ends.cfg
+    toks, _ = grid(cfg, tokens, (0,))
+    embed, head = [], []
+    for n in toks:
+        ids = torch.randint(0, cfg.vocab_size, (1, n))
+        hidden = torch.randn(1, n, cfg.hidden_size)
+        embed.append(_median_ms(lambda ids=ids: ends.embed_tokens(ids), reps))
+        head.append(_median_ms(lambda hidden=hidden: ends.logits(hidden), reps))
+    return Curve(toks, (0,), (tuple(embed),)), Curve(toks, (0,), (tuple(head),))
+
+
+def profile_points(cfg: ModelConfig, tokens: Sequence[int], contexts: Sequence[int]) -> int:
+    """How many timed points time_layers will measure (for progress bars)."""
+    toks, ctxs = grid(cfg, tokens, contexts)
+    return len(toks) * len(ctxs)

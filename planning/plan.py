@@ -1,0 +1,221 @@
+"""A placement: which device holds which layers, what it costs, and how long prompts are cut.
+
+make_plan searches device orders (and subsets) with the layer DP (planning/layers.py), then precomputes the
+sequence partition (planning/sequence.py) per prompt-length bucket. Pure functions of the profile.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict, dataclass, field
+
+from planning.layers import partition_layers
+from planning.profile import ClusterProfile, DeviceProfile
+from planning.sequence import choose_segments, min_segment
+
+GIB = 2**30
+MAX_ORDERS = 2000  # ordered subsets searched exhaustively up to this many; beyond, fastest-first
+
+
+class InfeasibleError(ValueError):
+    """No placement fits the devices' memory; the message gives the numbers."""
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What the placement must hold and what it balances."""
+
+    context: int = 2048  # KV slots per session every stage must hold
+    concurrency: int = 1  # sessions at once
+    tokens: int = 1  # tokens per pass the layer split balances (1: decoding)
+    decode_context: int = 512  # context at which per-token times are predicted
+    memory_fraction: float = 1.0  # share of each device's capacity the plan may fill
+    search_order: bool = True  # try device orders and subsets, not only the given order
+    segments_per_device: int = 4  # k <= this * number of stages
+    buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192)
+    quantum: int = 16  # sequence cuts fall on multiples of this
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    device: str
+    url: str | None
+    first: int
+    last: int  # layers [first, last)
+    weight_bytes: int
+    kv_bytes: int  # KV for context x concurrency
+    capacity_bytes: int
+    ms_per_token: float  # decode compute plus sending the output on
+
+
+@dataclass(frozen=True)
+class SequencePlan:
+    bucket: int  # prompts up to this many tokens
+    cuts: tuple[int, ...]  # segment ends; the last is the bucket
+    bottleneck_ms: float  # W: the slowest segment's slowest stage
+    predicted_ms: float  # sum of h_i + (stages - 1) * W
+
+
+@dataclass
+class Plan:
+    model: str
+    stages: list[StagePlan]
+    controller_ms_per_token: float  # embedding, head and the first hop
+    bottleneck_ms: float  # slowest stage at options.tokens (the layer DP's objective)
+    decode_ms_per_token: float  # predicted: controller plus every stage, in turn
+    min_segment: int  # b
+    prefill: list[SequencePlan] = field(default_factory=list)
+    options: PlanOptions = field(default_factory=PlanOptions)
+    method: str = "dp"
+
+    def bounds(self) -> list[tuple[int, int]]:
+        return [(s.first, s.last) for s in self.stages]
+
+    def sequence_cuts(self, prompt_len: int) -> list[int]:
+        """Segment ends for a prompt: the smallest bucket that holds it, its cuts scaled to the prompt."""
+        if prompt_len <= 0:
+            return []
+        for sp in self.prefill:
+            if prompt_len <= sp.bucket:
+                break
+        else:
+            sp = self.prefill[-1] if self.prefill else SequencePlan(prompt_len, (prompt_len,), 0.0, 0.0)
+        cuts = sorted({max(1, min(prompt_len, round(c * prompt_len / sp.bucket))) for c in sp.cuts})
+        return cuts if cuts[-1] == prompt_len else [*cuts, prompt_len]
+
+    def predicted_prefill_ms(self, prompt_len: int) -> float:
+        for sp in self.prefill:
+            if prompt_len <= sp.bucket:
+                return sp.predicted_ms * prompt_len / sp.bucket
+        return math.nan
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Costs:
+    """Stage times and memory for one device order."""
+
+    def __init__(self, profile: ClusterProfile, order: list[DeviceProfile], options: PlanOptions):
+        self.p, self.order, self.o = profile, order, options
+        card = profile.model
+        self.layer_bytes = card.layer_weight_bytes() + card.kv_bytes_per_token() * options.context * options.concurrency
+        # the DP asks for O(L^2) ranges per device: look each device's numbers up once
+        self.max_layers = [int(d.memory_capacity_bytes * options.memory_fraction // self.layer_bytes) for d in order]
+        self.layer_ms = [d.layer_ms(options.tokens, options.decode_context) for d in order]
+        names = [d.name for d in order] + [profile.controller.name]
+        self.hop_ms = [profile.transfer_ms(a, b, options.tokens) for a, b in itertools.pairwise(names)]
+
+    def stage_ms(self, i: int, first: int, last: int) -> float:
+        """Layers [first, last) on device i at the balanced pass size, plus sending the output on."""
+        if last - first > self.max_layers[i]:
+            return math.inf
+        return (last - first) * self.layer_ms[i] + self.hop_ms[i]
+
+    def stage_ms_at(self, i: int, first: int, last: int, tokens: int, context: int) -> float:
+        """The same stage on a pass of `tokens` tokens after `context` cached ones."""
+        nxt = self.order[i + 1].name if i + 1 < len(self.order) else self.p.controller.name
+        return (last - first) * self.order[i].layer_ms(tokens, context) + \
+            self.p.transfer_ms(self.order[i].name, nxt, tokens)
+
+    def controller_ms(self, tokens: int, context: int) -> float:
+        c = self.p.controller
+        own = (c.embed_ms(tokens, context) if c.embed_ms else 0.0) + (c.head_ms(1, context) if c.head_ms else 0.0)
+        return own + self.p.transfer_ms(c.name, self.order[0].name, tokens)
+
+
+def _orders(profile: ClusterProfile, options: PlanOptions) -> list[list[DeviceProfile]]:
+    workers = profile.workers
+    if not options.search_order:
+        return [workers]
+    n = len(workers)
+    count = sum(math.perm(n, k) for k in range(1, n + 1))
+    if count <= MAX_ORDERS:
+        return [list(p) for k in range(1, n + 1) for p in itertools.permutations(workers, k)]
+    fastest = sorted(workers, key=lambda d: d.layer_ms(options.tokens, options.decode_context))
+    return [fastest[:k] for k in range(1, n + 1)]
+
+
+def _check_memory(profile: ClusterProfile, options: PlanOptions) -> None:
+    card = profile.model
+    weights = card.n_layers * card.layer_weight_bytes()
+    kv = card.n_layers * card.kv_bytes_per_token() * options.context * options.concurrency
+    caps = [d.memory_capacity_bytes * options.memory_fraction for d in profile.workers]
+    need = (f"{card.name} needs {(weights + kv) / GIB:.2f} GiB for its {card.n_layers} layers "
+            f"({weights / GIB:.2f} GiB of weights + {kv / GIB:.2f} GiB of KV cache for {options.context} tokens x "
+            f"{options.concurrency} sessions)")
+    if weights + kv > sum(caps):
+        raise InfeasibleError(f"{need} but the {len(caps)} devices offer {sum(caps) / GIB:.2f} GiB")
+    per_layer = (weights + kv) / card.n_layers
+    held = sum(int(c // per_layer) for c in caps)
+    if held < card.n_layers:  # whole layers: the total fits but not layer by layer
+        offers = ", ".join(f"{d.name} {c / GIB:.2f}" for d, c in zip(profile.workers, caps, strict=True))
+        raise InfeasibleError(f"{need}, {per_layer / GIB:.3f} GiB per layer, but the devices ({offers} GiB) hold "
+                              f"only {held} whole layers")
+
+
+def _finish(profile: ClusterProfile, costs: _Costs, bounds: list[tuple[int, int]], options: PlanOptions,
+            method: str) -> Plan:
+    card = profile.model
+    stages = []
+    for i, (first, last) in enumerate(bounds):
+        d = costs.order[i]
+        stages.append(StagePlan(d.name, d.url, first, last, (last - first) * card.layer_weight_bytes(),
+                                (last - first) * card.kv_bytes_per_token() * options.context * options.concurrency,
+                                d.memory_capacity_bytes,
+                                costs.stage_ms_at(i, first, last, 1, options.decode_context)))
+    controller = costs.controller_ms(1, options.decode_context)
+    bottleneck = max(costs.stage_ms(i, f, last) for i, (f, last) in enumerate(bounds))
+    plan = Plan(card.name, stages, controller, bottleneck, controller + sum(s.ms_per_token for s in stages), 1,
+                options=options, method=method)
+
+    def seg_ms(s: int, ctx: int) -> float:
+        # T*(s, l): the slowest stage (the controller included) on a segment of s tokens after ctx
+        return max(costs.controller_ms(s, ctx), *(costs.stage_ms_at(i, f, last, s, ctx)
+                                                  for i, (f, last) in enumerate(bounds)))
+
+    grid = sorted({n for d in [profile.controller, *profile.workers] for n in d.layer_ms.tokens})
+    plan.min_segment = min_segment(lambda n: seg_ms(n, 0), grid)
+    max_k = options.segments_per_device * len(bounds)
+    for bucket in (b for b in options.buckets if b <= card.context):
+        _, cuts, latency, worst = choose_segments(bucket, len(bounds), seg_ms, plan.min_segment, max_k,
+                                                  options.quantum)
+        plan.prefill.append(SequencePlan(bucket, tuple(cuts), worst, latency))
+    return plan
+
+
+def make_plan(profile: ClusterProfile, options: PlanOptions | None = None) -> Plan:
+    """The placement minimising the slowest stage (then the sum of stages) over device orders and subsets."""
+    options = options or PlanOptions()
+    if not profile.workers:
+        raise InfeasibleError("there are no workers to place layers on")
+    _check_memory(profile, options)
+    card = profile.model
+    best = None
+    for order in _orders(profile, options):
+        if len(order) > card.n_layers:
+            continue
+        costs = _Costs(profile, order, options)
+        found = partition_layers(card.n_layers, len(order), costs.stage_ms)
+        if found is None:
+            continue
+        bottleneck, total, bounds = found
+        key = (max(bottleneck, costs.controller_ms(options.tokens, options.decode_context)), total)
+        if best is None or key < best[0]:
+            best = (key, costs, bounds)
+    if best is None:
+        cap = max(d.memory_capacity_bytes for d in profile.workers) * options.memory_fraction
+        raise InfeasibleError(f"no order of the {len(profile.workers)} devices fits {card.name}: each layer needs "
+                              f"{_Costs(profile, profile.workers, options).layer_bytes / GIB:.3f} GiB and the "
+                              f"largest device offers {cap / GIB:.2f} GiB")
+    return _finish(profile, best[1], best[2], options, "dp")
+
+
+def even_plan(profile: ClusterProfile, options: PlanOptions | None = None) -> Plan:
+    """Layers split evenly over all workers in the given order (the baseline the DP is compared with)."""
+    from planning.split import even_split
+
+    options = options or PlanOptions()
+    costs = _Costs(profile, list(profile.workers), options)
+    return _finish(profile, costs, even_split(profile.model.n_layers, len(profile.workers)), options, "even")

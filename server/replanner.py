@@ -1,0 +1,202 @@
+"""The controller's cluster manager: places layers by the plan, watches the workers, re-plans.
+
+Re-planning happens when a worker's memory use (weights plus KV caches over its budget) crosses the
+threshold, when a worker is lost (two missed checks, or a failed call), and when one joins (or comes back
+empty). A new placement is applied on the model thread between forward passes: every worker of the new plan
+is assigned its layers (which drops its caches), then each open session prefills its tokens again on the
+new placement at its next step (ModelRunner.placement_changed). Sessions whose cache is not a plain run
+of tokens end with a clear error instead. No tensor code here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from dataclasses import dataclass, replace
+
+import httpx
+
+from planning.plan import InfeasibleError, Plan, PlanOptions, even_plan, make_plan
+from planning.profile import ClusterProfile
+from server.metrics import Metrics
+from server.settings import ServeSettings
+from workers.client import RemotePipeline, WorkerRef
+from workers.cluster import ClusterConfig
+from workers.profiler import Device, ProfileOptions, profile_workers
+
+log = logging.getLogger(__name__)
+MISSES_TO_LOSE = 2
+
+
+@dataclass
+class Member:
+    name: str
+    url: str
+    up: bool = True
+    misses: int = 0
+    instance: str | None = None
+    hot: bool = False  # memory above the threshold, already acted on
+
+
+class ClusterManager:
+    """Membership, profile and placement of a distributed controller."""
+
+    def __init__(self, settings: ServeSettings, config: ClusterConfig, profile: ClusterProfile, metrics: Metrics,
+                 options: PlanOptions, profile_options: ProfileOptions):
+        self.settings, self.config, self.profile, self.metrics = settings, config, profile, metrics
+        self.options, self.profile_options = options, profile_options
+        self.members = {d.name: Member(d.name, d.url) for d in profile.workers}
+        self.plan: Plan = self.make_plan(profile)
+        self.pipeline: RemotePipeline | None = None
+        self.mailbox = None  # workers.client.ResultMailbox of the last stage's results
+        self.runner = None  # set once the controller's model is loaded
+        self.pending_joins: list[Device] = []
+        self.lock = asyncio.Lock()
+
+    # planning
+
+    def make_plan(self, profile: ClusterProfile, options: PlanOptions | None = None) -> Plan:
+        make = even_plan if self.settings.placement == "even" else make_plan
+        return make(profile, options or self.options)
+
+    def refs(self, plan: Plan) -> list[WorkerRef]:
+        return [WorkerRef(self.members[s.device].url, s.device, s.first, s.last) for s in plan.stages]
+
+    def apply(self, plan: Plan) -> None:
+        """Assign every worker of the plan its layers and route through them (on the model thread)."""
+        refs = self.refs(plan)
+        for ref in refs:
+            self.pipeline.assign(ref)
+        self.pipeline.replace(refs)
+        if self.runner is not None:
+            self.runner.placement_changed()
+        self.plan = plan
+        for s in plan.stages:
+            log.info("worker %s (%s) holds layers [%d, %d)", s.device, self.members[s.device].url, s.first, s.last)
+        self._gauges()
+
+    def _gauges(self) -> None:
+        held = {s.device: s.last - s.first for s in self.plan.stages}
+        for name in self.members:
+            self.metrics.placement_layers.labels(name).set(held.get(name, 0))
+        self.metrics.workers_up.set(sum(m.up for m in self.members.values()))
+
+    async def replan(self, reason: str, options: PlanOptions | None = None, force: bool = False) -> bool:
+        """Plan again over the workers that are up; apply the plan if it differs (or if forced)."""
+        async with self.lock:
+            down = {m.name for m in self.members.values() if not m.up}
+            try:
+                plan = self.make_plan(self.profile.without(down), options)
+            except InfeasibleError as exc:
+                log.error("re-plan (%s) found no placement; keeping the current one: %s", reason, exc)
+                self.metrics.replans.labels(reason, "infeasible").inc()
+                return False
+            same = [(s.device, s.first, s.last) for s in plan.stages] == \
+                   [(s.device, s.first, s.last) for s in self.plan.stages]
+            if same and not force:
+                log.info("re-plan (%s) kept the placement", reason)
+                self.metrics.replans.labels(reason, "kept").inc()
+                return False
+            try:
+                await self.runner.call(self.apply, plan)
+            except Exception as exc:
+                log.error("re-plan (%s) could not be applied: %s", reason, exc)
+                self.metrics.replans.labels(reason, "failed").inc()
+                return False
+            if options is not None:
+                self.options = options
+            layout = ", ".join(f"{s.device} [{s.first}, {s.last})" for s in plan.stages)
+            log.warning("re-planned (%s): %s; predicted %.2f ms/token", reason, layout, plan.decode_ms_per_token)
+            self.metrics.replans.labels(reason, "applied").inc()
+            return True
+
+    # watching
+
+    def request_join(self, url: str, name: str) -> None:
+        """A worker announced itself; it is profiled and planned in at the next check."""
+        self.pending_joins.append(Device(name, url.rstrip("/")))
+
+    async def monitor(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.monitor_interval_s)
+            try:
+                await self.check()
+            except Exception:  # the watch must go on whatever one check met
+                log.exception("cluster check failed")
+
+    async def _info(self, client: httpx.AsyncClient, m: Member) -> dict | None:
+        try:
+            r = await client.get(m.url + "/info")
+            return r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    async def check(self) -> None:
+        """One look at every worker; re-plan for whatever changed."""
+        headers = {"authorization": f"Bearer {self.config.token}"}
+        members = list(self.members.values())
+        async with httpx.AsyncClient(headers=headers, timeout=2) as client:
+            infos = await asyncio.gather(*(self._info(client, m) for m in members))
+        placed = {s.device: s for s in self.plan.stages}
+        lost, back, hot = [], [], []
+        for m, info in zip(members, infos, strict=True):
+            if info is None:
+                m.misses += 1
+                if m.up and m.misses >= MISSES_TO_LOSE:
+                    m.up = False
+                    lost.append(m.name)
+                continue
+            m.misses = 0
+            restarted = m.instance is not None and info["instance"] != m.instance
+            m.instance = info["instance"]
+            if not m.up or (m.name in placed and (restarted or info["holds"] is None)):
+                m.up = True
+                back.append(m.name)
+            mem = info["memory"]
+            use = (mem["weight_bytes"] + mem["kv_bytes"]) / mem["budget_bytes"]
+            self.metrics.worker_memory_use.labels(m.name).set(use)
+            if use >= self.settings.memory_threshold and not m.hot and m.name in placed:
+                m.hot = True
+                hot.append((m.name, mem["kv_bytes"], placed[m.name]))
+            elif use < self.settings.memory_threshold:
+                m.hot = False
+        joined = await self._take_joins()
+        if lost:
+            log.warning("lost worker(s) %s", ", ".join(lost))
+            await self.replan("worker_lost")
+        elif back or joined:
+            await self.replan("worker_joined", force=bool(back))
+        elif hot:
+            await self.replan("memory", self._options_for(hot))
+        self._gauges()
+
+    def _options_for(self, hot: list[tuple[str, int, object]]) -> PlanOptions:
+        # Hold the KV the busiest worker has now with room to grow (caches double as they fill), and keep
+        # every device under the threshold.
+        card = self.profile.model
+        held = max(kv / ((stage.last - stage.first) * card.kv_bytes_per_token()) for _, kv, stage in hot)
+        context = max(self.options.context, math.ceil(1.5 * held / self.options.concurrency))
+        log.warning("memory use of %s passed %.0f%%: planning for %d tokens x %d sessions",
+                    ", ".join(n for n, _, _ in hot), 100 * self.settings.memory_threshold, context,
+                    self.options.concurrency)
+        return replace(self.options, context=context, memory_fraction=self.settings.memory_threshold)
+
+    async def _take_joins(self) -> list[str]:
+        joined = []
+        while self.pending_joins:
+            d = self.pending_joins.pop(0)
+            peers = [Device(m.name, m.url) for m in self.members.values() if m.up and m.name != d.name]
+            try:
+                devices, links = await profile_workers([d], self.config.token, self.settings.model,
+                                                       self.settings.dtype, self.profile_options, peers=peers)
+            except Exception as exc:
+                log.error("worker %s (%s) could not join: %s", d.name, d.url, exc)
+                continue
+            kept = [w for w in self.profile.workers if w.name != d.name]
+            links = [lk for lk in self.profile.links if d.name not in (lk.src, lk.dst)] + links
+            self.profile = replace(self.profile, workers=[*kept, *devices], links=links)
+            self.members[d.name] = Member(d.name, d.url)
+            log.warning("worker %s (%s) joined", d.name, d.url)
+            joined.append(d.name)
+        return joined

@@ -1,0 +1,94 @@
+"""A re-assignment of the stages in the middle of a generation: the session's cache is rebuilt from its tokens
+on the new stages and decoding continues exactly as if nothing had happened (tiny model, float32)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from model_fixtures import smollm2_folder
+from processes import tiny_chat_model
+
+from model.config import ModelConfig
+from model.load import load_local
+from model.runner import SessionLostError
+from model.source import resolve_model
+from model.stack import LayerStack
+from model.stage import LocalStage, Pipeline
+from model.thread import ModelThread
+from model.weights import TensorSource
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    files = resolve_model(str(tiny_chat_model(tmp_path_factory.mktemp("tiny-rebuild"), smollm2_folder())))
+    model = load_local(files, "float32", 1.0, ModelThread(1))
+    yield model
+    model.runner.close()
+
+
+def split_pipeline(folder, cut: int) -> Pipeline:
+    cfg = ModelConfig.from_folder(folder)
+    src = TensorSource(folder)
+    return Pipeline([LocalStage(LayerStack.load(src, cfg, 0, cut, torch.float32), 2**30),
+                     LocalStage(LayerStack.load(src, cfg, cut, cfg.n_layers, torch.float32), 2**30)])
+
+
+async def greedy(runner, prompt: list[int], n: int, on_step=None) -> list[int]:
+    session = await runner.open(64)
+    try:
+        logits = await runner.forward(session, torch.tensor([prompt]), last_only=True)
+        out = []
+        for i in range(n):
+            out.append(int(logits[0, -1].argmax()))
+            if on_step:
+                await on_step(i, session)
+            logits = await runner.forward(session, torch.tensor([[out[-1]]]))
+        return out
+    finally:
+        await runner.release(session)
+
+
+def test_decoding_continues_exactly_after_a_replacement(loaded):
+    runner, folder = loaded.runner, loaded.files.folder
+    prompt = [5, 17, 42, 99, 3]
+    original = runner.pipeline
+    want = asyncio.run(greedy(runner, prompt, 12))
+
+    async def replan(i, session):
+        if i == 5:  # as ClusterManager.apply does on the model thread: new stages, every cache gone
+            def swap():
+                runner.pipeline = split_pipeline(folder, 1)
+                runner.placement_changed()
+            await runner.call(swap)
+        if i == 8:  # a truncation (a rejected draft) on the new placement, then the same token again
+            await runner.truncate(session, session.length - 1)
+            await runner.forward(session, torch.tensor([[want[i - 1]]]))
+
+    try:
+        rebuilt = runner.rebuilt
+        got = asyncio.run(greedy(runner, prompt, 12, replan))
+        assert got == want
+        assert runner.rebuilt == rebuilt + 1
+    finally:
+        runner.pipeline = original
+        runner.placement_changed()
+
+
+def test_a_session_with_a_custom_mask_ends_with_a_clear_error(loaded):
+    runner = loaded.runner
+
+    async def run():
+        session = await runner.open(32)
+        try:
+            await runner.forward(session, torch.tensor([[1, 2, 3]]))
+            mask = torch.ones(1, 2, 5, dtype=torch.bool)  # a tree: not a plain run of tokens
+            await runner.forward(session, torch.tensor([[4, 5]]), mask=mask)
+            await runner.call(runner.placement_changed)
+            with pytest.raises(SessionLostError, match="re-planned"):
+                await runner.forward(session, torch.tensor([[6]]))
+        finally:
+            await runner.release(session)
+
+    asyncio.run(run())
