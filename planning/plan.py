@@ -217,5 +217,14 @@ def even_plan(profile: ClusterProfile, options: PlanOptions | None = None) -> Pl
     from planning.split import even_split
 
     options = options or PlanOptions()
+    card, n = profile.model, len(profile.workers)
+    if not 1 <= n <= card.n_layers:
+        raise InfeasibleError(f"{n} workers cannot split {card.n_layers} layers evenly")
     costs = _Costs(profile, list(profile.workers), options)
-    return _finish(profile, costs, even_split(profile.model.n_layers, len(profile.workers)), options, "even")
+    bounds = even_split(card.n_layers, n)
+    for d, most, (first, last) in zip(profile.workers, costs.max_layers, bounds, strict=True):
+        if last - first > most:
+            raise InfeasibleError(f"even split does not fit: {d.name} would hold {last - first} layers, "
+                                  f"{(last - first) * costs.layer_bytes / GIB:.2f} GiB, of "
+                                  f"{d.memory_capacity_bytes * options.memory_fraction / GIB:.2f} GiB")
+    return _finish(profile, costs, bounds, options, "even")

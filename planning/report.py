@@ -1,7 +1,6 @@
 """What `edgespec plan` shows: a placement as a rich table, as JSON, and as a PNG, each beside the even split.
 
-Pure presentation of Plan objects (planning/plan.py); the one computation here is whether the even split,
-the baseline, fits the devices at all (even_plan does not check memory, so its stage times would be inf).
+Pure presentation of Plan objects (planning/plan.py).
 """
 
 from __future__ import annotations
@@ -10,23 +9,16 @@ import math
 
 from rich.table import Table
 
-from planning.plan import GIB, Plan, PlanOptions, even_plan
+from planning.plan import GIB, InfeasibleError, Plan, PlanOptions, even_plan
 from planning.profile import ClusterProfile
-from planning.split import even_split
 
 
 def even_baseline(profile: ClusterProfile, options: PlanOptions) -> tuple[Plan | None, str]:
     """(the even split's plan, "") when its stages fit their devices, else (None, why not)."""
-    card, n = profile.model, len(profile.workers)
-    if not 1 <= n <= card.n_layers:
-        return None, f"{n} workers cannot split {card.n_layers} layers evenly"
-    per_layer = card.layer_weight_bytes() + card.kv_bytes_per_token() * options.context * options.concurrency
-    for d, (first, last) in zip(profile.workers, even_split(card.n_layers, n), strict=True):
-        need, offer = (last - first) * per_layer, d.memory_capacity_bytes * options.memory_fraction
-        if need > offer:
-            return None, (f"even split does not fit: {d.name} would hold {last - first} layers, "
-                          f"{need / GIB:.2f} GiB, of {offer / GIB:.2f} GiB")
-    return even_plan(profile, options), ""
+    try:
+        return even_plan(profile, options), ""
+    except InfeasibleError as exc:
+        return None, str(exc)
 
 
 def _ratio(a: float, b: float) -> float | None:

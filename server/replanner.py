@@ -52,6 +52,7 @@ class ClusterManager:
         self.mailbox = None  # workers.client.ResultMailbox of the last stage's results
         self.runner = None  # set once the controller's model is loaded
         self.pending_joins: list[Device] = []
+        self.broken = False  # the last placement failed to apply: try again at the next check
         self.lock = asyncio.Lock()
 
     # planning
@@ -66,12 +67,18 @@ class ClusterManager:
     def apply(self, plan: Plan) -> None:
         """Assign every worker of the plan its layers and route through them (on the model thread)."""
         refs = self.refs(plan)
-        for ref in refs:
-            self.pipeline.assign(ref)
-        self.pipeline.replace(refs)
-        if self.runner is not None:
-            self.runner.placement_changed()
-        self.plan = plan
+        self.broken = True
+        try:
+            for ref in refs:
+                self.pipeline.assign(ref)
+            self.broken = False
+        finally:
+            # Even after a failed assignment the old routing is void (some workers hold new layers): route by
+            # the new plan, whose sessions' opens check each worker's layers, until the next check re-plans.
+            self.pipeline.replace(refs)
+            if self.runner is not None:
+                self.runner.placement_changed()
+            self.plan = plan
         for s in plan.stages:
             log.info("worker %s (%s) holds layers [%d, %d)", s.device, self.members[s.device].url, s.first, s.last)
         self._gauges()
@@ -169,6 +176,8 @@ class ClusterManager:
             await self.replan("worker_joined", force=bool(back))
         elif hot:
             await self.replan("memory", self._options_for(hot))
+        elif self.broken:
+            await self.replan("retry", force=True)
         self._gauges()
 
     def _options_for(self, hot: list[tuple[str, int, object]]) -> PlanOptions:

@@ -108,6 +108,9 @@ def test_worker_validates_inputs_and_keeps_other_sessions(worker):
         r = httpx.post(fwd.format(sid), params=params, content=body, headers={**auth, "x-callback": "http://x"})
         assert r.status_code == status, (label, r.text)
         assert r.json()["error"]["message"], label
+    wrong_layers = httpx.post(url + "/sessions/y/open", json={"step": 1, "capacity": 8, "layers": [2, 4]},
+                              headers=auth)
+    assert wrong_layers.status_code == 409 and "[0, 2)" in wrong_layers.json()["error"]["message"]
     bad_json = httpx.post(url + "/sessions/x/open", content=b"{", headers={**auth, "content-type": "application/json"})
     assert bad_json.status_code == 400
     assert httpx.post(url + "/sessions/x/open", json={"step": 1, "capacity": -3}, headers=auth).status_code == 400

@@ -27,14 +27,14 @@ from model.stage import CapacityError, SessionError
 from model.timing import CONTEXTS, TOKENS
 from workers.auth import bearer_ok
 from workers.client import NODELAY
-from workers.host import NotAssignedError, StageHost, StepError
+from workers.host import AssignmentError, NotAssignedError, StageHost, StepError
 from workers.probe import measure_link
 from workers.settings import WorkerSettings
 from workers.wire import WireError
 
 log = logging.getLogger(__name__)
 ERRORS = [(PermissionError, 401), (WireError, 400), (KVCacheError, 400), (SessionError, 404), (StepError, 409),
-          (NotAssignedError, 409), (CapacityError, 507), (MemoryError, 507), (ValueError, 400)]
+          (NotAssignedError, 409), (AssignmentError, 409), (CapacityError, 507), (MemoryError, 507), (ValueError, 400)]
 
 
 class Strict(BaseModel):
@@ -65,6 +65,7 @@ class OpenBody(Strict):
     step: int = Field(ge=0)
     capacity: int = Field(ge=1)
     rows: int = Field(1, ge=1)
+    layers: list[int] | None = Field(None, min_length=2, max_length=2, description="[first, last) expected")
 
 
 class TruncateBody(Strict):
@@ -172,7 +173,7 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
 
     @app.post("/sessions/{sid}/open", dependencies=auth)
     async def open_session(sid: str, body: OpenBody):
-        host.open(sid, body.step, body.capacity, body.rows)
+        host.open(sid, body.step, body.capacity, body.rows, body.layers)
         return {"ok": True}
 
     @app.post("/sessions/{sid}/truncate", dependencies=auth)

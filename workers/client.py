@@ -124,7 +124,8 @@ class RemotePipeline:
         step = self._step(session)
         self.wire_stats[session] = {link: [0, 0] for link in self.links}
         for w in self.workers:
-            path, body = f"/sessions/{session}/open", {"step": step, "capacity": capacity, "rows": rows}
+            path = f"/sessions/{session}/open"
+            body = {"step": step, "capacity": capacity, "rows": rows, "layers": [w.first, w.last]}
             try:
                 self._call(w, "POST", path, json=body)
             except StageFailure as exc:

@@ -34,6 +34,10 @@ class NotAssignedError(RuntimeError):
     """The worker holds no layers yet."""
 
 
+class AssignmentError(RuntimeError):
+    """The caller expects other layers than this worker holds."""
+
+
 @dataclass
 class Assignment:
     model: str | None
@@ -135,8 +139,13 @@ class StageHost:
             fn(*args)
             self.steps[session] = step
 
-    def open(self, session: str, step: int, capacity: int, rows: int) -> None:
+    def open(self, session: str, step: int, capacity: int, rows: int, layers: list[int] | None = None) -> None:
+        """Open a session's cache; `layers`, when given, must be what this worker holds (a controller whose
+        placement failed to apply must not route through layers it does not expect)."""
         stage = self._stage()
+        a = self.assignment
+        if layers is not None and list(layers) != [a.first, a.last]:
+            raise AssignmentError(f"this worker holds layers [{a.first}, {a.last}), not {layers}")
         if capacity > self.cfg.max_position_embeddings:
             raise ValueError(f"capacity {capacity} exceeds the model's context of {self.cfg.max_position_embeddings}")
         self._apply(session, step, stage.open, session, capacity, rows)
