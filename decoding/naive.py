@@ -19,13 +19,13 @@ class NaivePolicy:
         sampler = await model.call(Sampler, request.sampling, model.cfg.vocab_size)
         text = TextStream(tokenizer, request.stop, request.stop_token_ids, request.max_tokens)
         stats = StepStats(self.name)
-        session = await model.open(len(request.prompt_ids) + request.max_tokens)
+        session = await model.open(len(request.prompt_ids) + request.max_tokens, prompt=request.prompt_ids)
+        stats.cached_prompt_tokens = session.length
         try:
             def choose(logits):  # logits [1, 1, V], on the model thread
                 return sampler.choose_with_logprob(logits[0, -1])
 
-            token, logprob = await model.forward(session, torch.tensor([request.prompt_ids]), last_only=True,
-                                                 then=choose)
+            token, logprob = await model.prefill(session, request.prompt_ids, then=choose)
             while True:
                 pushed = text.push(token)
                 stats.tokens_emitted(1, model.wire(session))

@@ -17,6 +17,7 @@ class StepStats:
         self.proposed = 0  # drafted tokens offered for verification (draft-and-verify policies)
         self.accepted = 0
         self.prefill_wire: dict[str, tuple[int, int]] = {}  # wire counts when the first token came
+        self.cached_prompt_tokens = 0  # prompt tokens whose KV came from an earlier request (prefix reuse)
 
     def tokens_emitted(self, n: int, wire: dict[str, tuple[int, int]]) -> None:
         """Count n new tokens; `wire` is the session's (bytes, requests) per link so far."""
@@ -43,6 +44,7 @@ class StepStats:
             "tokens_per_step": round(decoded / self.steps, 4) if self.steps else None,
             "acceptance_rate": round(self.accepted / self.proposed, 4) if self.proposed else None,
             "ttft_ms": round((first - self.start) * 1000, 3),
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "decode_tokens_per_s": round(decoded / decode_s, 3) if decoded > 0 and decode_s > 0 else None,
             "wire_bytes_per_token": per_token(sum(b for b, _ in wire.values())),
             "wire_requests_per_token": per_token(sum(n for _, n in wire.values())),

@@ -149,3 +149,18 @@ class KVCache:
         _, n_kv, _, hd = self.k[0].shape
         return KVCache(len(self.k), n_kv, hd, capacity, self.k[0].dtype, rows=rows, prefix=(self, prefix_len),
                        initial=initial)
+
+    def clone_prefix(self, prefix_len: int, capacity: int, initial: int | None = None) -> KVCache:
+        """A new one-row cache holding a copy of this cache's slots [0, prefix_len) of row 0 (prefix reuse:
+        a copy once, where a fork would concatenate the shared prefix at every step)."""
+        if not 0 < prefix_len <= self.length:
+            raise KVCacheError(f"prefix of {prefix_len} slots but the cache holds {self.length}")
+        _, n_kv, _, hd = self.k[0].shape
+        child = KVCache(len(self.k), n_kv, hd, capacity, self.k[0].dtype,
+                        initial=max(prefix_len, initial or 0))
+        for layer in range(len(self.k)):
+            k, v = self.read(layer, prefix_len)  # [1, n_kv, P, hd]
+            child.k[layer][:, :, :prefix_len] = k
+            child.v[layer][:, :, :prefix_len] = v
+        child.length = prefix_len
+        return child

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 
 from model.config import ModelConfig
+from model.prefix import PrefixCache
 from model.stack import TokenEnds
+from model.stage import CapacityError
 from model.thread import ModelThread
 
 
@@ -48,6 +50,8 @@ class ModelRunner:
         self._ids = itertools.count()
         self.generation = 0  # bumped (on the model thread) whenever the stages are re-assigned
         self.rebuilt = 0  # sessions prefilled again after a re-assignment
+        self.cuts: Callable[[int], list[int]] | None = None  # segment ends for pipelined prefill of n tokens
+        self.prefix: PrefixCache | None = None  # finished sessions kept for prefix reuse
 
     def placement_changed(self) -> None:
         """The stages were re-assigned and hold no sessions: each is rebuilt at its next forward (model thread)."""
@@ -57,39 +61,85 @@ class ModelRunner:
         """Run fn(*args) on the model thread, in turn with the forward passes (a policy's tensor work)."""
         return await self._run(fn, *args)
 
-    async def open(self, capacity: int, rows: int = 1) -> Session:
-        """A new session with room for `capacity` slots; CapacityError when it does not fit."""
+    async def open(self, capacity: int, rows: int = 1, prompt: list[int] | None = None) -> Session:
+        """A new session with room for `capacity` slots; CapacityError when it does not fit even after
+        releasing every kept prefix. With `prompt`, the session may start with the KV of a kept session
+        that shares a prefix with it: session.length tells how much of the prompt is already cached."""
         session = Session(f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}", capacity, rows, generation=self.generation)
+        found = self.prefix.match(prompt, self.generation) if self.prefix and prompt and rows == 1 else None
         try:
-            await self._run(self.pipeline.open, session.id, capacity, rows)
+            while True:
+                try:
+                    if found:
+                        entry, n = found
+                        await self._run(self.pipeline.clone, entry.session.id, session.id, n, capacity)
+                        session.length, session.tokens = n, entry.tokens[:n]
+                    else:
+                        await self._run(self.pipeline.open, session.id, capacity, rows)
+                    return session
+                except CapacityError:
+                    evicted = self.prefix.pop_lru() if self.prefix else None
+                    if evicted is None:
+                        raise
+                    found = None if found and found[0].session is evicted else found
+                    await self.thread.run_shielded(self.pipeline.release, evicted.id)
         except BaseException:  # a cancelled await may still have opened the cache on the model thread
-            await self.release(session)
+            await self.thread.run_shielded(self.pipeline.release, session.id)
             raise
-        return session
 
     async def release(self, session: Session) -> None:
+        """Free the session, or keep it for prefix reuse when it is a plain run of tokens."""
         # Callers release in a `finally` that also runs when the request is cancelled (a client that
         # disconnected mid-stream): shielded, so cancelling it does not leak the session's KV cache.
-        await self.thread.run_shielded(self.pipeline.release, session.id)
+        freed = [session]
+        if self.prefix is not None and session.tokens is not None and session.generation == self.generation:
+            tokens = session.tokens[:session.length]
+            exact = getattr(self.pipeline, "session_bytes", None)  # in-process stages know; workers: estimate
+            nbytes = exact(session.id) if exact else self.cfg.kv_bytes_per_token(dtype=self.ends.dtype) * len(tokens)
+            freed = self.prefix.add(session, tokens, nbytes, self.generation)
+        for s in freed:
+            await self.thread.run_shielded(self.pipeline.release, s.id)
+
+    async def prefill(self, session: Session, prompt: list[int], then: Callable[[torch.Tensor], Any] | None = None):
+        """The prompt's tokens not cached yet (see open), with the last position's logits (or then(logits))."""
+        return await self.forward(session, torch.tensor([prompt[session.length:]]), last_only=True, then=then)
 
     def _forward(self, session: Session, ids: torch.Tensor, positions, start: int, mask, last_only: bool, then):
         # ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32; or then(logits)
         if session.generation != self.generation:
             self._rebuild(session, start)
+        plain = positions is None and mask is None and session.rows == 1
         if session.tokens is not None:
-            if positions is None and mask is None and session.rows == 1:
+            if plain:
                 session.tokens[start:] = ids[0].tolist()
             else:  # a tree or a batch of rows: its cache is not a plain run of tokens
                 session.tokens = None
         if positions is None:
             positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
+        cuts = self.cuts(ids.shape[1]) if self.cuts and plain and ids.shape[1] > 1 else None
         with torch.inference_mode():
             hidden = self.ends.embed_tokens(ids)
-            hidden = self.pipeline.forward(session.id, hidden, positions, start, mask)
+            try:
+                if cuts and len(cuts) > 1:
+                    hidden = self._segments(session, hidden, positions, start, cuts)
+                else:
+                    hidden = self.pipeline.forward(session.id, hidden, positions, start, mask)
+            except BaseException:
+                session.tokens = None  # its caches may be half written: never replay or reuse them
+                raise
             if last_only:
                 hidden = hidden[:, -1:]
             logits = self.ends.logits(hidden)
             return logits if then is None else then(logits)
+
+    def _segments(self, session: Session, hidden: torch.Tensor, positions, start: int, cuts: list[int]):
+        # hidden [1, T, H] in segments ending at cuts: pipelined over workers, else one after another (each
+        # segment attends to the KV the earlier ones cached, so the result equals one pass)
+        if hasattr(self.pipeline, "forward_segments"):
+            return self.pipeline.forward_segments(session.id, hidden, start, cuts)
+        outs = [self.pipeline.forward(session.id, hidden[:, a:b], positions[:, a:b], start + a)
+                for a, b in itertools.pairwise([0, *cuts])]
+        return torch.cat(outs, dim=1)
 
     def _rebuild(self, session: Session, start: int) -> None:
         # The stages were re-assigned (a re-plan) and dropped their caches: prefill the session's tokens again

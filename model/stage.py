@@ -45,6 +45,9 @@ class Stage(Protocol):
     def fork(self, session: str, child: str, prefix_len: int, rows: int, capacity: int) -> None:
         """Open `child` with `rows` rows sharing `session`'s first prefix_len slots read-only."""
 
+    def clone(self, session: str, child: str, prefix_len: int, capacity: int) -> None:
+        """Open `child` with a copy of `session`'s first prefix_len slots (prefix reuse)."""
+
     def release(self, session: str) -> None:
         """Free the session's cache (unknown sessions are ignored)."""
 
@@ -107,11 +110,18 @@ class LocalStage:
         parent = self._cache(session)
         self._add(child, lambda: parent.fork(prefix_len, rows, capacity, initial=prefix_len + self.INITIAL_SLOTS))
 
+    def clone(self, session: str, child: str, prefix_len: int, capacity: int) -> None:
+        parent = self._cache(session)
+        self._add(child, lambda: parent.clone_prefix(prefix_len, capacity, initial=prefix_len + self.INITIAL_SLOTS))
+
     def release(self, session: str) -> None:
         self.caches.pop(session, None)
 
     def kv_bytes(self) -> int:
         return sum(c.nbytes for c in self.caches.values())
+
+    def session_bytes(self, session: str) -> int:
+        return self.caches[session].nbytes if session in self.caches else 0
 
 
 class Pipeline:
@@ -126,8 +136,8 @@ class Pipeline:
         return hidden
 
     def __getattr__(self, name):
-        # open, truncate, commit, fork, release: applied to every stage in order.
-        if name not in ("open", "truncate", "commit", "fork", "release"):
+        # open, truncate, commit, fork, clone, release: applied to every stage in order.
+        if name not in ("open", "truncate", "commit", "fork", "clone", "release"):
             raise AttributeError(name)
 
         def each(*args, **kwargs):
@@ -138,6 +148,9 @@ class Pipeline:
 
     def kv_bytes(self) -> int:
         return sum(s.kv_bytes() for s in self.stages)
+
+    def session_bytes(self, session: str) -> int:
+        return sum(s.session_bytes(session) for s in self.stages)
 
     def wire(self, session: str) -> dict:
         return {}  # in-process: nothing crosses a network

@@ -9,12 +9,14 @@ from pathlib import Path
 
 from model.config import ModelConfig
 from model.load import LoadedModel, load_local, load_with_pipeline
+from model.prefix import PrefixCache
+from model.runner import ModelRunner
 from model.source import ModelFiles, resolve_model
 from model.thread import ModelThread
-from planning.plan import PlanOptions
+from planning.plan import Plan, PlanOptions
 from planning.profile import ClusterProfile
 from server.metrics import Metrics
-from server.replanner import ClusterManager
+from server.replanner import ClusterManager, prefill_cuts
 from server.settings import ServeSettings
 from workers.client import RemotePipeline, ResultMailbox
 from workers.cluster import ClusterConfig, launch_local_workers, wait_healthy
@@ -46,11 +48,24 @@ def obtain_profile(settings: ServeSettings, files: ModelFiles, devices: list[Dev
     return profile
 
 
+def configure_runner(runner: ModelRunner, settings: ServeSettings, metrics: Metrics, plan: Plan | None) -> None:
+    """Prefill cuts, prefix reuse, and the runner's counters in /metrics."""
+    runner.cuts = prefill_cuts(settings, plan)
+    if settings.prefix_cache_mib > 0:
+        runner.prefix = PrefixCache(int(settings.prefix_cache_mib * 2**20), settings.prefix_min_tokens)
+        metrics.prefix_hits.set_function(lambda: runner.prefix.hits)
+        metrics.prefix_tokens.set_function(lambda: runner.prefix.reused_tokens)
+        metrics.prefix_bytes.set_function(lambda: runner.prefix.nbytes)
+    metrics.sessions_rebuilt.set_function(lambda: runner.rebuilt)
+
+
 def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[LoadedModel, ClusterManager | None]:
     thread = ModelThread(settings.threads or os.cpu_count() or 1)
     files = resolve_model(settings.model)  # converts a GGUF once, before any worker needs the cache
     if not settings.local_workers and not settings.cluster:
-        return load_local(files, settings.dtype, settings.kv_cache_gib, thread), None
+        loaded = load_local(files, settings.dtype, settings.kv_cache_gib, thread)
+        configure_runner(loaded.runner, settings, metrics, None)
+        return loaded, None
     if settings.local_workers:
         config = launch_local_workers(settings.local_workers, settings.model, settings.worker_threads,
                                       settings.worker_cpus)
@@ -77,7 +92,7 @@ def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[Loaded
         manager.apply(manager.plan)
         loaded = load_with_pipeline(files, settings.dtype, manager.pipeline, thread)
         manager.runner = loaded.runner
-        metrics.sessions_rebuilt.set_function(lambda: loaded.runner.rebuilt)
+        configure_runner(loaded.runner, settings, metrics, manager.plan)
     except BaseException:
         config.stop()
         raise

@@ -35,6 +35,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--plan-concurrency", type=int, help="sessions at once the placement must hold")
     p.add_argument("--memory-threshold", type=float, help="re-plan when a worker's memory use passes this share")
     p.add_argument("--monitor-interval-s", type=float, help="how often the controller checks its workers")
+    p.add_argument("--pipelined-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="pipeline long prompts through the workers in segments (default: on)")
+    p.add_argument("--prefill-segment", type=int, help="fixed prefill segment length (overrides the plan)")
+    p.add_argument("--prefix-cache-mib", type=float, help="KV kept for prefix reuse (0: off; default 256)")
+    p.add_argument("--prefix-min-tokens", type=int, help="shortest shared prefix worth reusing (default 32)")
 
 
 def _profile_parser(sub) -> None:

@@ -34,6 +34,12 @@ class Metrics:
                                       registry=r)
         self.sessions_rebuilt = Gauge("edgespec_sessions_rebuilt", "sessions prefilled again after a re-plan, "
                                       "since start", registry=r)
+        self.prefix_hits = Gauge("edgespec_prefix_cache_hits", "requests that reused a cached prompt prefix, "
+                                 "since start", registry=r)
+        self.prefix_tokens = Gauge("edgespec_prefix_cache_reused_tokens", "prompt tokens whose KV was reused, "
+                                   "since start", registry=r)
+        self.prefix_bytes = Gauge("edgespec_prefix_cache_bytes", "KV bytes kept for prefix reuse (estimate)",
+                                  registry=r)
         self.workers_up = Gauge("edgespec_workers_up", "workers answering the controller's checks", registry=r)
         self.worker_memory_use = Gauge("edgespec_worker_memory_use_ratio",
                                        "weights plus KV caches over each worker's memory budget", ["device"],

@@ -19,9 +19,10 @@ def _byte_decoder(tokenizer) -> dict[str, int] | None:
     return {ch: b for b, ch in bytes_to_unicode().items()}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, stats: dict | None = None) -> dict:
+    cached = (stats or {}).get("cached_prompt_tokens") or 0
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 @dataclass
@@ -111,7 +112,7 @@ class Renderer:
     def usage_chunk(self, stats: dict | None) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         extra = {"decoding": stats} if stats else {}
-        return self._envelope(obj, [], usage=usage(self.prompt_tokens, self.completion_tokens), **extra)
+        return self._envelope(obj, [], usage=usage(self.prompt_tokens, self.completion_tokens, stats), **extra)
 
     # whole responses
 
@@ -127,4 +128,4 @@ class Renderer:
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
             obj = "text_completion"
-        return self._envelope(obj, [choice], usage=usage(self.prompt_tokens, n), decoding=last.stats)
+        return self._envelope(obj, [choice], usage=usage(self.prompt_tokens, n, last.stats), decoding=last.stats)

@@ -39,6 +39,17 @@ class Member:
     hot: bool = False  # memory above the threshold, already acted on
 
 
+def prefill_cuts(settings: ServeSettings, plan: Plan | None):
+    """Segment ends for a prefill of n tokens: a fixed segment length if set, else the plan's sequence
+    partition when pipelined prefill is on and there are workers; None: one pass."""
+    if settings.prefill_segment:
+        size = settings.prefill_segment
+        return lambda n: [*range(size, n, size), n]
+    if plan is not None and settings.pipelined_prefill:
+        return plan.sequence_cuts
+    return None
+
+
 class ClusterManager:
     """Membership, profile and placement of a distributed controller."""
 
@@ -78,6 +89,7 @@ class ClusterManager:
             self.pipeline.replace(refs)
             if self.runner is not None:
                 self.runner.placement_changed()
+                self.runner.cuts = prefill_cuts(self.settings, plan)
             self.plan = plan
         for s in plan.stages:
             log.info("worker %s (%s) holds layers [%d, %d)", s.device, self.members[s.device].url, s.first, s.last)

@@ -37,4 +37,10 @@ class ServeSettings(BaseSettings):
     plan_concurrency: int = Field(4, ge=1, description="sessions at once the placement must hold")
     memory_threshold: float = Field(0.85, gt=0, le=1, description="re-plan when a worker's memory use passes this")
     monitor_interval_s: float = Field(2.0, gt=0, description="how often the controller checks its workers")
+    pipelined_prefill: bool = Field(True, description="cut long prompts into segments that flow through the "
+                                                      "workers concurrently, where the plan says it pays")
+    prefill_segment: int | None = Field(None, ge=1, description="fixed segment length for prefill (overrides the "
+                                                                "plan's cuts; also in-process)")
+    prefix_cache_mib: float = Field(256.0, ge=0, description="KV kept from finished requests for prefix reuse; 0: off")
+    prefix_min_tokens: int = Field(32, ge=1, description="shortest shared prefix worth reusing")
     log_level: str = "info"

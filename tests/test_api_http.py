@@ -66,11 +66,11 @@ def metric(http, name: str, labels: str = "") -> float:
 
 
 def wait_idle(http, timeout_s: float = 10.0) -> None:
-    """Poll /metrics until no generation runs and no KV cache is held."""
+    """Poll /metrics until no generation runs and no KV cache is held but what prefix reuse keeps."""
     deadline = time.monotonic() + timeout_s
     while True:
         in_flight = metric(http, "edgespec_requests_in_flight")
-        kv = metric(http, "edgespec_kv_cache_bytes")
+        kv = metric(http, "edgespec_kv_cache_bytes") - metric(http, "edgespec_prefix_cache_bytes")
         if in_flight == 0 and kv == 0:
             return
         assert time.monotonic() < deadline, f"still busy after {timeout_s} s: in_flight={in_flight}, kv_bytes={kv}"

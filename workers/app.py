@@ -79,6 +79,13 @@ class CommitBody(Strict):
     dest: int = Field(ge=0)
 
 
+class CloneBody(Strict):
+    step: int = Field(ge=0)
+    child: str = Field(min_length=1, max_length=128)
+    prefix_len: int = Field(ge=1)
+    capacity: int = Field(ge=1)
+
+
 class ForkBody(Strict):
     step: int = Field(ge=0)
     child: str = Field(min_length=1, max_length=128)
@@ -107,6 +114,32 @@ async def _announce(client: httpx.AsyncClient, settings: WorkerSettings, name: s
         except httpx.HTTPError:
             continue
     log.error("the controller at %s never answered; not joined", settings.join)
+
+
+class Turns:
+    """Forward calls compute one at a time and, within a session, in step order (the segments of a pipelined
+    prefill may arrive out of order). A call keeps the turn until its output is handed to the network: the
+    next call's compute blocks the event loop, and must not hold back the transfer to the next stage."""
+
+    def __init__(self, host: StageHost, timeout_s: float):
+        self.host, self.timeout_s = host, timeout_s
+        self.cond = asyncio.Condition()
+        self.busy = False
+
+    async def acquire(self, session: str, step: int) -> None:
+        async with self.cond:
+            try:
+                await asyncio.wait_for(self.cond.wait_for(lambda: not self.busy and self.host.ready(session, step)),
+                                       self.timeout_s)
+            except TimeoutError:
+                raise StepError(f"step {step} of session {session!r} waited {self.timeout_s:.0f} s for the steps "
+                                f"before it") from None
+            self.busy = True
+
+    async def release(self) -> None:
+        async with self.cond:
+            self.busy = False
+            self.cond.notify_all()
 
 
 def create_worker_app(settings: WorkerSettings) -> FastAPI:
@@ -191,6 +224,11 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
         host.fork(sid, body.step, body.child, body.prefix_len, body.rows, body.capacity)
         return {"ok": True}
 
+    @app.post("/sessions/{sid}/clone", dependencies=auth)
+    async def clone(sid: str, body: CloneBody):
+        host.clone(sid, body.step, body.child, body.prefix_len, body.capacity)
+        return {"ok": True}
+
     @app.delete("/sessions/{sid}", dependencies=auth)
     async def release(sid: str):
         host.release(sid)
@@ -202,6 +240,21 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
             raise ValueError(f"query parameter {name!r} must be an integer, got {value!r}")
         return int(value)
 
+    turns = Turns(host, settings.downstream_timeout_s)
+
+    def next_hop(request: Request, sid: str, start: int, step: int) -> tuple[str, dict, dict]:
+        route = [u for u in request.headers.get("x-route", "").split(",") if u]
+        callback = request.headers.get("x-callback")
+        headers = {"authorization": f"Bearer {settings.token}", "content-type": "application/octet-stream"}
+        if route:
+            headers["x-route"] = ",".join(route[1:])
+            if callback:
+                headers["x-callback"] = callback
+            return f"{route[0]}/sessions/{sid}/forward", headers, {"start": start, "step": step}
+        if callback:
+            return callback, headers, {"session": sid, "step": step}
+        raise ValueError("a forward call needs an X-Route or an X-Callback header")
+
     async def forward(request: Request):
         # A plain Starlette route: the hot path skips FastAPI's dependency and parameter machinery.
         await require_token(request)
@@ -211,24 +264,27 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
         if length is None or not length.isdigit() or int(length) > settings.max_body_bytes:
             return _error(413 if length and length.isdigit() else 411,
                           f"forward bodies need a Content-Length of at most {settings.max_body_bytes} bytes")
+        target, headers, params = next_hop(request, sid, start, step)
         body = await request.body()
-        out, seconds = host.forward(sid, step, start, body)
-        hop = {"stage": host.name, "bytes": len(out), "forward_ms": round(seconds * 1000, 3)}
-        route = [u for u in request.headers.get("x-route", "").split(",") if u]
-        callback = request.headers.get("x-callback")
-        headers = {"authorization": f"Bearer {settings.token}", "content-type": "application/octet-stream"}
-        if route:
-            target = f"{route[0]}/sessions/{sid}/forward"
-            headers["x-route"] = ",".join(route[1:])
-            if callback:
-                headers["x-callback"] = callback
-            params = {"start": start, "step": step}
-        elif callback:
-            target, params = callback, {"session": sid, "step": step}
-        else:
-            return _error(400, "a forward call needs an X-Route or an X-Callback header")
+        await turns.acquire(sid, step)
         try:
-            reply = await app.state.client.post(target, content=out, headers=headers, params=params)
+            out, seconds = host.forward(sid, step, start, body)
+            sent = asyncio.Event()
+
+            async def stream():
+                yield out
+                sent.set()  # the output is in the socket: the next call may compute
+
+            headers["content-length"] = str(len(out))
+            post = asyncio.create_task(app.state.client.post(target, content=stream(), headers=headers,
+                                                             params=params))
+            handed = asyncio.create_task(sent.wait())
+            await asyncio.wait([post, handed], return_when=asyncio.FIRST_COMPLETED)
+            handed.cancel()
+        finally:
+            await turns.release()
+        try:
+            reply = await post
         except httpx.HTTPError as exc:
             return _error(502, f"stage {host.name} could not reach {target}: {type(exc).__name__}: {exc}")
         if reply.status_code != 200:
@@ -237,6 +293,7 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
             except Exception:
                 message = reply.text[:200]
             return _error(502, f"{target} answered {reply.status_code}: {message}")
+        hop = {"stage": host.name, "bytes": len(out), "forward_ms": round(seconds * 1000, 3)}
         return JSONResponse({"hops": [hop, *reply.json().get("hops", [])]})
 
     app.add_route("/sessions/{sid}/forward", forward, methods=["POST"])

@@ -13,17 +13,20 @@ import itertools
 import socket
 import threading
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
 import torch
 
+from model.stage import CapacityError
 from workers.wire import decode, encode
 
 # A forward call may be written as headers, then body; with Nagle's algorithm on, a small second write can
 # wait for the peer's delayed ACK. On loopback here it made no measurable difference, but on a real link
 # it can add a round trip per hop, so every stage-to-stage connection turns it off.
 NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+MAX_SEGMENTS = 16  # pipelined prefill segments in flight at once
 
 
 class StageFailure(RuntimeError):
@@ -83,6 +86,7 @@ class RemotePipeline:
                                  limits=httpx.Limits(max_keepalive_connections=16, keepalive_expiry=60))
         self.steps: dict[str, int] = defaultdict(int)
         self.wire_stats: dict[str, dict[str, list[int]]] = {}
+        self.pool: ThreadPoolExecutor | None = None  # senders of pipelined prefill segments
         self.replace(workers)
 
     def replace(self, workers: list[WorkerRef]) -> None:
@@ -100,6 +104,8 @@ class RemotePipeline:
             raise StageFailure(f"worker {worker.name} timed out ({type(exc).__name__})", 504) from exc
         except httpx.HTTPError as exc:
             raise StageFailure(f"worker {worker.name} is unreachable: {type(exc).__name__}: {exc}", 503) from exc
+        if r.status_code == 507:  # the worker's memory budget is full: the same error as in-process
+            raise CapacityError(f"worker {worker.name}: {_message(r)}")
         if r.status_code != 200:
             raise StageFailure(f"worker {worker.name} answered {r.status_code}: {_message(r)}",
                                503 if r.status_code >= 500 else 502)
@@ -134,6 +140,18 @@ class RemotePipeline:
                 self.assign(w)  # the worker restarted: give it its layers back, then open again
                 self._call(w, "POST", path, json=body)
 
+    def _send(self, session: str, step: int, start: int, body: bytes) -> httpx.Response:
+        """POST one forward call to the first worker; the reply comes once the last stage has posted."""
+        headers = {"x-route": ",".join(w.url for w in self.workers[1:]), "x-callback": self.callback_url,
+                   "content-type": "application/octet-stream"}
+        return self._call(self.workers[0], "POST", f"/sessions/{session}/forward", content=body, headers=headers,
+                          params={"start": start, "step": step})
+
+    def _result(self, session: str, step: int, sent: int, reply: httpx.Response) -> torch.Tensor:
+        hops = reply.json()["hops"]
+        self._record(session, [sent] + [h["bytes"] for h in hops], hops)
+        return decode(self.mailbox.take(session, step, self.timeout_s), ("hidden",))["hidden"]
+
     def forward(self, session, hidden, positions, start, mask=None):
         # hidden [B, T, H] -> hidden [B, T, H] after every worker's layers
         b, t = hidden.shape[:2]
@@ -141,14 +159,23 @@ class RemotePipeline:
         body = encode({"hidden": hidden, "positions": None if torch.equal(positions, default) else positions,
                        "mask": mask})
         step = self._step(session)
-        route = ",".join(w.url for w in self.workers[1:])
-        headers = {"x-route": route, "x-callback": self.callback_url, "content-type": "application/octet-stream"}
-        first = self.workers[0]
-        reply = self._call(first, "POST", f"/sessions/{session}/forward", content=body, headers=headers,
-                           params={"start": start, "step": step})
-        out = self.mailbox.take(session, step, self.timeout_s)
-        self._record(session, [len(body)] + [h["bytes"] for h in reply.json()["hops"]], reply.json()["hops"])
-        return decode(out, ("hidden",))["hidden"]
+        return self._result(session, step, len(body), self._send(session, step, start, body))
+
+    def forward_segments(self, session: str, hidden: torch.Tensor, start: int, cuts: list[int]) -> torch.Tensor:
+        """A pipelined prefill: hidden [1, T, H] at slots start.. cut into segments ending at `cuts` (relative,
+        the last == T), all sent at once so that worker k runs segment i while worker k-1 runs i+1 (workers
+        apply a session's steps in order). Returns hidden [1, T, H]."""
+        bounds = list(itertools.pairwise([0, *cuts]))
+        steps = [self._step(session) for _ in bounds]
+        bodies = [encode({"hidden": hidden[:, a:b]}) for a, b in bounds]
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(max_workers=MAX_SEGMENTS, thread_name_prefix="segments")
+        sends = [self.pool.submit(self._send, session, step, start + a, body)
+                 for step, (a, _), body in zip(steps, bounds, bodies, strict=True)]
+        # In order: a failed segment raises here, before waiting for results that will not come.
+        outs = [self._result(session, step, len(body), sent.result())
+                for step, body, sent in zip(steps, bodies, sends, strict=True)]
+        return torch.cat(outs, dim=1)
 
     def _record(self, session: str, sizes: list[int], hops: list[dict]) -> None:
         stats = self.wire_stats.get(session)
@@ -170,6 +197,10 @@ class RemotePipeline:
     def fork(self, session: str, child: str, prefix_len: int, rows: int, capacity: int) -> None:
         self._each(session, "fork", {"child": child, "prefix_len": prefix_len, "rows": rows, "capacity": capacity})
 
+    def clone(self, session: str, child: str, prefix_len: int, capacity: int) -> None:
+        self._each(session, "clone", {"child": child, "prefix_len": prefix_len, "capacity": capacity})
+        self.wire_stats[child] = {link: [0, 0] for link in self.links}
+
     def release(self, session: str) -> None:
         """Free the session everywhere; a worker that is down has lost it already."""
         self.steps.pop(session, None)
@@ -186,6 +217,8 @@ class RemotePipeline:
         return 0  # held on the workers: see their /info
 
     def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
 
 

@@ -125,6 +125,12 @@ class StageHost:
             raise NotAssignedError("this worker holds no layers: assign it first")
         return self.stage
 
+    def ready(self, session: str, step: int) -> bool:
+        """Whether a forward with this step may run now: every earlier step of its session has been applied
+        (an unknown session, a retry or a stale step is let through, to be answered by forward)."""
+        last = self.steps.get(session)
+        return last is None or step <= last + 1
+
     def _is_retry(self, session: str, step: int) -> bool:
         """True for a retry of the last applied step; StepError for an older one."""
         last = self.steps.get(session)
@@ -198,6 +204,11 @@ class StageHost:
 
     def fork(self, session: str, step: int, child: str, prefix_len: int, rows: int, capacity: int) -> None:
         self._apply(session, step, self._stage().fork, session, child, prefix_len, rows, capacity)
+
+    def clone(self, session: str, step: int, child: str, prefix_len: int, capacity: int) -> None:
+        if capacity > self.cfg.max_position_embeddings:
+            raise ValueError(f"capacity {capacity} exceeds the model's context of {self.cfg.max_position_embeddings}")
+        self._apply(session, step, self._stage().clone, session, child, prefix_len, capacity)
 
     def release(self, session: str) -> None:
         if self.stage is not None:
