@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(Path(args.prompts), args.limit)
     common = ["--dtype", args.dtype, "--log-level", "warning", "--local-workers", "2", "--worker-cpus", "0;1",
-              "--worker-threads", "1", "--threads", "1", "--reprofile"]
+              "--worker-threads", "1", "--threads", "1", "--reprofile", "--profile-tag", f"{args.hogs}-hogs"]
     setups = {"plan": [*common, "--placement", "plan"], "even": [*common, "--placement", "even"]}
     background = hogs(args.hogs, 1)
     procs, urls = {}, {}

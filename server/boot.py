@@ -36,7 +36,7 @@ def obtain_profile(settings: ServeSettings, files: ModelFiles, devices: list[Dev
         return profile.without({w.name for w in profile.workers} - {d.name for d in devices})
     local = bool(settings.local_workers)
     extra = {"local": local, "cpus": settings.worker_cpus, "threads": settings.worker_threads,
-             "urls": [] if local else [d.url for d in devices]}
+             "urls": [] if local else [d.url for d in devices], "tag": settings.profile_tag}
     path = cache_path(files, settings.dtype, devices, extra)
     if path.exists() and not settings.reprofile:
         log.info("using the cached profile %s", path)

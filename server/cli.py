@@ -31,6 +31,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--placement", choices=["plan", "even"], help="layers by the planner (default) or evenly")
     p.add_argument("--profile", help="profile JSON to plan from (default: cached, or measured at start)")
     p.add_argument("--reprofile", action="store_true", default=None, help="measure a new profile")
+    p.add_argument("--profile-tag", help="a label that keeps cached profiles measured under other conditions apart")
     p.add_argument("--plan-context", type=int, help="KV slots per session the placement must hold")
     p.add_argument("--plan-concurrency", type=int, help="sessions at once the placement must hold")
     p.add_argument("--memory-threshold", type=float, help="re-plan when a worker's memory use passes this share")

@@ -33,6 +33,7 @@ class ServeSettings(BaseSettings):
     placement: Literal["plan", "even"] = Field("plan", description="layers by the planner's DP, or evenly")
     profile: str | None = Field(None, description="profile JSON to plan from (default: the cached one, or measure)")
     reprofile: bool = Field(False, description="measure a new profile even when a cached one exists")
+    profile_tag: str | None = Field(None, description="keeps cached profiles measured under other conditions apart")
     plan_context: int = Field(2048, ge=1, description="KV slots per session the placement must hold")
     plan_concurrency: int = Field(4, ge=1, description="sessions at once the placement must hold")
     memory_threshold: float = Field(0.85, gt=0, le=1, description="re-plan when a worker's memory use passes this")

@@ -84,8 +84,25 @@ def test_worker_applies_steps_in_order(tiny, tmp_path):
         send(2, 0, 5, replies)
         late.join(30)
         assert replies[2].status_code == 200 and replies[3].status_code == 200, replies[3].text
+        # a clone of its first 9 slots (prefix reuse) starts its own steps, also applied in order
+        clone = {"step": 4, "child": "c", "prefix_len": 9, "capacity": 64}
+        assert httpx.post(url + "/sessions/s/clone", json=clone, headers=auth).status_code == 200
+
+        def send_child(step: int, start: int, n: int, out: dict) -> None:
+            body = encode({"hidden": torch.randn(1, n, 64)})
+            out[step] = httpx.post(url + "/sessions/c/forward", params={"start": start, "step": step}, content=body,
+                                   headers=headers, timeout=60)
+
+        child: dict = {}
+        late = threading.Thread(target=send_child, args=(2, 12, 2, child))
+        late.start()
+        late.join(0.5)
+        assert late.is_alive()
+        send_child(1, 9, 3, child)
+        late.join(30)
+        assert child[1].status_code == 200 and child[2].status_code == 200, child[2].text
         info = httpx.get(url + "/info", headers=auth).json()
-        assert info["sessions"] == 1
+        assert info["sessions"] == 2
     finally:
         proc.stop()
 

@@ -204,11 +204,13 @@ class StageHost:
 
     def fork(self, session: str, step: int, child: str, prefix_len: int, rows: int, capacity: int) -> None:
         self._apply(session, step, self._stage().fork, session, child, prefix_len, rows, capacity)
+        self.steps.setdefault(child, 0)
 
     def clone(self, session: str, step: int, child: str, prefix_len: int, capacity: int) -> None:
         if capacity > self.cfg.max_position_embeddings:
             raise ValueError(f"capacity {capacity} exceeds the model's context of {self.cfg.max_position_embeddings}")
         self._apply(session, step, self._stage().clone, session, child, prefix_len, capacity)
+        self.steps.setdefault(child, 0)  # the child's own steps start at 1, and in order (see ready)
 
     def release(self, session: str) -> None:
         if self.stage is not None:
