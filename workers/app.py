@@ -33,6 +33,7 @@ from workers.settings import WorkerSettings
 from workers.wire import WireError
 
 log = logging.getLogger(__name__)
+SMALL_BODY = 64 * 2**10  # outputs up to this size are written to the socket at once
 ERRORS = [(PermissionError, 401), (WireError, 400), (KVCacheError, 400), (SessionError, 404), (StepError, 409),
           (NotAssignedError, 409), (AssignmentError, 409), (CapacityError, 507), (MemoryError, 507), (ValueError, 400)]
 
@@ -267,24 +268,27 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
         target, headers, params = next_hop(request, sid, start, step)
         body = await request.body()
         await turns.acquire(sid, step)
+        post = None
         try:
             out, seconds = host.forward(sid, step, start, body)
-            sent = asyncio.Event()
+            if len(out) > SMALL_BODY:  # a prefill segment: keep the turn until it is on its way
+                sent = asyncio.Event()
 
-            async def stream():
-                yield out
-                sent.set()  # the output is in the socket: the next call may compute
+                async def stream():
+                    yield out
+                    sent.set()  # the output is in the socket: the next call may compute
 
-            headers["content-length"] = str(len(out))
-            post = asyncio.create_task(app.state.client.post(target, content=stream(), headers=headers,
-                                                             params=params))
-            handed = asyncio.create_task(sent.wait())
-            await asyncio.wait([post, handed], return_when=asyncio.FIRST_COMPLETED)
-            handed.cancel()
+                headers["content-length"] = str(len(out))
+                post = asyncio.create_task(app.state.client.post(target, content=stream(), headers=headers,
+                                                                 params=params))
+                handed = asyncio.create_task(sent.wait())
+                await asyncio.wait([post, handed], return_when=asyncio.FIRST_COMPLETED)
+                handed.cancel()
         finally:
             await turns.release()
         try:
-            reply = await post
+            # a decoding step's output is small: it goes out at once, without a task and an event per hop
+            reply = await (post or app.state.client.post(target, content=out, headers=headers, params=params))
         except httpx.HTTPError as exc:
             return _error(502, f"stage {host.name} could not reach {target}: {type(exc).__name__}: {exc}")
         if reply.status_code != 200:
