@@ -122,16 +122,21 @@ def main(argv: list[str] | None = None) -> None:
     result["prefix_reuse"]["speedup"] = round(result["prefix_reuse"]["cold"]["median_ttft_ms"]
                                               / result["prefix_reuse"]["warm"]["median_ttft_ms"], 4)
     (out / "prefill.json").write_text(json.dumps(result, indent=2))
+    plot(result, out / "prefill.png")
+    print(json.dumps(result, indent=2))
+
+
+def plot(result: dict, path: Path) -> None:
+    lengths = [int(k.split("_")[1]) for k in result if k.startswith("prompt_")]
     labels = [str(n) for n in lengths]
-    bar_chart(out / "prefill.png", f"{model} {args.dtype}, 2 workers: time to first token", [
-        ("pipelined prefill: median TTFT (ms) by prompt tokens", labels,
-         [result[f"prompt_{n}"]["pipelined"]["median_ttft_ms"] for n in lengths]),
-        ("unpipelined prefill: median TTFT (ms) by prompt tokens", labels,
-         [result[f"prompt_{n}"]["unpipelined"]["median_ttft_ms"] for n in lengths]),
-        (f"shared {args.system_tokens}-token system prompt: median TTFT (ms)", ["cold", "reused"],
+    s = result["settings"]
+    bar_chart(path, f"{s['model']} {s['dtype']}, 2 workers: median time to first token (ms)", [
+        *((title, labels, [result[f"prompt_{n}"][name]["median_ttft_ms"] for n in lengths])
+          for title, name in (("pipelined, by prompt tokens", "pipelined"),
+                              ("one pass, by prompt tokens", "unpipelined"))),
+        ("shared system prompt", ["cold", "reused"],
          [result["prefix_reuse"]["cold"]["median_ttft_ms"], result["prefix_reuse"]["warm"]["median_ttft_ms"]]),
     ])
-    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
