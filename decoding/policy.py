@@ -30,8 +30,9 @@ class DecodingPolicy(Protocol):
 def build_policies() -> dict[str, DecodingPolicy]:
     """Every policy this build has, by name."""
     from decoding.naive import NaivePolicy
+    from decoding.speculative import SpeculativePolicy
 
-    policies = [NaivePolicy()]
+    policies = [NaivePolicy(), SpeculativePolicy()]
     return {p.name: p for p in policies}
 
 

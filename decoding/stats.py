@@ -18,6 +18,8 @@ class StepStats:
         self.accepted = 0
         self.prefill_wire: dict[str, tuple[int, int]] = {}  # wire counts when the first token came
         self.cached_prompt_tokens = 0  # prompt tokens whose KV came from an earlier request (prefix reuse)
+        self.drafter: str | None = None  # draft-and-verify policies: which drafter, and its time
+        self.drafter_s = 0.0
 
     def tokens_emitted(self, n: int, wire: dict[str, tuple[int, int]]) -> None:
         """Count n new tokens; `wire` is the session's (bytes, requests) per link so far."""
@@ -38,8 +40,10 @@ class StepStats:
         def per_token(x: int) -> float:
             return round(x / self.tokens, 3) if self.tokens else 0.0
 
+        drafting = {"drafter": self.drafter, "drafter_ms": round(self.drafter_s * 1000, 3)} if self.drafter else {}
         return {
             "policy": self.policy,
+            **drafting,
             "steps": self.steps,
             "tokens_per_step": round(decoded / self.steps, 4) if self.steps else None,
             "acceptance_rate": round(self.accepted / self.proposed, 4) if self.proposed else None,

@@ -23,6 +23,10 @@ class Metrics:
                                      registry=r, buckets=(1, 5, 10, 20, 30, 40, 50, 75, 100, 150, 200, 400))
         self.tokens_per_step = Histogram("edgespec_tokens_per_step", "tokens per decoding step per request",
                                          ["policy"], registry=r, buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 6, 8))
+        self.acceptance = Histogram("edgespec_acceptance_rate", "accepted share of drafted tokens per request",
+                                    ["policy"], registry=r, buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1))
+        self.drafter_seconds = Counter("edgespec_drafter_seconds", "time spent drafting", ["policy", "drafter"],
+                                       registry=r)
         self.wire_bytes = Counter("edgespec_wire_bytes", "payload bytes sent over each link", ["link"], registry=r)
         self.wire_requests = Counter("edgespec_wire_requests", "HTTP requests over each link", ["link"], registry=r)
         self.stage_forward = Histogram("edgespec_stage_forward_seconds", "forward time per stage call", ["stage"],
@@ -53,6 +57,10 @@ class Metrics:
             self.decode_rate.labels(policy).observe(stats["decode_tokens_per_s"])
         if stats["tokens_per_step"]:
             self.tokens_per_step.labels(policy).observe(stats["tokens_per_step"])
+        if stats["acceptance_rate"] is not None:
+            self.acceptance.labels(policy).observe(stats["acceptance_rate"])
+        if stats.get("drafter"):
+            self.drafter_seconds.labels(policy, stats["drafter"]).inc(stats["drafter_ms"] / 1000)
 
     def observe_hop(self, link: str, nbytes: int, stage: str | None, forward_ms: float | None) -> None:
         """One link crossed by a forward call (called on the model thread; prometheus-client is thread-safe)."""

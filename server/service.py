@@ -86,6 +86,10 @@ class CompletionService:
             accepted = ", ".join(sorted(chosen.options)) or "none"
             raise APIError(400, f"unknown option(s) {', '.join(unknown)} for decoding policy {chosen.name!r} "
                                 f"(accepted: {accepted})", "decoding", "invalid_policy_option")
+        try:
+            getattr(chosen, "check", lambda _: None)(options)
+        except ValueError as exc:
+            raise APIError(400, f"decoding policy {chosen.name!r}: {exc}", "decoding", "invalid_policy_option") from exc
         policy = chosen.name
         sampling = SamplingParams(
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,

@@ -131,3 +131,22 @@ def test_smollm2_pipelined_prefill_and_reuse_match_in_process(smollm2_reference,
         assert "edgespec_prefix_cache_hits 1.0" in httpx.get(url + "/metrics").text
     finally:
         proc.stop()
+
+
+def test_speculative_over_workers_equals_naive(tiny, tmp_path):
+    proc, url = start_server(tmp_path, "spec", "--model", tiny, "--local-workers", "2", "--placement", "even",
+                             "--worker-threads", "1")
+    try:
+        body = {"model": model_id(url), "temperature": 0, "max_tokens": 40,
+                "messages": [{"role": "user", "content": "Repeat after me: one two three, one two three, one two"}]}
+        naive = httpx.post(url + "/v1/chat/completions", json=body, timeout=300).json()
+        spec = httpx.post(url + "/v1/chat/completions", json={**body, "decoding": {"policy": "speculative", "k": 4}},
+                          timeout=300).json()
+        assert spec["choices"][0]["message"]["content"] == naive["choices"][0]["message"]["content"]
+        assert spec["decoding"]["policy"] == "speculative" and spec["decoding"]["drafter"] == "ngram"
+        bad = httpx.post(url + "/v1/chat/completions", json={**body, "decoding": {"policy": "speculative",
+                                                                                  "drafter": "nope"}}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "decoding"
+        assert "ngram" in bad.json()["error"]["message"]
+    finally:
+        proc.stop()

@@ -1,0 +1,117 @@
+"""Speculative decoding: a drafter proposes K tokens, one forward pass of the target verifies them all, the
+acceptance rule (decoding/verify.py) keeps a prefix plus one token, and the rejected positions are rolled
+back on every stage. Exact: the output is distributed as naive decoding's (greedy: the same tokens).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from decoding.drafters import NgramDrafter
+from decoding.sampling import Sampler
+from decoding.stats import StepStats
+from decoding.text import TextStream
+from decoding.types import GenerationRequest, TokenEvent
+from decoding.verify import verify
+from model.runner import ModelRunner
+
+
+class AdaptiveK:
+    """Draft length from the running acceptance: longer while drafts are kept, shorter while rejected."""
+
+    def __init__(self, k: int, k_min: int, k_max: int, fixed: bool):
+        self.k, self.k_min, self.k_max, self.fixed = k, k_min, k_max, fixed
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if self.fixed or proposed == 0:
+            return
+        if accepted == proposed:
+            self.k = min(self.k + 1, self.k_max)
+        elif accepted < proposed // 2:
+            self.k = max(self.k - 1, self.k_min)
+
+
+class SpeculativePolicy:
+    name = "speculative"
+    options = frozenset({"drafter", "k"})
+
+    def __init__(self, k: int = 4, k_min: int = 1, k_max: int = 8):
+        self.k, self.k_min, self.k_max = k, k_min, k_max
+        self.drafters = {"ngram": NgramDrafter}
+        self.default = "ngram"
+
+    def check(self, options: dict) -> None:
+        """Raise ValueError for option values this policy cannot use."""
+        name = options.get("drafter", self.default)
+        if name not in self.drafters:
+            raise ValueError(f"unknown drafter {name!r}; available: {', '.join(sorted(self.drafters))}")
+        k = options.get("k", self.k)
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
+            raise ValueError(f"k must be an integer from 1 to 32, got {k!r}")
+
+    async def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
+        options = request.policy_options
+        drafter = self.drafters[options.get("drafter", self.default)]()
+        k = AdaptiveK(options.get("k", self.k), self.k_min, max(self.k_max, options.get("k", 0)), "k" in options)
+        sampler = await model.call(Sampler, request.sampling, model.cfg.vocab_size)
+        text = TextStream(tokenizer, request.stop, request.stop_token_ids, request.max_tokens)
+        stats = StepStats(self.name)
+        stats.drafter = drafter.name
+        prompt = request.prompt_ids
+        capacity = min(len(prompt) + request.max_tokens + k.k_max, model.cfg.max_position_embeddings)
+        session = await model.open(capacity, prompt=prompt)
+        stats.cached_prompt_tokens = session.length
+        want_logprobs = request.sampling.logprobs
+        try:
+            def first(logits):  # [1, 1, V], on the model thread
+                return [sampler.choose_with_logprob(logits[0, -1])]
+
+            step = await model.prefill(session, prompt, then=first)
+            tokens = list(prompt)
+            while True:
+                emitted = [t for t, _ in step]
+                tokens += emitted
+                event = self._push(text, step, stats, model.wire(session))
+                yield event
+                if event.finish_reason:
+                    return
+                t0 = time.perf_counter()
+                # the verification adds one token of its own, and its 1 + K slots must fit the cache
+                budget = min(request.max_tokens - len(text.ids), session.capacity - session.length) - 1
+                drafts, q = drafter.propose(tokens, min(k.k, max(budget, 0))) if budget > 0 else ([], None)
+                stats.drafter_s += time.perf_counter() - t0
+
+                def check(logits, drafts=drafts, q=q):  # [1, 1 + K, V], on the model thread
+                    verdict = verify(sampler, logits[0], drafts, q)
+                    lps = [sampler.logprob(logits[0, j], t) if want_logprobs else None
+                           for j, t in enumerate(verdict.tokens)]
+                    return verdict, lps
+
+                start = session.length
+                verdict, lps = await model.forward(session, torch.tensor([[emitted[-1], *drafts]]), then=check)
+                if verdict.accepted < len(drafts):  # roll back the rejected drafts on every stage
+                    await model.truncate(session, start + 1 + verdict.accepted)
+                stats.proposed += len(drafts)
+                stats.accepted += verdict.accepted
+                k.update(len(drafts), verdict.accepted)
+                step = list(zip(verdict.tokens, lps, strict=True))
+        finally:
+            await model.release(session)
+
+    @staticmethod
+    def _push(text: TextStream, step: list, stats: StepStats, wire: dict) -> TokenEvent:
+        """Feed a step's tokens one at a time, so that a stop or max_tokens inside the run ends it exactly."""
+        ids, parts, logprobs = [], [], []
+        for token, logprob in step:
+            pushed = text.push(token)
+            ids.append(token)
+            parts.append(pushed.text)
+            if logprob:
+                logprobs.append(logprob)
+            if pushed.finish_reason:
+                stats.tokens_emitted(len(ids), wire)
+                return TokenEvent(ids, "".join(parts), pushed.finish_reason, logprobs, stats.as_dict(wire))
+        stats.tokens_emitted(len(ids), wire)
+        return TokenEvent(ids, "".join(parts), None, logprobs)
