@@ -155,7 +155,9 @@ class ClusterManager:
         """One look at every worker; re-plan for whatever changed."""
         headers = {"authorization": f"Bearer {self.config.token}"}
         members = list(self.members.values())
-        async with httpx.AsyncClient(headers=headers, timeout=2) as client:
+        # A worker computing a long prefill segment answers late (its tensor work runs on its event loop): only
+        # a refused connection or a call as slow as a stage timeout counts as a miss.
+        async with httpx.AsyncClient(headers=headers, timeout=self.settings.stage_timeout_s) as client:
             infos = await asyncio.gather(*(self._info(client, m) for m in members))
         placed = {s.device: s for s in self.plan.stages}
         lost, back, hot = [], [], []
