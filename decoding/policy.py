@@ -27,12 +27,13 @@ class DecodingPolicy(Protocol):
         """Async generator of events; the last one has a finish_reason and the statistics."""
 
 
-def build_policies() -> dict[str, DecodingPolicy]:
-    """Every policy this build has, by name."""
+def build_policies(draft_models: dict | None = None, default_drafter: str | None = None
+                   ) -> dict[str, DecodingPolicy]:
+    """Every policy this build has, by name; draft_models: decoding.draft_model.DraftModels by drafter name."""
     from decoding.naive import NaivePolicy
     from decoding.speculative import SpeculativePolicy
 
-    policies = [NaivePolicy(), SpeculativePolicy()]
+    policies = [NaivePolicy(), SpeculativePolicy(draft_models, default_drafter)]
     return {p.name: p for p in policies}
 
 

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from decoding.draft_model import ModelDrafter
 from decoding.drafters import NgramDrafter
 from decoding.sampling import Sampler
 from decoding.stats import StepStats
@@ -37,10 +38,17 @@ class SpeculativePolicy:
     name = "speculative"
     options = frozenset({"drafter", "k"})
 
-    def __init__(self, k: int = 4, k_min: int = 1, k_max: int = 8):
+    def __init__(self, models: dict | None = None, default: str | None = None, k: int = 4, k_min: int = 1,
+                 k_max: int = 8):
+        """models: DraftModels by drafter name (draft checkpoints, layer-skipping self-drafts); default: the
+        drafter of the plain `speculative` policy (the first model's, else n-gram lookup)."""
         self.k, self.k_min, self.k_max = k, k_min, k_max
-        self.drafters = {"ngram": NgramDrafter}
-        self.default = "ngram"
+        self.drafters = {"ngram": lambda params, capacity: NgramDrafter()}
+        for name, m in (models or {}).items():
+            self.drafters[name] = lambda params, capacity, m=m: ModelDrafter(m, params, capacity)
+        self.default = default or next(iter(models or {}), "ngram")
+        if self.default not in self.drafters:
+            raise ValueError(f"unknown default drafter {self.default!r}; available: {', '.join(self.drafters)}")
 
     def check(self, options: dict) -> None:
         """Raise ValueError for option values this policy cannot use."""
@@ -53,14 +61,16 @@ class SpeculativePolicy:
 
     async def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
         options = request.policy_options
-        drafter = self.drafters[options.get("drafter", self.default)]()
+        capacity = min(len(request.prompt_ids) + request.max_tokens + max(self.k_max, options.get("k", 0)),
+                       model.cfg.max_position_embeddings)
+        drafter = self.drafters[options.get("drafter", self.default)](request.sampling, capacity)
+        on_thread = getattr(drafter, "on_model_thread", False)
         k = AdaptiveK(options.get("k", self.k), self.k_min, max(self.k_max, options.get("k", 0)), "k" in options)
         sampler = await model.call(Sampler, request.sampling, model.cfg.vocab_size)
         text = TextStream(tokenizer, request.stop, request.stop_token_ids, request.max_tokens)
         stats = StepStats(self.name)
         stats.drafter = drafter.name
         prompt = request.prompt_ids
-        capacity = min(len(prompt) + request.max_tokens + k.k_max, model.cfg.max_position_embeddings)
         session = await model.open(capacity, prompt=prompt)
         stats.cached_prompt_tokens = session.length
         want_logprobs = request.sampling.logprobs
@@ -80,7 +90,11 @@ class SpeculativePolicy:
                 t0 = time.perf_counter()
                 # the verification adds one token of its own, and its 1 + K slots must fit the cache
                 budget = min(request.max_tokens - len(text.ids), session.capacity - session.length) - 1
-                drafts, q = drafter.propose(tokens, min(k.k, max(budget, 0))) if budget > 0 else ([], None)
+                drafts, q = [], None
+                if budget > 0 and on_thread:  # a model drafter's tensor work
+                    drafts, q = await model.call(drafter.propose, tokens, min(k.k, budget))
+                elif budget > 0:
+                    drafts, q = drafter.propose(tokens, min(k.k, budget))
                 stats.drafter_s += time.perf_counter() - t0
 
                 def check(logits, drafts=drafts, q=q):  # [1, 1 + K, V], on the model thread

@@ -7,6 +7,7 @@ import logging
 import os
 from pathlib import Path
 
+from decoding.draft_model import DraftModel
 from model.config import ModelConfig
 from model.load import LoadedModel, load_local, load_with_pipeline
 from model.prefix import PrefixCache
@@ -19,7 +20,7 @@ from server.metrics import Metrics
 from server.replanner import ClusterManager, prefill_cuts
 from server.settings import ServeSettings
 from workers.client import RemotePipeline, ResultMailbox
-from workers.cluster import ClusterConfig, launch_local_workers, wait_healthy
+from workers.cluster import ClusterConfig, launch_local_workers, parse_ranges, wait_healthy
 from workers.profiler import Device, ProfileOptions, cache_path, profile_cluster
 
 log = logging.getLogger(__name__)
@@ -97,3 +98,17 @@ def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[Loaded
         config.stop()
         raise
     return loaded, manager
+
+
+def load_draft_models(settings: ServeSettings, loaded: LoadedModel) -> dict[str, DraftModel]:
+    """The configured drafters' weights, loaded on the model thread; a tokenizer mismatch is an error."""
+    models = {}
+    run = loaded.runner.thread.run_sync
+    for entry in settings.draft_models:
+        name, _, path = entry.rpartition("=")
+        name = name or Path(path).stem
+        models[name] = run(DraftModel.load, name, path, settings.dtype, loaded.tokenizer)
+    if settings.layerskip:
+        models["layerskip"] = run(DraftModel.load, "layerskip", settings.model, settings.dtype, None,
+                                  sorted(parse_ranges(settings.layerskip)))
+    return models

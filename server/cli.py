@@ -41,6 +41,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--prefill-segment", type=int, help="fixed prefill segment length (overrides the plan)")
     p.add_argument("--prefix-cache-mib", type=float, help="KV kept for prefix reuse (0: off; default 256)")
     p.add_argument("--prefix-min-tokens", type=int, help="shortest shared prefix worth reusing (default 32)")
+    p.add_argument("--draft-model", action="append", dest="draft_models",
+                   help="a drafter for `speculative`: PATH or NAME=PATH sharing the tokenizer (repeatable)")
+    p.add_argument("--layerskip", help="offer the `layerskip` self-draft keeping these layers, e.g. '0-11,28-29'")
+    p.add_argument("--speculative-drafter", help="drafter of the plain `speculative` policy (default: the first "
+                                                 "draft model, else ngram)")
 
 
 def _profile_parser(sub) -> None:
@@ -97,7 +102,7 @@ def serve(args: argparse.Namespace) -> None:
 
     from decoding.policy import build_policies
     from server.app import create_app
-    from server.boot import load_served_model
+    from server.boot import load_draft_models, load_served_model
     from server.metrics import Metrics
     from server.service import CompletionService
     from server.settings import ServeSettings
@@ -106,6 +111,7 @@ def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     metrics = Metrics()
     loaded, cluster = load_served_model(settings, metrics)
+    drafts = load_draft_models(settings, loaded)
 
     def shutdown() -> None:
         # From the app's lifespan: uvicorn re-raises SIGTERM after its shutdown, so code after run() may not run.
@@ -114,7 +120,8 @@ def serve(args: argparse.Namespace) -> None:
             cluster.config.stop()
 
     try:
-        service = CompletionService(loaded, build_policies(), settings, metrics, cluster)
+        service = CompletionService(loaded, build_policies(drafts, settings.speculative_drafter), settings, metrics,
+                                    cluster)
         uvicorn.run(create_app(service, shutdown), host=settings.host, port=settings.port,
                     log_level=settings.log_level)
     finally:

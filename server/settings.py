@@ -44,4 +44,9 @@ class ServeSettings(BaseSettings):
                                                                 "plan's cuts; also in-process)")
     prefix_cache_mib: float = Field(256.0, ge=0, description="KV kept from finished requests for prefix reuse; 0: off")
     prefix_min_tokens: int = Field(32, ge=1, description="shortest shared prefix worth reusing")
+    draft_models: list[str] = Field(default_factory=list, description="drafters for `speculative`: model folders "
+                                    "or GGUF files sharing the served model's tokenizer, as PATH or NAME=PATH")
+    layerskip: str | None = Field(None, description="offer the `layerskip` self-draft: the served model's layers "
+                                                    "to keep, e.g. '0-11,28-29'")
+    speculative_drafter: str | None = Field(None, description="the plain `speculative` policy's drafter")
     log_level: str = "info"

@@ -71,19 +71,22 @@ def worker_command(port: int, token: str, name: str, model: str | None, threads:
     return cmd + (["--model", model] if model else [])
 
 
+def parse_ranges(spec: str) -> set[int]:
+    """'0-11,28-29' -> {0, 1, ..., 11, 28, 29}."""
+    out: set[int] = set()
+    for item in spec.split(","):
+        lo, _, hi = item.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ValueError(f"ranges look like '0-3,7', got {spec!r}")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def parse_cpu_sets(spec: str | None, n: int) -> list[set[int] | None]:
     """'0;1' or '0,1;2-3' -> a CPU set per worker (the last set repeats); None: unpinned."""
     if not spec:
         return [None] * n
-    sets = []
-    for part in spec.split(";"):
-        cpus = set()
-        for item in part.split(","):
-            lo, _, hi = item.strip().partition("-")
-            if not lo.isdigit() or (hi and not hi.isdigit()):
-                raise ValueError(f"worker CPU sets look like '0;1' or '0,1;2-3', got {spec!r}")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
-        sets.append(cpus)
+    sets = [parse_ranges(part) for part in spec.split(";")]
     return [sets[min(i, len(sets) - 1)] for i in range(n)]
 
 
