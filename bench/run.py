@@ -19,11 +19,18 @@ from rich.table import Table
 from bench.prompts import load_prompts
 
 
+def decoding_field(policy: str) -> str | dict:
+    """A bench policy name as the request's `decoding` field: 'naive', or 'speculative:ngram' for a policy
+    with a drafter."""
+    name, _, drafter = policy.partition(":")
+    return {"policy": name, "drafter": drafter} if drafter else name
+
+
 def stream_one(client: httpx.Client, model: str, prompt: str, policy: str, max_tokens: int) -> dict:
     """One streamed chat completion at temperature 0; client-side timings plus the server's statistics."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
             "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
-            "decoding": policy}
+            "decoding": decoding_field(policy)}
     start = time.perf_counter()
     first = last = None
     usage = stats = None

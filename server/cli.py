@@ -82,7 +82,8 @@ def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="measure decoding policies through a running server's streaming API")
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--prompts", required=True, help="JSONL file (fields turns, Instruction, instruction or prompt)")
-    p.add_argument("--policies", default="naive", help="comma-separated policy names")
+    p.add_argument("--policies", default="naive",
+                   help="comma-separated policy names; POLICY:DRAFTER picks a drafter, e.g. speculative:ngram")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, help="use the first N prompts only")
     p.add_argument("--api-key")
