@@ -69,3 +69,24 @@ def server_url(tmp_path_factory):
 def client(server_url) -> openai.OpenAI:
     # No retries: a failure should show as it happened, not after the SDK's back-off.
     return openai.OpenAI(base_url=server_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> str:
+    """Folder of a tiny random Llama with SmolLM2's tokenizer and chat template (servable over HTTP)."""
+    from model_fixtures import smollm2_folder
+    from processes import tiny_chat_model
+
+    return str(tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"), smollm2_folder()))
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny):
+    """That model in-process (float32). Tests that swap its runner's pipeline, cuts or prefix cache put them back."""
+    from model.load import load_local
+    from model.source import resolve_model
+    from model.thread import ModelThread
+
+    model = load_local(resolve_model(tiny), "float32", 1.0, ModelThread(1))
+    yield model
+    model.runner.close()

@@ -8,27 +8,14 @@ import asyncio
 
 import pytest
 import torch
-from model_fixtures import smollm2_folder
-from processes import tiny_chat_model
 
 from model.config import ModelConfig
-from model.load import load_local
 from model.prefix import PrefixCache, common_prefix
-from model.source import resolve_model
 from model.stack import LayerStack
 from model.stage import CapacityError, LocalStage, Pipeline
-from model.thread import ModelThread
 from model.weights import TensorSource
 
 PROMPT = [(7 * i + 3) % 500 + 10 for i in range(37)]  # 37 tokens: no cut size below divides it
-
-
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    files = resolve_model(str(tiny_chat_model(tmp_path_factory.mktemp("tiny-prefill"), smollm2_folder())))
-    model = load_local(files, "float32", 1.0, ModelThread(1))
-    yield model
-    model.runner.close()
 
 
 def stages(folder, bounds: list[int], budget: int = 2**30) -> Pipeline:
@@ -53,8 +40,8 @@ async def greedy(runner, prompt: list[int], n: int) -> tuple[list[int], torch.Te
 
 
 @pytest.fixture(scope="module")
-def monolithic(loaded):
-    return asyncio.run(greedy(loaded.runner, PROMPT, 10))
+def monolithic(tiny_loaded):
+    return asyncio.run(greedy(tiny_loaded.runner, PROMPT, 10))
 
 
 CUTS = {
@@ -67,10 +54,10 @@ CUTS = {
 
 @pytest.mark.parametrize("cuts", sorted(CUTS))
 @pytest.mark.parametrize("bounds", [[], [2], [1, 3], [1, 2, 3]], ids=["1-stage", "2-stages", "3-stages", "4-stages"])
-def test_segmented_prefill_equals_one_pass(loaded, monolithic, cuts, bounds):
-    runner = loaded.runner
+def test_segmented_prefill_equals_one_pass(tiny_loaded, monolithic, cuts, bounds):
+    runner = tiny_loaded.runner
     original = runner.pipeline
-    runner.pipeline, runner.cuts = stages(loaded.files.folder, bounds), CUTS[cuts]
+    runner.pipeline, runner.cuts = stages(tiny_loaded.files.folder, bounds), CUTS[cuts]
     try:
         out, first = asyncio.run(greedy(runner, PROMPT, 10))
     finally:
@@ -99,8 +86,8 @@ def test_prefix_cache_bookkeeping():
     assert common_prefix([1, 2, 3], [1, 2]) == 2 and common_prefix([], [1]) == 0
 
 
-def test_prefix_reuse_equals_a_cold_run(loaded, monolithic):
-    runner = loaded.runner
+def test_prefix_reuse_equals_a_cold_run(tiny_loaded, monolithic):
+    runner = tiny_loaded.runner
     system = PROMPT[:30]
     runner.prefix = PrefixCache(2**30, min_tokens=8)
     try:
@@ -120,12 +107,12 @@ def test_prefix_reuse_equals_a_cold_run(loaded, monolithic):
         runner.prefix = None
 
 
-def test_full_memory_evicts_kept_prefixes(loaded, monolithic):
-    runner = loaded.runner
+def test_full_memory_evicts_kept_prefixes(tiny_loaded, monolithic):
+    runner = tiny_loaded.runner
     original = runner.pipeline
-    cfg = ModelConfig.from_folder(loaded.files.folder)
+    cfg = ModelConfig.from_folder(tiny_loaded.files.folder)
     slot = cfg.kv_bytes_per_token()  # float32, all layers
-    runner.pipeline = stages(loaded.files.folder, [], budget=300 * slot)  # room for one 256-slot cache
+    runner.pipeline = stages(tiny_loaded.files.folder, [], budget=300 * slot)  # room for one 256-slot cache
     runner.prefix = PrefixCache(2**30, min_tokens=8)
     try:
         asyncio.run(greedy(runner, [9] * 20, 3))

@@ -10,18 +10,12 @@ import threading
 import httpx
 import pytest
 import torch
-from model_fixtures import smollm2_folder
-from processes import greedy, model_id, start_server, start_worker, tiny_chat_model
+from processes import greedy, model_id, start_server, start_worker
 
 from workers.wire import encode
 
 SYSTEM = "You are a helpful assistant for a smart home. " * 12  # about 130 tokens
 QUESTIONS = ["Turn on the kitchen lights.", "Is the front door locked?"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    return str(tiny_chat_model(tmp_path_factory.mktemp("tiny"), smollm2_folder()))
 
 
 def ask(url: str, question: str, max_tokens: int = 16) -> dict:
@@ -71,34 +65,29 @@ def test_worker_applies_steps_in_order(tiny, tmp_path):
         # the results go to the worker's own sink: only the order of application is under test here
         headers = {**auth, "x-callback": url + "/probe/sink"}
 
-        def send(step: int, start: int, n: int, out: dict) -> None:
+        def send(sid: str, step: int, start: int, n: int, out: dict) -> None:
             body = encode({"hidden": torch.randn(1, n, 64)})
-            out[step] = httpx.post(url + "/sessions/s/forward", params={"start": start, "step": step}, content=body,
-                                   headers=headers, timeout=60)
+            out[step] = httpx.post(url + f"/sessions/{sid}/forward", params={"start": start, "step": step},
+                                   content=body, headers=headers, timeout=60)
 
         replies: dict = {}
-        late = threading.Thread(target=send, args=(3, 5, 4, replies))
+        late = threading.Thread(target=send, args=("s", 3, 5, 4, replies))
         late.start()  # step 3 (slots 5..8) first: applied alone it would leave a gap at slots 0..4
         late.join(0.5)
         assert late.is_alive()  # it waits for step 2
-        send(2, 0, 5, replies)
+        send("s", 2, 0, 5, replies)
         late.join(30)
         assert replies[2].status_code == 200 and replies[3].status_code == 200, replies[3].text
         # a clone of its first 9 slots (prefix reuse) starts its own steps, also applied in order
         clone = {"step": 4, "child": "c", "prefix_len": 9, "capacity": 64}
         assert httpx.post(url + "/sessions/s/clone", json=clone, headers=auth).status_code == 200
 
-        def send_child(step: int, start: int, n: int, out: dict) -> None:
-            body = encode({"hidden": torch.randn(1, n, 64)})
-            out[step] = httpx.post(url + "/sessions/c/forward", params={"start": start, "step": step}, content=body,
-                                   headers=headers, timeout=60)
-
         child: dict = {}
-        late = threading.Thread(target=send_child, args=(2, 12, 2, child))
+        late = threading.Thread(target=send, args=("c", 2, 12, 2, child))
         late.start()
         late.join(0.5)
         assert late.is_alive()
-        send_child(1, 9, 3, child)
+        send("c", 1, 9, 3, child)
         late.join(30)
         assert child[1].status_code == 200 and child[2].status_code == 200, child[2].text
         info = httpx.get(url + "/info", headers=auth).json()

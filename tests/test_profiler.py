@@ -8,16 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-from model_fixtures import smollm2_folder
-from processes import REPO, greedy, start_server, tiny_chat_model
+from processes import REPO, greedy, start_server
 
 from planning.profile import ClusterProfile
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    return str(tiny_chat_model(tmp_path_factory.mktemp("tiny"), smollm2_folder()))
 
 
 def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:

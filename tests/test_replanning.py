@@ -16,8 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from model_fixtures import smollm2_folder
-from processes import greedy, model_id, start_server, start_worker, tiny_chat_model
+from processes import greedy, model_id, start_server, start_worker
 
 from model.config import ModelConfig
 from model.timing import model_card
@@ -25,11 +24,6 @@ from planning.profile import ClusterProfile, Curve, DeviceProfile, LinkProfile
 
 PROMPT = "Tell me a long story about a lighthouse keeper."
 KIB = 1024
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    return str(tiny_chat_model(tmp_path_factory.mktemp("tiny"), smollm2_folder()))
 
 
 @pytest.fixture(scope="module")

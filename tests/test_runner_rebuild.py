@@ -7,25 +7,12 @@ import asyncio
 
 import pytest
 import torch
-from model_fixtures import smollm2_folder
-from processes import tiny_chat_model
 
 from model.config import ModelConfig
-from model.load import load_local
 from model.runner import SessionLostError
-from model.source import resolve_model
 from model.stack import LayerStack
 from model.stage import LocalStage, Pipeline
-from model.thread import ModelThread
 from model.weights import TensorSource
-
-
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    files = resolve_model(str(tiny_chat_model(tmp_path_factory.mktemp("tiny-rebuild"), smollm2_folder())))
-    model = load_local(files, "float32", 1.0, ModelThread(1))
-    yield model
-    model.runner.close()
 
 
 def split_pipeline(folder, cut: int) -> Pipeline:
@@ -50,8 +37,8 @@ async def greedy(runner, prompt: list[int], n: int, on_step=None) -> list[int]:
         await runner.release(session)
 
 
-def test_decoding_continues_exactly_after_a_replacement(loaded):
-    runner, folder = loaded.runner, loaded.files.folder
+def test_decoding_continues_exactly_after_a_replacement(tiny_loaded):
+    runner, folder = tiny_loaded.runner, tiny_loaded.files.folder
     prompt = [5, 17, 42, 99, 3]
     original = runner.pipeline
     want = asyncio.run(greedy(runner, prompt, 12))
@@ -76,8 +63,8 @@ def test_decoding_continues_exactly_after_a_replacement(loaded):
         runner.placement_changed()
 
 
-def test_a_session_with_a_custom_mask_ends_with_a_clear_error(loaded):
-    runner = loaded.runner
+def test_a_session_with_a_custom_mask_ends_with_a_clear_error(tiny_loaded):
+    runner = tiny_loaded.runner
 
     async def run():
         session = await runner.open(32)

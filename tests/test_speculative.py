@@ -7,35 +7,22 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from model_fixtures import smollm2_folder
-from processes import tiny_chat_model
 
 from decoding.drafters import NgramDrafter
 from decoding.naive import NaivePolicy
 from decoding.speculative import SpeculativePolicy
 from decoding.types import GenerationRequest, SamplingParams
-from model.load import load_local
-from model.source import resolve_model
-from model.thread import ModelThread
 
 # Repetitive prompts: the n-gram drafter finds matches, so runs of accepted drafts happen.
 PROMPTS = [[(i % 7) + 100 for i in range(40)], [5, 6, 7, 8] * 6 + [9, 10], list(range(300, 340))]
 
 
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    files = resolve_model(str(tiny_chat_model(tmp_path_factory.mktemp("tiny-spec"), smollm2_folder())))
-    model = load_local(files, "float32", 1.0, ModelThread(1))
-    yield model
-    model.runner.close()
-
-
-def run(policy, loaded, prompt, max_tokens=40, stop=(), options=None, **sampling):
+def run(policy, tiny_loaded, prompt, max_tokens=40, stop=(), options=None, **sampling):
     request = GenerationRequest(prompt, max_tokens, SamplingParams(**{"temperature": 0.0, **sampling}), tuple(stop),
                                 frozenset(), policy.name, options or {})
 
     async def collect():
-        return [e async for e in policy.generate(request, loaded.runner, loaded.tokenizer)]
+        return [e async for e in policy.generate(request, tiny_loaded.runner, tiny_loaded.tokenizer)]
 
     events = asyncio.run(collect())
     return [t for e in events for t in e.token_ids], "".join(e.text for e in events), events[-1]
@@ -43,15 +30,15 @@ def run(policy, loaded, prompt, max_tokens=40, stop=(), options=None, **sampling
 
 @pytest.mark.parametrize("k", [1, 3, 8])
 @pytest.mark.parametrize("prompt", range(len(PROMPTS)))
-def test_greedy_equals_naive(loaded, prompt, k):
-    want = run(NaivePolicy(), loaded, PROMPTS[prompt])
-    got = run(SpeculativePolicy(), loaded, PROMPTS[prompt], options={"k": k})
+def test_greedy_equals_naive(tiny_loaded, prompt, k):
+    want = run(NaivePolicy(), tiny_loaded, PROMPTS[prompt])
+    got = run(SpeculativePolicy(), tiny_loaded, PROMPTS[prompt], options={"k": k})
     assert got[0] == want[0] and got[1] == want[1]
     assert got[2].finish_reason == want[2].finish_reason
 
 
-def test_drafts_are_accepted_in_runs(loaded):
-    ids, _, last = run(SpeculativePolicy(), loaded, PROMPTS[1], max_tokens=60, options={"k": 4})
+def test_drafts_are_accepted_in_runs(tiny_loaded):
+    ids, _, last = run(SpeculativePolicy(), tiny_loaded, PROMPTS[1], max_tokens=60, options={"k": 4})
     stats = last.stats
     assert stats["policy"] == "speculative" and stats["drafter"] == "ngram" and stats["drafter_ms"] >= 0
     assert stats["acceptance_rate"] is not None and stats["tokens_per_step"] >= 1.0
@@ -59,23 +46,23 @@ def test_drafts_are_accepted_in_runs(loaded):
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 5, 13])
-def test_max_tokens_inside_an_accepted_run(loaded, max_tokens):
-    want = run(NaivePolicy(), loaded, PROMPTS[1], max_tokens=max_tokens)
-    got = run(SpeculativePolicy(), loaded, PROMPTS[1], max_tokens=max_tokens, options={"k": 8})
+def test_max_tokens_inside_an_accepted_run(tiny_loaded, max_tokens):
+    want = run(NaivePolicy(), tiny_loaded, PROMPTS[1], max_tokens=max_tokens)
+    got = run(SpeculativePolicy(), tiny_loaded, PROMPTS[1], max_tokens=max_tokens, options={"k": 8})
     assert got[0] == want[0] and len(got[0]) == max_tokens and got[2].finish_reason == "length"
 
 
-def test_stop_string_inside_an_accepted_run(loaded):
-    full = run(NaivePolicy(), loaded, PROMPTS[1], max_tokens=40)[1]
+def test_stop_string_inside_an_accepted_run(tiny_loaded):
+    full = run(NaivePolicy(), tiny_loaded, PROMPTS[1], max_tokens=40)[1]
     stop = full[len(full) // 2:len(full) // 2 + 3]  # some text from the middle of the answer
-    want = run(NaivePolicy(), loaded, PROMPTS[1], stop=[stop])
-    got = run(SpeculativePolicy(), loaded, PROMPTS[1], stop=[stop], options={"k": 8})
+    want = run(NaivePolicy(), tiny_loaded, PROMPTS[1], stop=[stop])
+    got = run(SpeculativePolicy(), tiny_loaded, PROMPTS[1], stop=[stop], options={"k": 8})
     assert got[1] == want[1] and got[2].finish_reason == want[2].finish_reason == "stop"
     assert stop not in got[1]
 
 
-def test_sampling_runs_and_respects_the_budget(loaded):
-    ids, _, last = run(SpeculativePolicy(), loaded, PROMPTS[0], max_tokens=30, temperature=0.8, top_k=20, seed=3)
+def test_sampling_runs_and_respects_the_budget(tiny_loaded):
+    ids, _, last = run(SpeculativePolicy(), tiny_loaded, PROMPTS[0], max_tokens=30, temperature=0.8, top_k=20, seed=3)
     assert len(ids) <= 30 and last.finish_reason in ("length", "stop")
 
 

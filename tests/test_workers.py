@@ -10,17 +10,11 @@ import time
 import httpx
 import pytest
 import torch
-from model_fixtures import smollm2_folder
-from processes import greedy, model_id, start_server, start_worker, tiny_chat_model
+from processes import greedy, model_id, start_server, start_worker
 
 from workers.wire import encode
 
 PROMPTS = ["Name three rivers.", "Write a haiku about the sea, please, with care."]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    return str(tiny_chat_model(tmp_path_factory.mktemp("tiny"), smollm2_folder()))
 
 
 @pytest.fixture(scope="module")
