@@ -31,6 +31,10 @@ def obtain_profile(settings: ServeSettings, files: ModelFiles, devices: list[Dev
     """The profile named in the settings, else a cached one for these devices, else a new measurement."""
     if settings.profile:
         profile = ClusterProfile.load(Path(settings.profile))
+        n_layers = ModelConfig.from_folder(files.folder).n_layers
+        if profile.model.n_layers != n_layers:
+            raise ValueError(f"{settings.profile} profiles {profile.model.name} ({profile.model.n_layers} layers), "
+                             f"not the served model ({n_layers} layers)")
         missing = {d.name for d in devices} - {w.name for w in profile.workers}
         if missing:
             raise ValueError(f"{settings.profile} has no profile of worker(s) {', '.join(sorted(missing))}")
