@@ -20,19 +20,27 @@ class Drafter(Protocol):
 
 class NgramDrafter:
     """Prompt lookup decoding: find the latest earlier occurrence of the sequence's last n tokens (longest n
-    first) and propose what followed it. No model; pays off where the output copies from the input."""
+    first) and propose what followed it. No model; pays off where the output copies from the input.
+
+    One drafter serves one growing sequence: every n-gram is indexed once, by where its latest occurrence
+    ends, so a lookup costs the same however long the context is."""
 
     name = "ngram"
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n
+        self.latest: dict[tuple[int, ...], int] = {}  # n-gram -> end of its latest occurrence with a follower
+        self.indexed = 0  # n-grams ending before this position are in `latest`
 
     def propose(self, tokens: list[int], k: int) -> tuple[list[int], None]:
         end = len(tokens)
+        # index the n-grams ending at positions that have a following token (all but the sequence's end)
+        for e in range(max(self.indexed, 1), end):
+            for n in range(self.min_n, min(self.max_n, e) + 1):
+                self.latest[tuple(tokens[e - n:e])] = e
+        self.indexed = max(self.indexed, end)
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
-            tail = tokens[end - n:]
-            # latest match first: the most recent context is the likeliest to continue the same way
-            for i in range(end - n - 1, -1, -1):
-                if tokens[i:i + n] == tail:
-                    return tokens[i + n:i + n + k], None
+            e = self.latest.get(tuple(tokens[end - n:]))
+            if e is not None:
+                return tokens[e:e + k], None
         return [], None

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from decoding.drafters import NgramDrafter
 from decoding.naive import NaivePolicy
@@ -75,7 +77,25 @@ def test_bad_options_are_refused():
 
 
 def test_ngram_drafter_proposes_the_latest_continuation():
-    d = NgramDrafter(max_n=3)
-    assert d.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == ([7, 1], None)  # the latest match of [1, 2, 3]
-    assert d.propose([4, 5, 6], 3) == ([], None)  # nothing repeats
-    assert d.propose([8, 1, 8], 4) == ([1, 8], None)  # falls back to a 1-gram
+    # one drafter per sequence (it indexes the sequence as it grows)
+    assert NgramDrafter().propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == ([7, 1], None)  # latest [1, 2, 3]
+    assert NgramDrafter().propose([4, 5, 6], 3) == ([], None)  # nothing repeats
+    assert NgramDrafter().propose([8, 1, 8], 4) == ([1, 8], None)  # falls back to a 1-gram
+
+
+def scan(tokens: list[int], k: int, max_n: int = 3) -> list[int]:
+    """The definition, by brute force: the latest earlier occurrence of the longest matching tail."""
+    end = len(tokens)
+    for n in range(min(max_n, end - 1), 0, -1):
+        for i in range(end - n - 1, -1, -1):
+            if tokens[i:i + n] == tokens[end - n:]:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=40), st.integers(1, 6))
+def test_ngram_index_equals_a_scan_as_the_sequence_grows(seq, k):
+    drafter = NgramDrafter()
+    for end in range(1, len(seq) + 1):  # one drafter over a growing sequence, as in a generation
+        assert drafter.propose(seq[:end], k)[0] == scan(seq[:end], k)
