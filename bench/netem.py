@@ -122,7 +122,7 @@ def run_rate(args, rate: str, out: Path) -> dict:
         for i in range(args.workers):
             d = f"w{i}"
             lines += ["[[workers]]", f'url = "http://{lan.ip(d)}:{PORT}"', f'name = "{d}"']
-            procs.append(spawn(f"{PREFIX}-{d}", ["worker", "--host", lan.ip(d), "--port", str(PORT), "--token", token,
+            procs.append(spawn(f"{PREFIX}-{d}", ["worker", "--host", lan.ip(d), "--port", str(PORT), f"--token={token}",
                                                  "--name", d], out / f"{d}-{rate}.log"))
         cluster.write_text("\n".join(lines) + "\n")
         procs.append(spawn(f"{PREFIX}-ctl", ["serve", "--host", lan.ip("ctl"), "--port", "8000", "--cluster",
