@@ -57,14 +57,3 @@ def run_plan(args: argparse.Namespace) -> int:
         plot_plan(plan, args.png, even)
         print(f"edgespec plan: wrote {args.png}", file=sys.stderr)  # stderr: stdout may be JSON
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry: python -m planning.cli plan --profile ..."""
-    parser = argparse.ArgumentParser(prog="edgespec")
-    add_plan_parser(parser.add_subparsers(dest="command", required=True))
-    return run_plan(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -83,9 +83,7 @@ def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[Loaded
         profile = obtain_profile(settings, files, devices, config.token, thread, profile_options)
         context = min(settings.plan_context, ModelConfig.from_folder(files.folder).max_position_embeddings)
         options = PlanOptions(context=context, concurrency=settings.plan_concurrency)
-        manager = ClusterManager(settings, config, profile, metrics, options, profile_options)
-        for d in devices:  # the profile may name old URLs of the same workers
-            manager.members[d.name].url = d.url
+        manager = ClusterManager(settings, config, devices, profile, metrics, options, profile_options)
         host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
         base = settings.advertise_url or config.controller_url or f"http://{host}:{settings.port}"
         mailbox = ResultMailbox()

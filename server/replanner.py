@@ -53,11 +53,12 @@ def prefill_cuts(settings: ServeSettings, plan: Plan | None):
 class ClusterManager:
     """Membership, profile and placement of a distributed controller."""
 
-    def __init__(self, settings: ServeSettings, config: ClusterConfig, profile: ClusterProfile, metrics: Metrics,
-                 options: PlanOptions, profile_options: ProfileOptions):
+    def __init__(self, settings: ServeSettings, config: ClusterConfig, devices: list[Device], profile: ClusterProfile,
+                 metrics: Metrics, options: PlanOptions, profile_options: ProfileOptions):
         self.settings, self.config, self.profile, self.metrics = settings, config, profile, metrics
         self.options, self.profile_options = options, profile_options
-        self.members = {d.name: Member(d.name, d.url) for d in profile.workers}
+        # the workers' URLs now (a cached profile may name old ones of the same workers)
+        self.members = {d.name: Member(d.name, d.url) for d in devices}
         self.plan: Plan = self.make_plan(profile)
         self.pipeline: RemotePipeline | None = None
         self.mailbox = None  # workers.client.ResultMailbox of the last stage's results
