@@ -44,3 +44,19 @@ class NgramDrafter:
             if e is not None:
                 return tokens[e:e + k], None
         return [], None
+
+
+class LookupFirst:
+    """n-gram prompt lookup where the sequence's last n tokens occurred before (a copy in progress), else the
+    model drafter `fallback`. Which one proposed is a per-step choice, so the rule stays exact either way."""
+
+    def __init__(self, fallback, n: int = 3):
+        self.fallback, self.lookup = fallback, NgramDrafter(max_n=n, min_n=n)
+        self.name = f"{fallback.name}+ngram"
+        self.on_model_thread = getattr(fallback, "on_model_thread", False)
+        if hasattr(fallback, "observe"):  # a feature drafter follows the target's hidden states either way
+            self.observe = fallback.observe
+
+    def propose(self, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
+        drafts, q = self.lookup.propose(tokens, k)
+        return (drafts, q) if drafts else self.fallback.propose(tokens, k)

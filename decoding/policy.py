@@ -27,13 +27,14 @@ class DecodingPolicy(Protocol):
         """Async generator of events; the last one has a finish_reason and the statistics."""
 
 
-def build_policies(draft_models: dict | None = None, default_drafter: str | None = None
-                   ) -> dict[str, DecodingPolicy]:
-    """Every policy this build has, by name; draft_models: decoding.draft_model.DraftModels by drafter name."""
+def build_policies(draft_models: dict | None = None, default_drafter: str | None = None,
+                   draft_k: tuple[int, int, int] = (4, 1, 8)) -> dict[str, DecodingPolicy]:
+    """Every policy this build has, by name; draft_models: drafter weights by name (decoding.draft_model,
+    decoding.eagle); draft_k: the draft length to start from and its bounds."""
     from decoding.naive import NaivePolicy
     from decoding.speculative import SpeculativePolicy
 
-    policies = [NaivePolicy(), SpeculativePolicy(draft_models, default_drafter)]
+    policies = [NaivePolicy(), SpeculativePolicy(draft_models, default_drafter, *draft_k)]
     return {p.name: p for p in policies}
 
 

@@ -10,7 +10,8 @@ import time
 import torch
 
 from decoding.draft_model import ModelDrafter
-from decoding.drafters import NgramDrafter
+from decoding.drafters import LookupFirst, NgramDrafter
+from decoding.eagle import FeatureDrafter
 from decoding.sampling import Sampler
 from decoding.stats import StepStats
 from decoding.text import TextStream
@@ -40,13 +41,19 @@ class SpeculativePolicy:
 
     def __init__(self, models: dict | None = None, default: str | None = None, k: int = 4, k_min: int = 1,
                  k_max: int = 8):
-        """models: DraftModels by drafter name (draft checkpoints, layer-skipping self-drafts); default: the
-        drafter of the plain `speculative` policy (the first model's, else n-gram lookup)."""
+        """models: DraftModels or FeatureDraftModels by drafter name (draft checkpoints, layer-skipping
+        self-drafts, trained feature drafters); default: the drafter of the plain `speculative` policy (the
+        first model's behind n-gram lookup, NAME+ngram: the best measured on open chat and on copying alike;
+        without models, n-gram lookup)."""
         self.k, self.k_min, self.k_max = k, k_min, k_max
         self.drafters = {"ngram": lambda params, capacity: NgramDrafter()}
         for name, m in (models or {}).items():
-            self.drafters[name] = lambda params, capacity, m=m: ModelDrafter(m, params, capacity)
-        self.default = default or next(iter(models or {}), "ngram")
+            kind = FeatureDrafter if getattr(m, "feature_drafter", False) else ModelDrafter
+            self.drafters[name] = lambda params, capacity, m=m, kind=kind: kind(m, params, capacity)
+            # the model's drafts, except where the output is copying from earlier text
+            self.drafters[f"{name}+ngram"] = lambda params, capacity, m=m, kind=kind: LookupFirst(
+                kind(m, params, capacity))
+        self.default = default or (f"{next(iter(models))}+ngram" if models else "ngram")
         if self.default not in self.drafters:
             raise ValueError(f"unknown default drafter {self.default!r}; available: {', '.join(self.drafters)}")
 
@@ -65,6 +72,7 @@ class SpeculativePolicy:
                        model.cfg.max_position_embeddings)
         drafter = self.drafters[options.get("drafter", self.default)](request.sampling, capacity)
         on_thread = getattr(drafter, "on_model_thread", False)
+        observe = getattr(drafter, "observe", None)  # a feature drafter reads the target's hidden states
         k = AdaptiveK(options.get("k", self.k), self.k_min, max(self.k_max, options.get("k", 0)), "k" in options)
         sampler = await model.call(Sampler, request.sampling, model.cfg.vocab_size)
         text = TextStream(tokenizer, request.stop, request.stop_token_ids, request.max_tokens)
@@ -75,10 +83,14 @@ class SpeculativePolicy:
         stats.cached_prompt_tokens = session.length
         want_logprobs = request.sampling.logprobs
         try:
-            def first(logits):  # [1, 1, V], on the model thread
+            cached = session.length
+
+            def first(logits, hidden=None):  # [1, 1, V] and [1, T, H], on the model thread
+                if observe:
+                    observe(cached, hidden[0])
                 return [sampler.choose_with_logprob(logits[0, -1])]
 
-            step = await model.prefill(session, prompt, then=first)
+            step = await model.prefill(session, prompt, then=first, features=observe is not None)
             tokens = list(prompt)
             while True:
                 emitted = [t for t, _ in step]
@@ -97,14 +109,18 @@ class SpeculativePolicy:
                     drafts, q = drafter.propose(tokens, min(k.k, budget))
                 stats.drafter_s += time.perf_counter() - t0
 
-                def check(logits, drafts=drafts, q=q):  # [1, 1 + K, V], on the model thread
+                start = session.length
+
+                def check(logits, hidden=None, drafts=drafts, q=q, start=start):  # [1, 1 + K, V], model thread
                     verdict = verify(sampler, logits[0], drafts, q)
+                    if observe:  # the accepted positions' hidden states [1 + accepted, H]
+                        observe(start, hidden[0, :1 + verdict.accepted])
                     lps = [sampler.logprob(logits[0, j], t) if want_logprobs else None
                            for j, t in enumerate(verdict.tokens)]
                     return verdict, lps
 
-                start = session.length
-                verdict, lps = await model.forward(session, torch.tensor([[emitted[-1], *drafts]]), then=check)
+                verdict, lps = await model.forward(session, torch.tensor([[emitted[-1], *drafts]]), then=check,
+                                                   features=observe is not None)
                 if verdict.accepted < len(drafts):  # roll back the rejected drafts on every stage
                     await model.truncate(session, start + 1 + verdict.accepted)
                 stats.proposed += len(drafts)

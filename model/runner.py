@@ -100,12 +100,15 @@ class ModelRunner:
         for s in freed:
             await self.thread.run_shielded(self.pipeline.release, s.id)
 
-    async def prefill(self, session: Session, prompt: list[int], then: Callable[[torch.Tensor], Any] | None = None):
+    async def prefill(self, session: Session, prompt: list[int], then: Callable[..., Any] | None = None,
+                      features: bool = False):
         """The prompt's tokens not cached yet (see open), with the last position's logits (or then(logits))."""
-        return await self.forward(session, torch.tensor([prompt[session.length:]]), last_only=True, then=then)
+        return await self.forward(session, torch.tensor([prompt[session.length:]]), last_only=True, then=then,
+                                  features=features)
 
-    def _forward(self, session: Session, ids: torch.Tensor, positions, start: int, mask, last_only: bool, then):
-        # ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32; or then(logits)
+    def _forward(self, session: Session, ids: torch.Tensor, positions, start: int, mask, last_only: bool, then,
+                 features: bool = False):
+        # ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32; or then(logits[, hidden])
         if session.generation != self.generation:
             self._rebuild(session, start)
         plain = positions is None and mask is None and session.rows == 1
@@ -116,7 +119,9 @@ class ModelRunner:
                 session.tokens = None
         if positions is None:
             positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
-        cuts = self.cuts(ids.shape[1]) if self.cuts and plain and ids.shape[1] > 1 else None
+        # Segments pipeline a prompt's prefill. A verification pass of a few tokens goes in one piece: cut like a
+        # prompt (the plan's cuts scale down with its length) it would cost a round trip per token.
+        cuts = self.cuts(ids.shape[1]) if self.cuts and plain and last_only and ids.shape[1] > 1 else None
         with torch.inference_mode():
             hidden = self.ends.embed_tokens(ids)
             try:
@@ -127,10 +132,10 @@ class ModelRunner:
             except BaseException:
                 session.tokens = None  # its caches may be half written: never replay or reuse them
                 raise
-            if last_only:
-                hidden = hidden[:, -1:]
-            logits = self.ends.logits(hidden)
-            return logits if then is None else then(logits)
+            logits = self.ends.logits(hidden[:, -1:] if last_only else hidden)
+            if then is None:
+                return logits
+            return then(logits, hidden) if features else then(logits)
 
     def _segments(self, session: Session, hidden: torch.Tensor, positions, start: int, cuts: list[int]):
         # hidden [1, T, H] in segments ending at cuts: pipelined over workers, else one after another (each
@@ -165,16 +170,19 @@ class ModelRunner:
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         last_only: bool = False,
-        then: Callable[[torch.Tensor], Any] | None = None,
+        then: Callable[..., Any] | None = None,
+        features: bool = False,
     ) -> Any:
         """Run tokens ids [B, T] written at cache slots start.. (default: the session's end).
 
         positions [B, T] default to the slots; mask [B, T, start+T] defaults to causal. Returns float32
         logits [B, T, V], or [B, 1, V] for the last position only; with `then`, returns then(logits)
-        computed on the model thread (sampling there saves a thread hand-off per token).
+        computed on the model thread (sampling there saves a thread hand-off per token). With `features`,
+        then(logits, hidden) also gets the last layer's output hidden [B, T, H] at every position (before the
+        final norm; a feature drafter reads it).
         """
         start = session.length if start is None else start
-        out = await self._run(self._forward, session, ids, positions, start, mask, last_only, then)
+        out = await self._run(self._forward, session, ids, positions, start, mask, last_only, then, features)
         session.length = start + ids.shape[1]
         return out
 

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from decoding.draft_model import DraftModel
+from decoding.eagle import SHIPPED, FeatureDraftModel
 from model.config import ModelConfig
 from model.load import LoadedModel, load_local, load_with_pipeline
 from model.prefix import PrefixCache
@@ -102,10 +103,22 @@ def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[Loaded
     return loaded, manager
 
 
-def load_draft_models(settings: ServeSettings, loaded: LoadedModel) -> dict[str, DraftModel]:
-    """The configured drafters' weights, loaded on the model thread; a tokenizer mismatch is an error."""
+def load_draft_models(settings: ServeSettings, loaded: LoadedModel) -> dict[str, DraftModel | FeatureDraftModel]:
+    """The configured drafters' weights, loaded on the model thread; a tokenizer mismatch is an error.
+    The trained feature drafter comes first: the plain `speculative` policy's default builds on the first."""
     models = {}
     run = loaded.runner.thread.run_sync
+    ends = loaded.runner.ends
+    if settings.eagle == "auto":
+        for path in sorted(SHIPPED.glob("*.safetensors")):  # the first one trained for the served model
+            try:
+                models["eagle"] = run(FeatureDraftModel.load, "eagle", path, ends)
+                log.info("drafter eagle: %s", path.name)
+                break
+            except ValueError:
+                continue
+    elif settings.eagle != "off":
+        models["eagle"] = run(FeatureDraftModel.load, "eagle", Path(settings.eagle), ends)
     for entry in settings.draft_models:
         name, _, path = entry.rpartition("=")
         name = name or Path(path).stem

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from planning.cli import add_plan_parser
 
@@ -44,8 +45,13 @@ def _serve_parser(sub) -> None:
     p.add_argument("--draft-model", action="append", dest="draft_models",
                    help="a drafter for `speculative`: PATH or NAME=PATH sharing the tokenizer (repeatable)")
     p.add_argument("--layerskip", help="offer the `layerskip` self-draft keeping these layers, e.g. '0-11,28-29'")
-    p.add_argument("--speculative-drafter", help="drafter of the plain `speculative` policy (default: the first "
-                                                 "draft model, else ngram)")
+    p.add_argument("--draft-k", type=int, help="speculative draft length to start from (default 4; adapts)")
+    p.add_argument("--draft-k-min", type=int, help="shortest adaptive draft length (default 1)")
+    p.add_argument("--draft-k-max", type=int, help="longest adaptive draft length (default 8)")
+    p.add_argument("--eagle", help="trained feature drafter `eagle`: a file from train-drafter, 'auto' (default: "
+                                   "the shipped one, when trained for the served model) or 'off'")
+    p.add_argument("--speculative-drafter", help="drafter of the plain `speculative` policy (default: eagle+ngram "
+                                                 "when eagle is loaded, else the first draft model's, else ngram)")
 
 
 def _profile_parser(sub) -> None:
@@ -94,6 +100,30 @@ def _bench_parser(sub) -> None:
     p.add_argument("--out", required=True, help="folder for results.json and plots")
 
 
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train-drafter", help="distil a feature drafter for `speculative` from the model's answers")
+    p.add_argument("--model", default=None, help="the target (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--data", type=Path, default=Path("../shared/data"), help="the shared data folder")
+    p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "edgespec" / "distill",
+                   help="where generated answers and features are cached")
+    p.add_argument("--out", type=Path, help="the weights file (default: the shipped drafter's, in decoding/trained)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--samples", type=int, default=2, help="sampled answers per prompt besides the greedy one")
+    p.add_argument("--temperature", type=float, default=0.7, help="of the sampled answers")
+    p.add_argument("--gen-batch", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=8192, help="ids the drafter's head may propose")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch-tokens", type=int, default=2048)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--cls-weight", type=float, default=1.0, help="weight of the token loss beside the feature loss")
+    p.add_argument("--noise", type=float, default=0.05, help="uniform noise on input features, in units of their RMS")
+    p.add_argument("--unroll", type=int, default=2, help="passes on the drafter's own predicted features")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--holdout", type=float, default=0.1, help="share of prompts held out for evaluation")
+    p.add_argument("--k", type=int, default=4, help="draft length of the evaluation")
+    p.add_argument("--seed", type=int, default=0)
+
+
 def _overrides(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if v is not None and k != "command"}
 
@@ -121,8 +151,9 @@ def serve(args: argparse.Namespace) -> None:
             cluster.config.stop()
 
     try:
-        service = CompletionService(loaded, build_policies(drafts, settings.speculative_drafter), settings, metrics,
-                                    cluster)
+        draft_k = (settings.draft_k, settings.draft_k_min, settings.draft_k_max)
+        policies = build_policies(drafts, settings.speculative_drafter, draft_k)
+        service = CompletionService(loaded, policies, settings, metrics, cluster)
         uvicorn.run(create_app(service, shutdown), host=settings.host, port=settings.port,
                     log_level=settings.log_level)
     finally:
@@ -158,6 +189,12 @@ def bench(args: argparse.Namespace) -> None:
     run_bench(args)
 
 
+def train_drafter(args: argparse.Namespace) -> None:
+    from decoding.train_drafter import train
+
+    train(args)
+
+
 def main(argv: list[str] | None = None) -> None:
     # Before torch loads libgomp: OpenMP threads spin 300000 rounds after each parallel region by default.
     # When stages are processes on shared cores, only one computes at a time and the spinning threads of
@@ -171,9 +208,12 @@ def main(argv: list[str] | None = None) -> None:
     _profile_parser(sub)
     add_plan_parser(sub)
     _bench_parser(sub)
+    _train_parser(sub)
     args = parser.parse_args(argv)
     try:
-        {"serve": serve, "worker": worker, "profile": profile, "plan": plan, "bench": bench}[args.command](args)
+        commands = {"serve": serve, "worker": worker, "profile": profile, "plan": plan, "bench": bench,
+                    "train-drafter": train_drafter}
+        commands[args.command](args)
     except (FileNotFoundError, ValueError) as exc:
         print(f"edgespec {args.command}: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -48,5 +48,18 @@ class ServeSettings(BaseSettings):
                                     "or GGUF files sharing the served model's tokenizer, as PATH or NAME=PATH")
     layerskip: str | None = Field(None, description="offer the `layerskip` self-draft: the served model's layers "
                                                     "to keep, e.g. '0-11,28-29'")
+    eagle: str = Field("auto", description="the trained feature drafter `eagle` (from `edgespec train-drafter`): "
+                       "a file, 'auto' (the shipped one, when it was trained for the served model) or 'off'")
+    draft_k: int = Field(4, ge=1, le=32, description="speculative draft length to start from; it adapts per "
+                         "request to the acceptance, within draft_k_min..draft_k_max (a request's `k` fixes it)")
+    draft_k_min: int = Field(1, ge=1, le=32)
+    draft_k_max: int = Field(8, ge=1, le=32)
     speculative_drafter: str | None = Field(None, description="the plain `speculative` policy's drafter")
     log_level: str = "info"
+
+    @model_validator(mode="after")
+    def _draft_bounds(self) -> ServeSettings:
+        if not self.draft_k_min <= self.draft_k <= self.draft_k_max:
+            raise ValueError(f"need draft_k_min <= draft_k <= draft_k_max, got {self.draft_k_min}, {self.draft_k}, "
+                             f"{self.draft_k_max}")
+        return self

@@ -129,3 +129,15 @@ def load_blocks(folder: Path | str, dtype: torch.dtype = torch.float32) -> Block
     cfg = ModelConfig.from_folder(Path(folder))
     src = TensorSource(Path(folder))
     return Blocks(cfg, TokenEnds.load(src, cfg, dtype), LayerStack.load(src, cfg, 0, cfg.n_layers, dtype))
+
+
+def make_feature_drafter(folder: Path | str, out: Path, seed: int = 0, every: int = 2) -> Path:
+    """A random feature drafter (decoding/eagle.py) for the model in `folder`, proposing every `every`-th id."""
+    from decoding.eagle import FeatureNet
+
+    cfg = ModelConfig.from_folder(Path(folder))
+    ends = TokenEnds.load(TensorSource(Path(folder)), cfg, torch.float32)
+    torch.manual_seed(seed)
+    net = FeatureNet(cfg, torch.arange(0, cfg.vocab_size, every))
+    net.save(out, ends, {"random": True, "seed": seed})
+    return out

@@ -1,6 +1,6 @@
-"""Model drafters on tiny models (float32): a draft checkpoint and a layer-skipping self-draft give naive's
-greedy tokens; sampled continuations through the whole policy follow the target's exactly enumerated
-distribution; a draft model with another tokenizer is refused."""
+"""Model drafters on tiny models (float32): a draft checkpoint, a layer-skipping self-draft and a feature drafter
+give naive's greedy tokens; sampled continuations through the whole policy follow the target's exactly
+enumerated distribution; a draft model with another tokenizer is refused."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from model_fixtures import smollm2_folder
+from model_fixtures import make_feature_drafter, smollm2_folder
 from processes import REPO, tiny_chat_model
 from scipy import stats
 
 from decoding.draft_model import DraftModel, check_tokenizer, runs
+from decoding.eagle import FeatureDraftModel
 from decoding.naive import NaivePolicy
 from decoding.sampling import Sampler
 from decoding.speculative import SpeculativePolicy
@@ -49,7 +50,9 @@ def loaded(folders):
 @pytest.fixture(scope="module")
 def drafts(folders, loaded):
     run = loaded.runner.thread.run_sync
-    return {"self": run(DraftModel.load, "self", str(folders[0]), "float32", loaded.tokenizer),
+    eagle = make_feature_drafter(folders[0], folders[0].parent / "eagle.safetensors")
+    return {"eagle": run(FeatureDraftModel.load, "eagle", eagle, loaded.runner.ends),
+            "self": run(DraftModel.load, "self", str(folders[0]), "float32", loaded.tokenizer),
             "other": run(DraftModel.load, "other", str(folders[1]), "float32", loaded.tokenizer),
             "layerskip": run(DraftModel.load, "layerskip", str(folders[0]), "float32", None, [0, 3])}
 
@@ -65,7 +68,7 @@ def generate(policy, loaded, max_tokens, options=None, **sampling):
     return [t for e in events for t in e.token_ids], events[-1].stats
 
 
-@pytest.mark.parametrize("drafter", ["self", "other", "layerskip"])
+@pytest.mark.parametrize("drafter", ["self", "other", "layerskip", "eagle", "eagle+ngram"])
 def test_model_drafters_give_naive_greedy_tokens(loaded, drafts, drafter):
     want, _ = generate(NaivePolicy(), loaded, 30)
     got, st = generate(SpeculativePolicy(drafts), loaded, 30, {"drafter": drafter, "k": 4})
@@ -75,7 +78,8 @@ def test_model_drafters_give_naive_greedy_tokens(loaded, drafts, drafter):
         assert st["acceptance_rate"] > 0.9  # the target drafting for itself is (nearly) always right
 
 
-def test_sampled_continuations_follow_the_target_distribution(loaded, drafts):
+@pytest.mark.parametrize("drafter", ["other", "eagle", "eagle+ngram"])
+def test_sampled_continuations_follow_the_target_distribution(loaded, drafts, drafter):
     # two-token continuations at temperature 0.8, top_k 3: nine outcomes, enumerated exactly from the target
     params = {"temperature": 0.8, "top_k": 3}
     runner = loaded.runner
@@ -99,7 +103,7 @@ def test_sampled_continuations_follow_the_target_distribution(loaded, drafts):
     n = 1500
     counts = {key: 0 for key in table}
     for seed in range(n):
-        ids, _ = generate(policy, loaded, 2, {"drafter": "other", "k": 2}, seed=seed, **params)
+        ids, _ = generate(policy, loaded, 2, {"drafter": drafter, "k": 2}, seed=seed, **params)
         assert tuple(ids) in counts  # nothing outside the target's support
         counts[tuple(ids)] += 1
     keys = sorted(table)

@@ -10,6 +10,7 @@ import threading
 import httpx
 import pytest
 import torch
+from model_fixtures import make_feature_drafter
 from processes import greedy, model_id, start_server, start_worker
 
 from workers.wire import encode
@@ -123,16 +124,21 @@ def test_smollm2_pipelined_prefill_and_reuse_match_in_process(smollm2_reference,
 
 
 def test_speculative_over_workers_equals_naive(tiny, tmp_path):
+    eagle = make_feature_drafter(tiny, tmp_path / "eagle.safetensors")  # random: its drafts are mostly rejected
     proc, url = start_server(tmp_path, "spec", "--model", tiny, "--local-workers", "2", "--placement", "even",
-                             "--worker-threads", "1")
+                             "--worker-threads", "1", "--eagle", str(eagle))
     try:
         body = {"model": model_id(url), "temperature": 0, "max_tokens": 40,
                 "messages": [{"role": "user", "content": "Repeat after me: one two three, one two three, one two"}]}
         naive = httpx.post(url + "/v1/chat/completions", json=body, timeout=300).json()
-        spec = httpx.post(url + "/v1/chat/completions", json={**body, "decoding": {"policy": "speculative", "k": 4}},
-                          timeout=300).json()
-        assert spec["choices"][0]["message"]["content"] == naive["choices"][0]["message"]["content"]
-        assert spec["decoding"]["policy"] == "speculative" and spec["decoding"]["drafter"] == "ngram"
+        for drafter in ("ngram", "eagle"):
+            spec = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+                **body, "decoding": {"policy": "speculative", "k": 4, "drafter": drafter}}).json()
+            assert spec["choices"][0]["message"]["content"] == naive["choices"][0]["message"]["content"]
+            assert spec["decoding"]["policy"] == "speculative" and spec["decoding"]["drafter"] == drafter
+        plain = httpx.post(url + "/v1/chat/completions", json={**body, "decoding": {"policy": "speculative"}},
+                           timeout=300).json()
+        assert plain["decoding"]["drafter"] == "eagle+ngram"  # the plain policy's default
         bad = httpx.post(url + "/v1/chat/completions", json={**body, "decoding": {"policy": "speculative",
                                                                                   "drafter": "nope"}}, timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "decoding"

@@ -1,0 +1,186 @@
+"""A feature drafter (EAGLE, Li et al. 2024): one small decoder layer that predicts the target's next final
+hidden state from its current one and the next token, read out through the target's own head.
+
+The target's final hidden states come for free with every forward pass (the controller applies the final norm
+and head itself, also when the layers run on workers), so this drafter sees what the target "thinks" at each
+accepted position, not only its tokens, and it predicts the target's next token far better than a standalone
+model of its size would.
+
+Feature space: g = the target's final norm applied to its last layer's output, i.e. what the head reads.
+At draft index i the drafter reads (g_{i-1}, embedding of x_i) and predicts g_i, whose head logits give x_{i+1}.
+The head is restricted to the `vocab` ids the target most often emits (its full 49k-row head costs as much as
+eight of its layers); drafts outside it are simply never proposed, which keeps the rule exact.
+
+Trained by `edgespec train-drafter` (decoding/train_drafter.py); the file holds the fc and layer weights,
+the vocabulary ids and a fingerprint of the target's embedding, checked at load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from decoding.sampling import Sampler
+from decoding.types import SamplingParams
+from model.blocks import DecoderLayer, Rotary
+from model.config import ModelConfig
+from model.kv_cache import KVCache
+from model.packed import pack_linears
+from model.stack import TokenEnds
+
+SHIPPED = Path(__file__).parent / "trained"
+
+
+def fingerprint(ends: TokenEnds) -> list[float]:
+    """A few numbers that tell the target apart: sums of embedding rows spread over the vocabulary."""
+    rows = torch.linspace(0, ends.cfg.vocab_size - 1, 16).long()
+    return [round(float(v), 3) for v in ends.embed.weight[rows].float().sum(dim=1)]
+
+
+class FeatureNet(nn.Module):
+    """fc([g_prev, emb(x)]) -> one decoder layer -> (the target's final norm) -> predicted g; trainable, and
+    the inference module. The target's own final norm gives the prediction the scale the head expects."""
+
+    def __init__(self, cfg: ModelConfig, vocab: torch.Tensor, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True, dtype=dtype)
+        self.layer = DecoderLayer(cfg, dtype)
+        self.rotary = Rotary(cfg, dtype)
+        self.register_buffer("vocab", vocab.long())  # [N] target ids the head may propose
+
+    def block(self, g_prev: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Training forward, causal over whole sequences: g_prev, emb [B, T, H], positions [B, T] -> the layer's
+        output [B, T, H] (the target's final norm of it is the predicted g)."""
+        layer, attn = self.layer, self.layer.attn
+        x = self.fc(torch.cat([g_prev, emb], dim=-1))
+        b, t, _ = x.shape
+        heads = attn.n_q + 2 * attn.n_kv
+        qkv = attn.qkv(layer.input_norm(x)).view(b, t, heads, attn.hd).transpose(1, 2)  # [B, heads, T, hd]
+        qk = self.rotary(positions)(qkv[:, :attn.n_q + attn.n_kv])
+        q, k, v = qk[:, :attn.n_q], qk[:, attn.n_q:], qkv[:, attn.n_q + attn.n_kv:]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, n_q, T, hd]
+        x = x + attn.o(out.transpose(1, 2).reshape(b, t, -1))
+        return x + layer.ffn(layer.post_norm(x))
+
+    def save(self, path: Path, ends: TokenEnds, record: dict) -> None:
+        """Weights (bf16: halves the file, and serving runs bf16) and metadata, with the training record."""
+        tensors = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
+                   for k, v in self.state_dict().items()}
+        meta = {"hidden_size": str(self.cfg.hidden_size), "vocab_size": str(self.cfg.vocab_size),
+                "fingerprint": json.dumps(fingerprint(ends))}
+        save_file(tensors, str(path), metadata=meta)
+        path.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+
+
+class FeatureDraftModel:
+    """A trained FeatureNet bound to the served model's token ends; shared by every request."""
+
+    feature_drafter = True
+
+    def __init__(self, name: str, net: FeatureNet, ends: TokenEnds):
+        self.name, self.net, self.ends, self.cfg = name, net, ends, ends.cfg
+        # the head restricted to the drafter's vocabulary: [N, H]
+        head = nn.Linear(ends.cfg.hidden_size, len(net.vocab), bias=False, dtype=ends.dtype)
+        with torch.no_grad():
+            head.weight.copy_(ends.lm_head.weight[net.vocab] if isinstance(ends.lm_head, nn.Linear)
+                              else ends.embed.weight[net.vocab])
+        self.head = pack_linears(nn.Sequential(head))
+
+    @classmethod
+    def load(cls, name: str, path: Path, ends: TokenEnds) -> FeatureDraftModel:
+        """Weights from `path`; a clear error when they were trained for another model."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        cfg = ends.cfg
+        if (meta.get("hidden_size"), meta.get("vocab_size")) != (str(cfg.hidden_size), str(cfg.vocab_size)):
+            raise ValueError(f"drafter {name!r} ({path}) was trained for a model of hidden size "
+                             f"{meta.get('hidden_size')} and vocabulary {meta.get('vocab_size')}, not this one's "
+                             f"{cfg.hidden_size} and {cfg.vocab_size}")
+        want, got = torch.tensor(json.loads(meta.get("fingerprint", "[]"))), torch.tensor(fingerprint(ends))
+        if want.shape != got.shape or not torch.allclose(want, got, rtol=0.02, atol=0.05):
+            raise ValueError(f"drafter {name!r} ({path}) was trained for another model: its embedding fingerprint "
+                             f"differs from the served model's")
+        state = load_file(str(path))
+        net = FeatureNet(cfg, state["vocab"], ends.dtype)
+        net.load_state_dict({k: v.to(ends.dtype) if v.is_floating_point() else v for k, v in state.items()},
+                            strict=True)
+        net.requires_grad_(False)
+        return cls(name, pack_linears(net.eval()), ends)
+
+
+class FeatureDrafter:
+    """One request's drafter: its own one-layer KV cache, and the target's features at accepted positions."""
+
+    on_model_thread = True
+
+    def __init__(self, model: FeatureDraftModel, params: SamplingParams, capacity: int):
+        self.model, self.name = model, model.name
+        self.greedy = params.greedy
+        self.sampler = Sampler(SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                              min_p=params.min_p, seed=params.seed), model.cfg.vocab_size)
+        cfg = model.cfg
+        self.cache = KVCache(1, cfg.n_kv_heads, cfg.head_dim, capacity, model.ends.dtype, initial=256)
+        self.g = torch.empty(capacity, cfg.hidden_size, dtype=model.ends.dtype)  # [capacity, H] target features
+        self.first = None  # first position with a feature (a cached prompt prefix has none)
+        self.known = 0  # features known for positions first..known-1
+        self.fed = 0  # draft indices first+1..first+fed are in the cache from true features
+
+    @torch.inference_mode()
+    def observe(self, start: int, hidden: torch.Tensor) -> None:
+        """The target's last-layer outputs hidden [T, H] at positions start..start+T-1 (accepted ones only)."""
+        if self.first is None:
+            self.first = self.known = start
+        g = self.model.ends.norm(hidden.to(self.g.dtype))
+        self.g[start:start + len(g)] = g
+        self.known = start + len(g)
+        self.fed = min(self.fed, self.known - self.first - 1)  # positions past them were drafts: re-feed
+
+    def _step(self, g_prev: torch.Tensor, ids: list[int], start: int) -> torch.Tensor:
+        # g_prev [T, H] with ids [T] at draft indices start..start+T-1 -> predicted g at the last one [1, 1, H]
+        net, t = self.model.net, len(ids)
+        emb = self.model.ends.embed_tokens(torch.tensor([ids]))  # [1, T, H]
+        x = net.fc(torch.cat([g_prev.unsqueeze(0), emb], dim=-1))  # [1, T, H]
+        positions = torch.arange(start, start + t).unsqueeze(0)  # [1, T]
+        slot = start - self.first - 1
+        self.cache.check_write(slot, t, 1)
+        self.cache.ensure(slot + t)
+        mask = None if t == 1 else torch.arange(slot + t).unsqueeze(0) <= (slot + torch.arange(t)).unsqueeze(1)
+        x = net.layer(x, net.rotary(positions), self.cache, 0, slot, mask)
+        self.cache.length = slot + t
+        return self.model.ends.norm(x[:, -1:])
+
+    def _pick(self, g: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        # predicted g [1, 1, H] -> (draft id, its distribution over the full vocabulary [V]; None when greedy)
+        small = self.model.head(g)[0, 0].float()  # [N]
+        if self.greedy:  # a point mass: no distribution to build over the 49k ids
+            return int(self.model.net.vocab[small.argmax()]), None
+        logits = torch.full((self.model.cfg.vocab_size,), float("-inf"))
+        logits[self.model.net.vocab] = small
+        q = self.sampler.probs(logits)
+        return self.sampler.sample(q), q
+
+    @torch.inference_mode()
+    def propose(self, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
+        n = self.known  # pairs (g_{i-1}, x_i) for draft indices i = first+1..n, x_n the newest token
+        if self.first is None or n < self.first + 1 or len(tokens) < n + 1:
+            return [], None
+        self.cache.truncate(self.fed)
+        a = self.first + 1 + self.fed  # first draft index not fed yet
+        g = self._step(self.g[a - 1:n], tokens[a:n + 1], a)
+        self.fed = n - self.first
+        drafts, qs = [], []
+        for i in range(k):
+            token, q = self._pick(g)
+            drafts.append(token)
+            qs.append(q)
+            if i + 1 < k:
+                g = self._step(g[0], [token], n + 1 + i)
+        return drafts, None if self.greedy else torch.stack(qs)  # [k, V]
