@@ -69,6 +69,13 @@ class DraftModel:
         return cls(name, cfg, TokenEnds.load(src, cfg, torch_dtype), stacks)
 
 
+def draft_sampler(params: SamplingParams, vocab_size: int) -> Sampler:
+    """q: the request's temperature and truncation applied to a drafter's logits (any q keeps the rule exact;
+    a q close to the target's p is accepted more often). Penalties and biases stay the target's."""
+    return Sampler(SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                  min_p=params.min_p, seed=params.seed), vocab_size)
+
+
 class ModelDrafter:
     """One request's drafter over a DraftModel."""
 
@@ -77,10 +84,7 @@ class ModelDrafter:
     def __init__(self, model: DraftModel, params: SamplingParams, capacity: int):
         self.model, self.name = model, model.name
         self.greedy = params.greedy
-        # q: the request's temperature and truncation applied to the draft's logits (any q keeps the rule exact;
-        # a q close to the target's p is accepted more often)
-        self.sampler = Sampler(SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                              min_p=params.min_p, seed=params.seed), model.cfg.vocab_size)
+        self.sampler = draft_sampler(params, model.cfg.vocab_size)
         self.caches: list[KVCache] = [s.new_cache(capacity, initial=256) for s in model.stacks]
         self.cached: list[int] = []  # the ids in the caches' slots
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from decoding.sampling import Sampler
+from decoding.draft_model import draft_sampler
 from decoding.types import SamplingParams
 from model.blocks import DecoderLayer, Rotary
 from model.config import ModelConfig
@@ -124,8 +124,7 @@ class FeatureDrafter:
     def __init__(self, model: FeatureDraftModel, params: SamplingParams, capacity: int):
         self.model, self.name = model, model.name
         self.greedy = params.greedy
-        self.sampler = Sampler(SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                              min_p=params.min_p, seed=params.seed), model.cfg.vocab_size)
+        self.sampler = draft_sampler(params, model.cfg.vocab_size)
         cfg = model.cfg
         self.cache = KVCache(1, cfg.n_kv_heads, cfg.head_dim, capacity, model.ends.dtype, initial=256)
         self.g = torch.empty(capacity, cfg.hidden_size, dtype=model.ends.dtype)  # [capacity, H] target features
