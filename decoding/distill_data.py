@@ -81,9 +81,11 @@ def final_hidden(folder: Path, rows: list[dict], batch: int = 8) -> list[torch.T
     change its causal positions)."""
     model, _ = load_hf(folder)
     captured = {}
-    hook = model.model.layers[-1].register_forward_hook(lambda m, a, out: captured.update(h=out[0] if
-                                                                                           isinstance(out, tuple)
-                                                                                           else out))
+
+    def keep(module, args, out):  # the last layer's output; some transformers versions return a tuple
+        captured["h"] = out[0] if isinstance(out, tuple) else out
+
+    hook = model.model.layers[-1].register_forward_hook(keep)
     seqs = [r["prompt"] + r["answer"] for r in rows]
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # similar lengths together: less padding
     feats: list[torch.Tensor | None] = [None] * len(seqs)

@@ -68,6 +68,10 @@ class DraftModel:
         stacks = [LayerStack.load(src, cfg, a, b, torch_dtype) for a, b in runs(keep)]
         return cls(name, cfg, TokenEnds.load(src, cfg, torch_dtype), stacks)
 
+    def drafter(self, params: SamplingParams, capacity: int) -> ModelDrafter:
+        """One request's drafter over these weights."""
+        return ModelDrafter(self, params, capacity)
+
 
 def draft_sampler(params: SamplingParams, vocab_size: int) -> Sampler:
     """q: the request's temperature and truncation applied to a drafter's logits (any q keeps the rule exact;

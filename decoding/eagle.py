@@ -81,16 +81,19 @@ class FeatureNet(nn.Module):
 class FeatureDraftModel:
     """A trained FeatureNet bound to the served model's token ends; shared by every request."""
 
-    feature_drafter = True
-
     def __init__(self, name: str, net: FeatureNet, ends: TokenEnds):
         self.name, self.net, self.ends, self.cfg = name, net, ends, ends.cfg
-        # the head restricted to the drafter's vocabulary: [N, H]
+        # the head restricted to the drafter's vocabulary: [N, H]. Its rows come out of the head itself (the
+        # identity through it gives W^T exactly), whether it is tied, separate or packed for oneDNN.
         head = nn.Linear(ends.cfg.hidden_size, len(net.vocab), bias=False, dtype=ends.dtype)
         with torch.no_grad():
-            head.weight.copy_(ends.lm_head.weight[net.vocab] if isinstance(ends.lm_head, nn.Linear)
-                              else ends.embed.weight[net.vocab])
+            eye = torch.eye(ends.cfg.hidden_size, dtype=ends.dtype)
+            head.weight.copy_(ends.lm_head(eye)[:, net.vocab].T)  # [H, V] -> [N, H]
         self.head = pack_linears(nn.Sequential(head))
+
+    def drafter(self, params: SamplingParams, capacity: int) -> FeatureDrafter:
+        """One request's drafter over these weights."""
+        return FeatureDrafter(self, params, capacity)
 
     @classmethod
     def load(cls, name: str, path: Path, ends: TokenEnds) -> FeatureDraftModel:

@@ -9,9 +9,7 @@ import time
 
 import torch
 
-from decoding.draft_model import ModelDrafter
 from decoding.drafters import LookupFirst, NgramDrafter
-from decoding.eagle import FeatureDrafter
 from decoding.sampling import Sampler
 from decoding.stats import StepStats
 from decoding.text import TextStream
@@ -48,11 +46,9 @@ class SpeculativePolicy:
         self.k, self.k_min, self.k_max = k, k_min, k_max
         self.drafters = {"ngram": lambda params, capacity: NgramDrafter()}
         for name, m in (models or {}).items():
-            kind = FeatureDrafter if getattr(m, "feature_drafter", False) else ModelDrafter
-            self.drafters[name] = lambda params, capacity, m=m, kind=kind: kind(m, params, capacity)
+            self.drafters[name] = m.drafter
             # the model's drafts, except where the output is copying from earlier text
-            self.drafters[f"{name}+ngram"] = lambda params, capacity, m=m, kind=kind: LookupFirst(
-                kind(m, params, capacity))
+            self.drafters[f"{name}+ngram"] = lambda params, capacity, m=m: LookupFirst(m.drafter(params, capacity))
         self.default = default or (f"{next(iter(models))}+ngram" if models else "ngram")
         if self.default not in self.drafters:
             raise ValueError(f"unknown default drafter {self.default!r}; available: {', '.join(self.drafters)}")
