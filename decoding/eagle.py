@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from decoding.draft_model import draft_sampler
+from decoding.target_fit import check_target, restricted_head, target_metadata
 from decoding.types import SamplingParams
 from model.blocks import DecoderLayer, Rotary
 from model.config import ModelConfig
@@ -34,12 +35,6 @@ from model.packed import pack_linears
 from model.stack import TokenEnds
 
 SHIPPED = Path(__file__).parent / "trained"
-
-
-def fingerprint(ends: TokenEnds) -> list[float]:
-    """A few numbers that tell the target apart: sums of embedding rows spread over the vocabulary."""
-    rows = torch.linspace(0, ends.cfg.vocab_size - 1, 16).long()
-    return [round(float(v), 3) for v in ends.embed.weight[rows].float().sum(dim=1)]
 
 
 class FeatureNet(nn.Module):
@@ -72,9 +67,7 @@ class FeatureNet(nn.Module):
         """Weights (bf16: halves the file, and serving runs bf16) and metadata, with the training record."""
         tensors = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
                    for k, v in self.state_dict().items()}
-        meta = {"hidden_size": str(self.cfg.hidden_size), "vocab_size": str(self.cfg.vocab_size),
-                "fingerprint": json.dumps(fingerprint(ends))}
-        save_file(tensors, str(path), metadata=meta)
+        save_file(tensors, str(path), metadata=target_metadata(ends))
         path.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
 
 
@@ -83,13 +76,7 @@ class FeatureDraftModel:
 
     def __init__(self, name: str, net: FeatureNet, ends: TokenEnds):
         self.name, self.net, self.ends, self.cfg = name, net, ends, ends.cfg
-        # the head restricted to the drafter's vocabulary: [N, H]. Its rows come out of the head itself (the
-        # identity through it gives W^T exactly), whether it is tied, separate or packed for oneDNN.
-        head = nn.Linear(ends.cfg.hidden_size, len(net.vocab), bias=False, dtype=ends.dtype)
-        with torch.no_grad():
-            eye = torch.eye(ends.cfg.hidden_size, dtype=ends.dtype)
-            head.weight.copy_(ends.lm_head(eye)[:, net.vocab].T)  # [H, V] -> [N, H]
-        self.head = pack_linears(nn.Sequential(head))
+        self.head = restricted_head(ends, net.vocab)  # [..., H] -> [..., N]
 
     def drafter(self, params: SamplingParams, capacity: int) -> FeatureDrafter:
         """One request's drafter over these weights."""
@@ -98,19 +85,8 @@ class FeatureDraftModel:
     @classmethod
     def load(cls, name: str, path: Path, ends: TokenEnds) -> FeatureDraftModel:
         """Weights from `path`; a clear error when they were trained for another model."""
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
+        check_target(f"drafter {name!r}", path, ends)
         cfg = ends.cfg
-        if (meta.get("hidden_size"), meta.get("vocab_size")) != (str(cfg.hidden_size), str(cfg.vocab_size)):
-            raise ValueError(f"drafter {name!r} ({path}) was trained for a model of hidden size "
-                             f"{meta.get('hidden_size')} and vocabulary {meta.get('vocab_size')}, not this one's "
-                             f"{cfg.hidden_size} and {cfg.vocab_size}")
-        want, got = torch.tensor(json.loads(meta.get("fingerprint", "[]"))), torch.tensor(fingerprint(ends))
-        if want.shape != got.shape or not torch.allclose(want, got, rtol=0.02, atol=0.05):
-            raise ValueError(f"drafter {name!r} ({path}) was trained for another model: its embedding fingerprint "
-                             f"differs from the served model's")
         state = load_file(str(path))
         net = FeatureNet(cfg, state["vocab"], ends.dtype)
         net.load_state_dict({k: v.to(ends.dtype) if v.is_floating_point() else v for k, v in state.items()},

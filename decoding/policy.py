@@ -28,13 +28,15 @@ class DecodingPolicy(Protocol):
 
 
 def build_policies(draft_models: dict | None = None, default_drafter: str | None = None,
-                   draft_k: tuple[int, int, int] = (4, 1, 8)) -> dict[str, DecodingPolicy]:
+                   draft_k: tuple[int, int, int] = (4, 1, 8), medusa=None) -> dict[str, DecodingPolicy]:
     """Every policy this build has, by name; draft_models: drafter weights by name (decoding.draft_model,
-    decoding.eagle); draft_k: the draft length to start from and its bounds."""
+    decoding.eagle); draft_k: the draft length to start from and its bounds; medusa: Medusa heads
+    (decoding.medusa_heads), without which `medusa` refuses requests and says why."""
+    from decoding.medusa import MedusaPolicy
     from decoding.naive import NaivePolicy
     from decoding.speculative import SpeculativePolicy
 
-    policies = [NaivePolicy(), SpeculativePolicy(draft_models, default_drafter, *draft_k)]
+    policies = [NaivePolicy(), SpeculativePolicy(draft_models, default_drafter, *draft_k), MedusaPolicy(medusa)]
     return {p.name: p for p in policies}
 
 

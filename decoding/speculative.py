@@ -11,9 +11,9 @@ import torch
 
 from decoding.drafters import LookupFirst, NgramDrafter
 from decoding.sampling import Sampler
-from decoding.stats import StepStats
+from decoding.stats import StepStats, push_run
 from decoding.text import TextStream
-from decoding.types import GenerationRequest, TokenEvent
+from decoding.types import GenerationRequest
 from decoding.verify import verify
 from model.runner import ModelRunner
 
@@ -94,7 +94,7 @@ class SpeculativePolicy:
             while True:
                 emitted = [t for t, _ in step]
                 tokens += emitted
-                event = self._push(text, step, stats, model.wire(session))
+                event = push_run(text, step, stats, model.wire(session))
                 yield event
                 if event.finish_reason:
                     return
@@ -128,19 +128,3 @@ class SpeculativePolicy:
                 step = list(zip(verdict.tokens, lps, strict=True))
         finally:
             await model.release(session)
-
-    @staticmethod
-    def _push(text: TextStream, step: list, stats: StepStats, wire: dict) -> TokenEvent:
-        """Feed a step's tokens one at a time, so that a stop or max_tokens inside the run ends it exactly."""
-        ids, parts, logprobs = [], [], []
-        for token, logprob in step:
-            pushed = text.push(token)
-            ids.append(token)
-            parts.append(pushed.text)
-            if logprob:
-                logprobs.append(logprob)
-            if pushed.finish_reason:
-                stats.tokens_emitted(len(ids), wire)
-                return TokenEvent(ids, "".join(parts), pushed.finish_reason, logprobs, stats.as_dict(wire))
-        stats.tokens_emitted(len(ids), wire)
-        return TokenEvent(ids, "".join(parts), None, logprobs)

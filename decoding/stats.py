@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import time
 
+from decoding.text import TextStream
+from decoding.types import TokenEvent
+
 
 class StepStats:
     """Timestamps and counts of one generation, folded into the response's `decoding` object."""
@@ -20,6 +23,8 @@ class StepStats:
         self.cached_prompt_tokens = 0  # prompt tokens whose KV came from an earlier request (prefix reuse)
         self.drafter: str | None = None  # draft-and-verify policies: which drafter, and its time
         self.drafter_s = 0.0
+        self.accepted_lengths: dict[int, int] | None = None  # tree policies: steps by accepted length
+        self.exact: bool | None = None  # set by policies with a non-exact option: whether this request was exact
 
     def tokens_emitted(self, n: int, wire: dict[str, tuple[int, int]]) -> None:
         """Count n new tokens; `wire` is the session's (bytes, requests) per link so far."""
@@ -41,6 +46,10 @@ class StepStats:
             return round(x / self.tokens, 3) if self.tokens else 0.0
 
         drafting = {"drafter": self.drafter, "drafter_ms": round(self.drafter_s * 1000, 3)} if self.drafter else {}
+        if self.accepted_lengths is not None:
+            drafting["accepted_length_histogram"] = {str(n): c for n, c in sorted(self.accepted_lengths.items())}
+        if self.exact is not None:
+            drafting["exact"] = self.exact
         return {
             "policy": self.policy,
             **drafting,
@@ -58,3 +67,20 @@ class StepStats:
                                                                   / decoded, 3) if decoded > 0 else None}
                            for link, (b, n) in wire.items()},
         }
+
+
+def push_run(text: TextStream, step: list, stats: StepStats, wire: dict) -> TokenEvent:
+    """Feed a step's (token, logprob) pairs one at a time, so that a stop or max_tokens inside the run ends it
+    exactly; the event carries the statistics when the generation ends."""
+    ids, parts, logprobs = [], [], []
+    for token, logprob in step:
+        pushed = text.push(token)
+        ids.append(token)
+        parts.append(pushed.text)
+        if logprob:
+            logprobs.append(logprob)
+        if pushed.finish_reason:
+            stats.tokens_emitted(len(ids), wire)
+            return TokenEvent(ids, "".join(parts), pushed.finish_reason, logprobs, stats.as_dict(wire))
+    stats.tokens_emitted(len(ids), wire)
+    return TokenEvent(ids, "".join(parts), None, logprobs)

@@ -20,6 +20,7 @@ import math
 import random
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -151,10 +152,33 @@ def simulate(model: FeatureDraftModel, examples: list[Example], k: int) -> dict:
             "accepted_at_depth": [round(n / max(1, steps), 4) for n in by_depth]}
 
 
-def train(args: argparse.Namespace) -> dict:
-    console = Console()
-    torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)
+@dataclass
+class DistillSet:
+    """The target's own answers to the training prompts with its features, split by prompt, and a vocabulary."""
+
+    name: str
+    cfg: ModelConfig
+    src: TensorSource
+    ends: TokenEnds  # float32
+    prompts: list[str]
+    rows: list[dict]
+    held: set[int]  # held-out prompt indices
+    train_set: list[Example]
+    test_set: list[Example]  # the held-out prompts' greedy answers
+    vocab: torch.Tensor
+    covered: float  # the vocabulary's share of the held-out answers' tokens
+
+    def record(self, args: argparse.Namespace) -> dict:
+        """What the data was, for a training record."""
+        return {"target": self.name, "data": ["alpaca_seed_tasks.jsonl", "wizardlm_testset.jsonl"],
+                "prompts": len(self.prompts), "heldout_prompts": len(self.held), "sequences": len(self.rows),
+                "answer_tokens": sum(len(r["answer"]) for r in self.rows), "max_new_tokens": args.max_new_tokens,
+                "samples_per_prompt": args.samples, "sample_temperature": args.temperature,
+                "vocab": len(self.vocab), "heldout_vocab_coverage": round(self.covered, 4)}
+
+
+def distill_set(args: argparse.Namespace, rng: random.Random, console: Console) -> DistillSet:
+    """Generate (or reuse from --work) the target's answers and features; split off --holdout of the prompts."""
     files = resolve_model(args.model)
     cfg = ModelConfig.from_folder(files.folder)
     src = TensorSource(files.folder)
@@ -174,15 +198,28 @@ def train(args: argparse.Namespace) -> dict:
     covered = coverage([r for r, h in zip(rows, split, strict=True) if h], vocab)
     console.print(f"{len(train_set)} training and {len(test_set)} held-out sequences; vocabulary of {len(vocab)} "
                   f"holds {covered:.1%} of the held-out answers' tokens")
+    return DistillSet(files.name, cfg, src, ends, prompts, rows, held, train_set, test_set, vocab, covered)
 
+
+def cosine_schedule(opt: torch.optim.Optimizer, total: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """50 steps of warm-up, then cosine decay to 0 at `total` steps."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+
+
+def train(args: argparse.Namespace) -> dict:
+    console = Console()
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    data = distill_set(args, rng, console)
+    cfg, ends, vocab, train_set, test_set = data.cfg, data.ends, data.vocab, data.train_set, data.test_set
     net = FeatureNet(cfg, vocab)  # random start: measured better than starting from the target's last layer
     net.requires_grad_(True)
     head = ends.lm_head.weight.detach()[vocab]  # [N, H]
     groups = batches(train_set, args.batch_tokens, rng)
     total = args.epochs * len(groups)
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+    sched = cosine_schedule(opt, total)
     history, t0 = [], time.time()
     for epoch in range(args.epochs):
         sums = [0.0, 0.0, 0.0]
@@ -205,11 +242,7 @@ def train(args: argparse.Namespace) -> dict:
         console.print(row)
     net.requires_grad_(False)
     record = {
-        "target": files.name, "data": ["alpaca_seed_tasks.jsonl", "wizardlm_testset.jsonl"],
-        "prompts": len(prompts), "heldout_prompts": len(held), "sequences": len(rows),
-        "answer_tokens": sum(len(r["answer"]) for r in rows), "max_new_tokens": args.max_new_tokens,
-        "samples_per_prompt": args.samples, "sample_temperature": args.temperature,
-        "vocab": len(vocab), "heldout_vocab_coverage": round(covered, 4),
+        **data.record(args),
         "epochs": args.epochs, "steps": total, "lr": args.lr, "cls_weight": args.cls_weight, "noise": args.noise,
         "unroll": args.unroll, "weight_decay": args.weight_decay, "batch_tokens": args.batch_tokens, "seed": args.seed,
         "history": history, "train_seconds": round(time.time() - t0),
@@ -217,7 +250,7 @@ def train(args: argparse.Namespace) -> dict:
     args.out = args.out or SHIPPED / "smollm2-135m-instruct-eagle.safetensors"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     net.save(args.out, ends, record)
-    served = FeatureDraftModel.load("eagle", args.out, TokenEnds.load(src, cfg, torch.bfloat16))
+    served = FeatureDraftModel.load("eagle", args.out, TokenEnds.load(data.src, cfg, torch.bfloat16))
     record["heldout_greedy"] = {f"k={k}": simulate(served, test_set, k) for k in sorted({1, 2, args.k})}
     args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     console.print(record["heldout_greedy"])

@@ -196,6 +196,20 @@ class ModelRunner:
         if session.tokens is not None:
             del session.tokens[length:]
 
+    def _commit(self, session: Session, kept: list[int], dest: int) -> None:
+        if session.generation == self.generation:  # else the next forward rebuilds the cache from the tokens
+            self.pipeline.commit(session.id, kept, dest)
+
+    async def commit(self, session: Session, kept: list[int], dest: int, tokens: list[int] | None = None) -> None:
+        """Keep the cached slots `kept` (ascending) as slots dest, dest+1, ... and end the session there (the
+        accepted path of a tree pass); `tokens`: the ids now in slots 0.. (a plain run again), if known.
+        Slots already in place are not moved: the stale ones after them are never read (attention reads only
+        up to the end of each write) and get overwritten, so no stage is called."""
+        if kept != list(range(dest, dest + len(kept))):
+            await self._run(self._commit, session, kept, dest)
+        session.length = dest + len(kept)
+        session.tokens = list(tokens) if tokens is not None else None
+
     def wire(self, session: Session) -> dict[str, tuple[int, int]]:
         """Bytes and requests per link that the session's calls have put on the network so far."""
         return self.pipeline.wire(session.id)

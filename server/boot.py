@@ -9,6 +9,7 @@ from pathlib import Path
 
 from decoding.draft_model import DraftModel
 from decoding.eagle import SHIPPED, FeatureDraftModel
+from decoding.medusa_heads import MedusaModel
 from model.config import ModelConfig
 from model.load import LoadedModel, load_local, load_with_pipeline
 from model.prefix import PrefixCache
@@ -110,7 +111,7 @@ def load_draft_models(settings: ServeSettings, loaded: LoadedModel) -> dict[str,
     run = loaded.runner.thread.run_sync
     ends = loaded.runner.ends
     if settings.eagle == "auto":
-        for path in sorted(SHIPPED.glob("*.safetensors")):  # the first one trained for the served model
+        for path in sorted(SHIPPED.glob("*-eagle.safetensors")):  # the first one trained for the served model
             try:
                 models["eagle"] = run(FeatureDraftModel.load, "eagle", path, ends)
                 log.info("drafter eagle: %s", path.name)
@@ -127,3 +128,20 @@ def load_draft_models(settings: ServeSettings, loaded: LoadedModel) -> dict[str,
         models["layerskip"] = run(DraftModel.load, "layerskip", settings.model, settings.dtype, None,
                                   sorted(parse_ranges(settings.layerskip)))
     return models
+
+
+def load_medusa(settings: ServeSettings, loaded: LoadedModel) -> MedusaModel | None:
+    """The Medusa heads: --medusa FILE, or with 'auto' the shipped heads trained for the served model, if any."""
+    run = loaded.runner.thread.run_sync
+    if settings.medusa == "off":
+        return None
+    if settings.medusa != "auto":
+        return run(MedusaModel.load, Path(settings.medusa), loaded.runner.ends)
+    for path in sorted(SHIPPED.glob("*-medusa.safetensors")):
+        try:
+            heads = run(MedusaModel.load, path, loaded.runner.ends)
+        except ValueError:
+            continue
+        log.info("medusa heads: %s (tree of %d nodes)", path.name, len(heads.tree))
+        return heads
+    return None

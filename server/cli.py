@@ -50,6 +50,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--draft-k-max", type=int, help="longest adaptive draft length (default 8)")
     p.add_argument("--eagle", help="trained feature drafter `eagle`: a file from train-drafter, 'auto' (default: "
                                    "the shipped one, when trained for the served model) or 'off'")
+    p.add_argument("--medusa", help="Medusa heads for the `medusa` policy: a file from train-medusa, 'auto' (default: "
+                   "the shipped heads when they fit the model) or 'off'")
     p.add_argument("--speculative-drafter", help="drafter of the plain `speculative` policy (default: eagle+ngram "
                                                  "when eagle is loaded, else the first draft model's, else ngram)")
 
@@ -100,18 +102,25 @@ def _bench_parser(sub) -> None:
     p.add_argument("--out", required=True, help="folder for results.json and plots")
 
 
-def _train_parser(sub) -> None:
-    p = sub.add_parser("train-drafter", help="distil a feature drafter for `speculative` from the model's answers")
+def _distill_arguments(p: argparse.ArgumentParser) -> None:
+    """The self-distillation data shared by train-drafter and train-medusa (one cache under --work)."""
     p.add_argument("--model", default=None, help="the target (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--data", type=Path, default=Path("../shared/data"), help="the shared data folder")
     p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "edgespec" / "distill",
                    help="where generated answers and features are cached")
-    p.add_argument("--out", type=Path, help="the weights file (default: the shipped drafter's, in decoding/trained)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--samples", type=int, default=2, help="sampled answers per prompt besides the greedy one")
     p.add_argument("--temperature", type=float, default=0.7, help="of the sampled answers")
     p.add_argument("--gen-batch", type=int, default=32)
-    p.add_argument("--vocab", type=int, default=8192, help="ids the drafter's head may propose")
+    p.add_argument("--vocab", type=int, default=8192, help="ids the trained head may propose")
+    p.add_argument("--holdout", type=float, default=0.1, help="share of prompts held out for evaluation")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train-drafter", help="distil a feature drafter for `speculative` from the model's answers")
+    _distill_arguments(p)
+    p.add_argument("--out", type=Path, help="the weights file (default: the shipped drafter's, in decoding/trained)")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -119,9 +128,19 @@ def _train_parser(sub) -> None:
     p.add_argument("--noise", type=float, default=0.05, help="uniform noise on input features, in units of their RMS")
     p.add_argument("--unroll", type=int, default=2, help="passes on the drafter's own predicted features")
     p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--holdout", type=float, default=0.1, help="share of prompts held out for evaluation")
     p.add_argument("--k", type=int, default=4, help="draft length of the evaluation")
-    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("train-medusa", help="train Medusa heads for `medusa` on the model's own answers")
+    _distill_arguments(p)
+    p.add_argument("--out", type=Path, help="the heads file (default: the shipped one, in decoding/trained)")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--batch-tokens", type=int, default=4096)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--decay", type=float, default=0.8, help="head k's loss weight is decay**k")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--max-nodes", type=int, default=40, help="largest candidate tree considered")
+    p.add_argument("--retree", action="store_true", help="keep the trained heads in --out: only measure this "
+                   "machine's verification cost again and choose the default tree")
 
 
 def _overrides(args: argparse.Namespace) -> dict:
@@ -133,7 +152,7 @@ def serve(args: argparse.Namespace) -> None:
 
     from decoding.policy import build_policies
     from server.app import create_app
-    from server.boot import load_draft_models, load_served_model
+    from server.boot import load_draft_models, load_medusa, load_served_model
     from server.metrics import Metrics
     from server.service import CompletionService
     from server.settings import ServeSettings
@@ -143,6 +162,7 @@ def serve(args: argparse.Namespace) -> None:
     metrics = Metrics()
     loaded, cluster = load_served_model(settings, metrics)
     drafts = load_draft_models(settings, loaded)
+    medusa = load_medusa(settings, loaded)
 
     def shutdown() -> None:
         # From the app's lifespan: uvicorn re-raises SIGTERM after its shutdown, so code after run() may not run.
@@ -152,7 +172,7 @@ def serve(args: argparse.Namespace) -> None:
 
     try:
         draft_k = (settings.draft_k, settings.draft_k_min, settings.draft_k_max)
-        policies = build_policies(drafts, settings.speculative_drafter, draft_k)
+        policies = build_policies(drafts, settings.speculative_drafter, draft_k, medusa)
         service = CompletionService(loaded, policies, settings, metrics, cluster)
         uvicorn.run(create_app(service, shutdown), host=settings.host, port=settings.port,
                     log_level=settings.log_level)
@@ -195,6 +215,12 @@ def train_drafter(args: argparse.Namespace) -> None:
     train(args)
 
 
+def train_medusa(args: argparse.Namespace) -> None:
+    from decoding.train_medusa import train
+
+    train(args)
+
+
 def main(argv: list[str] | None = None) -> None:
     # Before torch loads libgomp: OpenMP threads spin 300000 rounds after each parallel region by default.
     # When stages are processes on shared cores, only one computes at a time and the spinning threads of
@@ -212,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         commands = {"serve": serve, "worker": worker, "profile": profile, "plan": plan, "bench": bench,
-                    "train-drafter": train_drafter}
+                    "train-drafter": train_drafter, "train-medusa": train_medusa}
         commands[args.command](args)
     except (FileNotFoundError, ValueError) as exc:
         print(f"edgespec {args.command}: {exc}", file=sys.stderr)

@@ -25,6 +25,8 @@ class Metrics:
                                          ["policy"], registry=r, buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 6, 8))
         self.acceptance = Histogram("edgespec_acceptance_rate", "accepted share of drafted tokens per request",
                                     ["policy"], registry=r, buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1))
+        self.accepted_length = Histogram("edgespec_accepted_length", "candidates accepted per tree step (medusa)",
+                                         ["policy"], registry=r, buckets=(0, 1, 2, 3, 4, 5, 6, 8))
         self.drafter_seconds = Counter("edgespec_drafter_seconds", "time spent drafting", ["policy", "drafter"],
                                        registry=r)
         self.wire_bytes = Counter("edgespec_wire_bytes", "payload bytes sent over each link", ["link"], registry=r)
@@ -59,6 +61,9 @@ class Metrics:
             self.tokens_per_step.labels(policy).observe(stats["tokens_per_step"])
         if stats["acceptance_rate"] is not None:
             self.acceptance.labels(policy).observe(stats["acceptance_rate"])
+        for length, steps in stats.get("accepted_length_histogram", {}).items():
+            for _ in range(steps):
+                self.accepted_length.labels(policy).observe(int(length))
         if stats.get("drafter"):
             self.drafter_seconds.labels(policy, stats["drafter"]).inc(stats["drafter_ms"] / 1000)
 

@@ -50,6 +50,8 @@ class ServeSettings(BaseSettings):
                                                     "to keep, e.g. '0-11,28-29'")
     eagle: str = Field("auto", description="the trained feature drafter `eagle` (from `edgespec train-drafter`): "
                        "a file, 'auto' (the shipped one, when it was trained for the served model) or 'off'")
+    medusa: str = Field("auto", description="Medusa heads for `medusa` (from `edgespec train-medusa`): a file, "
+                        "'auto' (the shipped ones, when trained for the served model) or 'off'")
     draft_k: int = Field(4, ge=1, le=32, description="speculative draft length to start from; it adapts per "
                          "request to the acceptance, within draft_k_min..draft_k_max (a request's `k` fixes it)")
     draft_k_min: int = Field(1, ge=1, le=32)

@@ -141,3 +141,20 @@ def make_feature_drafter(folder: Path | str, out: Path, seed: int = 0, every: in
     net = FeatureNet(cfg, torch.arange(0, cfg.vocab_size, every))
     net.save(out, ends, {"random": True, "seed": seed})
     return out
+
+
+def make_medusa_heads(folder: Path | str, out: Path, vocab: list[int], tree: list[list[int]], n_heads: int = 3,
+                      seed: int = 0) -> Path:
+    """Random Medusa heads (decoding/medusa_heads.py) for the model in `folder`, proposing only `vocab`: a small
+    vocabulary that holds the tokens a test generates makes the trees hit often."""
+    from decoding.medusa_heads import MedusaNet
+
+    cfg = ModelConfig.from_folder(Path(folder))
+    ends = TokenEnds.load(TensorSource(Path(folder)), cfg, torch.float32)
+    torch.manual_seed(seed)
+    net = MedusaNet(cfg, n_heads, torch.tensor(sorted(vocab)))
+    with torch.no_grad():
+        for block in net.blocks:
+            block.weight.normal_(0.0, 0.3)
+    net.save(out, ends, {"random": True, "seed": seed}, tree)
+    return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -338,3 +339,26 @@ def test_server_undisturbed_after_errors(client, greedy_chat):
     assert (again.usage.prompt_tokens, again.usage.completion_tokens) == \
            (greedy_chat.usage.prompt_tokens, greedy_chat.usage.completion_tokens)
     assert again.usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again: its prefix is reused
+
+
+def test_medusa_with_the_shipped_heads_gives_naive_tokens(client, server_url):
+    # SmolLM2 in float32 with decoding/trained's heads, through the SDK, streamed and not
+    naive = chat(client, max_tokens=48)
+    medusa = chat(client, max_tokens=48, extra_body={"decoding": "medusa"})
+    assert medusa.choices[0].message.content == naive.choices[0].message.content
+    stats = medusa.model_extra["decoding"]
+    assert stats["policy"] == "medusa" and stats["exact"] is True and stats["tokens_per_step"] > 1
+    assert sum(stats["accepted_length_histogram"].values()) == stats["steps"]
+    chunks = list(chat(client, max_tokens=48, stream=True, extra_body={"decoding": {"policy": "medusa",
+                                                                                     "tree": [[0], [1], [0, 0]]}}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == naive.choices[0].message.content
+    metrics = httpx.get(server_url + "/metrics", headers={"Authorization": "Bearer test-key"}).text
+    assert 'edgespec_accepted_length_count{policy="medusa"}' in metrics
+
+
+@pytest.mark.parametrize("options", [{"tree": [[0, 0]]}, {"tree": [[0]] * 2}, {"acceptance": "lenient"},
+                                     {"tree": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]]}])
+def test_bad_medusa_options(client, options):
+    with pytest.raises(openai.BadRequestError) as ei:
+        chat(client, max_tokens=1, extra_body={"decoding": {"policy": "medusa", **options}})
+    assert_error(ei.value, 400, param="decoding")

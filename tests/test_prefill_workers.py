@@ -10,7 +10,7 @@ import threading
 import httpx
 import pytest
 import torch
-from model_fixtures import make_feature_drafter
+from model_fixtures import make_feature_drafter, make_medusa_heads
 from processes import greedy, model_id, start_server, start_worker
 
 from workers.wire import encode
@@ -143,5 +143,37 @@ def test_speculative_over_workers_equals_naive(tiny, tmp_path):
                                                                                   "drafter": "nope"}}, timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "decoding"
         assert "ngram" in bad.json()["error"]["message"]
+    finally:
+        proc.stop()
+
+
+def test_medusa_over_workers_equals_naive(tiny, tiny_loaded, tmp_path):
+    import asyncio
+
+    from decoding.naive import NaivePolicy
+    from decoding.types import GenerationRequest, SamplingParams
+
+    prompt = [(i % 7) + 100 for i in range(30)]
+    request = GenerationRequest(prompt, 40, SamplingParams(temperature=0.0))
+
+    async def naive():
+        return [t async for e in NaivePolicy().generate(request, tiny_loaded.runner, tiny_loaded.tokenizer)
+                for t in e.token_ids]
+
+    tokens = asyncio.run(naive())
+    # heads proposing the tokens naive emits and as many others: the trees hit, so paths get compacted
+    vocab = sorted(set(tokens) | set(range(1000, 1000 + len(set(tokens)))))
+    heads = make_medusa_heads(tiny, tmp_path / "heads.safetensors", vocab, [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]])
+    proc, url = start_server(tmp_path, "medusa", "--model", tiny, "--local-workers", "2", "--placement", "even",
+                             "--worker-threads", "1", "--medusa", str(heads))
+    try:
+        body = {"model": model_id(url), "prompt": prompt, "temperature": 0, "max_tokens": 40}
+        naive_text = httpx.post(url + "/v1/completions", json=body, timeout=300).json()["choices"][0]["text"]
+        assert naive_text == tiny_loaded.tokenizer.decode(tokens)
+        for tree in (None, [[0], [1], [0, 0]]):
+            decoding = {"policy": "medusa", **({"tree": tree} if tree else {})}
+            r = httpx.post(url + "/v1/completions", json={**body, "decoding": decoding}, timeout=300).json()
+            assert r["choices"][0]["text"] == naive_text
+            assert r["decoding"]["tokens_per_step"] > 1 and r["decoding"]["wire_requests_per_token"] > 0
     finally:
         proc.stop()

@@ -243,7 +243,8 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
 
     turns = Turns(host, settings.downstream_timeout_s)
 
-    def next_hop(request: Request, sid: str, start: int, step: int) -> tuple[str, dict, dict]:
+    def next_hop(request: Request, sid: str, start: int, step: int) -> tuple[str, dict, dict, bool]:
+        """Where this stage's output goes: (url, headers, query, whether it is another stage)."""
         route = [u for u in request.headers.get("x-route", "").split(",") if u]
         callback = request.headers.get("x-callback")
         headers = {"authorization": f"Bearer {settings.token}", "content-type": "application/octet-stream"}
@@ -251,9 +252,9 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
             headers["x-route"] = ",".join(route[1:])
             if callback:
                 headers["x-callback"] = callback
-            return f"{route[0]}/sessions/{sid}/forward", headers, {"start": start, "step": step}
+            return f"{route[0]}/sessions/{sid}/forward", headers, {"start": start, "step": step}, True
         if callback:
-            return callback, headers, {"session": sid, "step": step}
+            return callback, headers, {"session": sid, "step": step}, False
         raise ValueError("a forward call needs an X-Route or an X-Callback header")
 
     async def forward(request: Request):
@@ -265,12 +266,12 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
         if length is None or not length.isdigit() or int(length) > settings.max_body_bytes:
             return _error(413 if length and length.isdigit() else 411,
                           f"forward bodies need a Content-Length of at most {settings.max_body_bytes} bytes")
-        target, headers, params = next_hop(request, sid, start, step)
+        target, headers, params, onward = next_hop(request, sid, start, step)
         body = await request.body()
         await turns.acquire(sid, step)
         post = None
         try:
-            out, seconds = host.forward(sid, step, start, body)
+            out, seconds = host.forward(sid, step, start, body, onward)
             if len(out) > SMALL_BODY:  # a prefill segment: keep the turn until it is on its way
                 sent = asyncio.Event()
 

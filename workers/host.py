@@ -156,8 +156,10 @@ class StageHost:
             raise ValueError(f"capacity {capacity} exceeds the model's context of {self.cfg.max_position_embeddings}")
         self._apply(session, step, stage.open, session, capacity, rows)
 
-    def forward(self, session: str, step: int, start: int, body: bytes) -> tuple[bytes, float]:
-        """Run one forward call; returns the output body and the compute time (0 for a retry)."""
+    def forward(self, session: str, step: int, start: int, body: bytes, onward: bool = False) -> tuple[bytes, float]:
+        """Run one forward call; returns the output body and the compute time (0 for a retry). With `onward`
+        the output goes to the next stage, so it carries the call's positions and mask too (a tree pass
+        needs them on every stage); the controller gets the hidden state alone."""
         stage = self._stage()
         if self._is_retry(session, step):
             cached_step, out = self.last_output.get(session, (None, b""))
@@ -172,7 +174,8 @@ class StageHost:
         self._validate(hidden, positions, mask, start)
         if positions is None:
             positions = torch.arange(start, start + hidden.shape[1]).expand(hidden.shape[0], -1)
-        out = encode({"hidden": stage.forward(session, hidden, positions, start, mask)})
+        out = {"hidden": stage.forward(session, hidden, positions, start, mask)}
+        out = encode({**out, "positions": tensors.get("positions"), "mask": mask} if onward else out)
         self.steps[session] = step
         self.last_output[session] = (step, out)
         return out, time.perf_counter() - t0

@@ -1,0 +1,78 @@
+"""What a tree pass costs on this machine: the inputs of the default tree's choice (decoding/train_medusa.py).
+
+Measured in a process of its own (`python -m decoding.medusa_cost MODEL HEADS N...`) with all tensor work on
+its model thread, as the server runs it: a trainer's own threads would compete with it for the cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from decoding.medusa_heads import MedusaModel
+from decoding.medusa_tree import Tree
+from model.load import load_local
+from model.source import resolve_model
+from model.thread import ModelThread
+
+
+def measure_verify_cost(model: str | None, heads: Path, sizes) -> dict[int, float]:
+    """Median seconds of one decoding step that verifies n tokens, for n in `sizes`, served in-process in
+    bfloat16 as `edgespec serve` does: a forward pass of n tokens after 300 cached ones with a tree mask, the
+    LM head on all of them, an argmax on two (the root and one accepted node) and the Medusa heads on one.
+    n = 1 is a plain naive step. Runs in a subprocess."""
+    out = subprocess.run([sys.executable, "-m", "decoding.medusa_cost", model or "", str(heads),
+                          *map(str, sorted(set(sizes)))], check=True, capture_output=True, text=True,
+                         env={**os.environ, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "50000")})
+    return {int(n): s for n, s in json.loads(out.stdout.splitlines()[-1]).items()}
+
+
+def _measure(model: str | None, heads_path: Path, sizes: list[int], context: int = 300, reps: int = 15):
+    loaded = load_local(resolve_model(model), "bfloat16", 1.0, ModelThread(os.cpu_count() or 1))
+    runner = loaded.runner
+    heads = runner.thread.run_sync(MedusaModel.load, heads_path, runner.ends)
+    ids = runner.thread.run_sync(lambda: torch.randint(100, 20000, (1, context + max(sizes))))
+
+    def tree_step(logits, hidden):  # the policy's work after a tree pass: two nodes' argmax, the Medusa heads
+        for node in range(2):
+            int(logits[0, node].argmax())
+        return heads.candidates(hidden[0, 1], 4)
+
+    async def measure() -> dict[int, float]:
+        session = await runner.open(context + max(sizes) + 1)
+        try:
+            await runner.forward(session, ids[:, :context], last_only=True)
+            times = {n: [] for n in sizes}
+            for _ in range(reps):
+                for n in sizes:  # interleaved, so that noise on the shared machine spreads over every size
+                    chain = Tree([[0] * d for d in range(1, n)])
+                    positions, mask = await runner.call(lambda c=chain: (c.positions(context), c.mask(context)))
+                    t0 = time.perf_counter()
+                    if n == 1:
+                        await runner.forward(session, ids[:, context:context + n], context, last_only=True,
+                                             then=lambda logits: int(logits[0, -1].argmax()))
+                    else:
+                        await runner.forward(session, ids[:, context:context + n], context, positions, mask,
+                                             then=tree_step, features=True)
+                    times[n].append(time.perf_counter() - t0)
+                    await runner.truncate(session, context)
+            return {n: statistics.median(v) for n, v in times.items()}
+        finally:
+            await runner.release(session)
+
+    try:
+        return asyncio.run(measure())
+    finally:
+        runner.close()
+
+
+if __name__ == "__main__":
+    print(json.dumps(_measure(sys.argv[1] or None, Path(sys.argv[2]), [int(n) for n in sys.argv[3:]])))
