@@ -17,7 +17,7 @@ def bar_chart(path: Path, title: str, panels: list[tuple[str, list[str], list[fl
         ax.bar(names, values)
         ax.set_ylabel(label)
         for x, v in enumerate(values):
-            ax.annotate(f"{v:.1f}", (x, v), ha="center", va="bottom")
+            ax.annotate(f"{v:.2f}" if abs(v) < 10 else f"{v:.1f}", (x, v), ha="center", va="bottom")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

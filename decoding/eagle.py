@@ -34,8 +34,6 @@ from model.kv_cache import KVCache
 from model.packed import pack_linears
 from model.stack import TokenEnds
 
-SHIPPED = Path(__file__).parent / "trained"
-
 
 class FeatureNet(nn.Module):
     """fc([g_prev, emb(x)]) -> one decoder layer -> (the target's final norm) -> predicted g; trainable, and

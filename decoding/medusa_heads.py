@@ -28,7 +28,6 @@ from model.config import ModelConfig
 from model.packed import pack_linears
 from model.stack import TokenEnds
 
-SHIPPED = Path(__file__).parent / "trained"
 DEFAULT_TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0]]  # used when a file names none
 
 

@@ -12,6 +12,8 @@ from torch import nn
 from model.packed import pack_linears
 from model.stack import TokenEnds
 
+SHIPPED = Path(__file__).parent / "trained"  # add-ons trained for the embedded model, in the repository
+
 
 def fingerprint(ends: TokenEnds) -> list[float]:
     """A few numbers that tell the target apart: sums of embedding rows spread over the vocabulary."""

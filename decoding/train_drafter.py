@@ -29,7 +29,8 @@ from rich.console import Console
 from rich.progress import track
 
 from decoding.distill_data import final_hidden, generate_answers, training_prompts
-from decoding.eagle import SHIPPED, FeatureDrafter, FeatureDraftModel, FeatureNet
+from decoding.eagle import FeatureDrafter, FeatureDraftModel, FeatureNet
+from decoding.target_fit import SHIPPED
 from decoding.types import SamplingParams
 from model.config import ModelConfig
 from model.source import resolve_model

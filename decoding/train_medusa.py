@@ -25,8 +25,9 @@ from rich.progress import track
 from safetensors.torch import load_file
 
 from decoding.medusa_cost import measure_verify_cost
-from decoding.medusa_heads import DEFAULT_TREE, SHIPPED, MedusaNet
+from decoding.medusa_heads import DEFAULT_TREE, MedusaNet
 from decoding.medusa_tree import grow_tree
+from decoding.target_fit import SHIPPED
 from decoding.train_drafter import DistillSet, Example, batches, cosine_schedule, distill_set
 
 RANKS = 16  # ranks beyond this count as misses in the tree statistics

@@ -8,8 +8,9 @@ import os
 from pathlib import Path
 
 from decoding.draft_model import DraftModel
-from decoding.eagle import SHIPPED, FeatureDraftModel
+from decoding.eagle import FeatureDraftModel
 from decoding.medusa_heads import MedusaModel
+from decoding.target_fit import SHIPPED
 from model.config import ModelConfig
 from model.load import LoadedModel, load_local, load_with_pipeline
 from model.prefix import PrefixCache

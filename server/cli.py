@@ -117,7 +117,7 @@ def _distill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def _train_parser(sub) -> None:
+def _train_parsers(sub) -> None:
     p = sub.add_parser("train-drafter", help="distil a feature drafter for `speculative` from the model's answers")
     _distill_arguments(p)
     p.add_argument("--out", type=Path, help="the weights file (default: the shipped drafter's, in decoding/trained)")
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     _profile_parser(sub)
     add_plan_parser(sub)
     _bench_parser(sub)
-    _train_parser(sub)
+    _train_parsers(sub)
     args = parser.parse_args(argv)
     try:
         commands = {"serve": serve, "worker": worker, "profile": profile, "plan": plan, "bench": bench,

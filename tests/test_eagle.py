@@ -13,9 +13,10 @@ import torch
 from model_fixtures import make_feature_drafter, smollm2_folder
 from processes import REPO, tiny_chat_model
 
-from decoding.eagle import SHIPPED, FeatureDrafter, FeatureDraftModel
+from decoding.eagle import FeatureDrafter, FeatureDraftModel
 from decoding.naive import NaivePolicy
 from decoding.speculative import SpeculativePolicy
+from decoding.target_fit import SHIPPED
 from decoding.types import GenerationRequest, SamplingParams
 from model.config import ModelConfig
 from model.load import load_local
@@ -82,7 +83,7 @@ def test_weights_for_another_model_are_refused(target, tmp_path):
                     bos_token_id=1, eos_token_id=2)
     with pytest.raises(ValueError, match="trained for another model"):
         FeatureDraftModel.load("eagle", path, ends_of(other))
-    shipped = sorted(SHIPPED.glob("*.safetensors"))
+    shipped = sorted(SHIPPED.glob("*-eagle.safetensors"))
     assert shipped, "the trained drafter for SmolLM2 ships with the package"
     with pytest.raises(ValueError, match="hidden size 576"):
         FeatureDraftModel.load("eagle", shipped[0], ends_of(folder))
@@ -102,7 +103,7 @@ def smollm2():
 def test_shipped_drafter_gives_smollm2_greedy_tokens(smollm2):
     ends = smollm2.runner.ends
     models = {"eagle": smollm2.runner.thread.run_sync(FeatureDraftModel.load, "eagle",
-                                                       sorted(SHIPPED.glob("*.safetensors"))[0], ends)}
+                                                       sorted(SHIPPED.glob("*-eagle.safetensors"))[0], ends)}
     tokenizer = smollm2.tokenizer
     text = tokenizer.apply_chat_template([{"role": "user", "content": "How can I improve my time management skills?"}],
                                          tokenize=False, add_generation_prompt=True)

@@ -6,12 +6,14 @@ exact; heads that do not fit the model are refused."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 from model_fixtures import make_medusa_heads, make_tiny_model, smollm2_folder
-from processes import tiny_chat_model
+from processes import REPO, tiny_chat_model
 from scipy import stats
 
 from decoding.medusa import MedusaPolicy
@@ -19,6 +21,7 @@ from decoding.medusa_heads import MedusaModel
 from decoding.medusa_tree import Tree, grow_tree
 from decoding.naive import NaivePolicy
 from decoding.sampling import Sampler
+from decoding.target_fit import SHIPPED
 from decoding.types import GenerationRequest, SamplingParams
 
 PROMPT = [(i % 7) + 100 for i in range(30)]
@@ -199,3 +202,10 @@ def test_heads_for_another_model_are_refused(tiny, tiny_loaded, tmp_path):
     deep = make_medusa_heads(tiny, tmp_path / "deep.safetensors", [1, 2, 3], [[0], [0, 0], [0, 0, 0]], n_heads=2)
     with pytest.raises(ValueError, match="3 deep"):
         MedusaModel.load(deep, tiny_loaded.runner.ends)
+    shipped = sorted(SHIPPED.glob("*-medusa.safetensors"))
+    assert shipped, "the trained heads for SmolLM2 ship with the package"
+    with pytest.raises(ValueError, match="hidden size 576"):
+        MedusaModel.load(shipped[0], tiny_loaded.runner.ends)
+    run = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(tiny), "--port", "0",
+                          "--medusa", str(path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "trained for another model" in run.stderr
