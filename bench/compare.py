@@ -48,12 +48,14 @@ def compare(out: Path, setups: dict[str, tuple[list[str], list[str]]], sets: dic
     return summary
 
 
-def plot_summary(path: Path, title: str, summary: dict, sets, setups) -> None:
-    """One panel of ratios to naive per set and setup."""
+def report(out: Path, name: str, title: str, summary: dict, sets, setups) -> None:
+    """DIR/NAME.json with the summary and DIR/NAME.png with one panel of ratios to naive per set and setup."""
+    (out / f"{name}.json").write_text(json.dumps(summary, indent=2) + "\n")
     panels = []
-    for name in sets:
+    for prompt_set in sets:
         for setup in setups:
-            runs = summary[name][setup]
-            panels.append((f"{name}, {setup}: ratio to naive", [p.split(":")[-1] for p in runs],
+            runs = summary[prompt_set][setup]
+            panels.append((f"{prompt_set}, {setup}: ratio to naive", [p.split(":")[-1] for p in runs],
                            [runs[p]["ratio_to_naive"] for p in runs]))
-    bar_chart(path, title, panels)
+    bar_chart(out / f"{name}.png", title, panels)
+    print(json.dumps(summary, indent=2))

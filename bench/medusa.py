@@ -13,10 +13,9 @@ ratio to naive and tokens per step per setup and set, and the workers' ratio ove
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from bench.compare import SHARED_PROMPTS, compare, plot_summary
+from bench.compare import SHARED_PROMPTS, compare, report
 
 SETS = {"vicuna80": SHARED_PROMPTS / "vicuna80.jsonl", "wizardlm": SHARED_PROMPTS / "wizardlm_testset.jsonl"}
 
@@ -46,9 +45,7 @@ def main(argv: list[str] | None = None) -> None:
                                     + "\n")
     summary = compare(out, setups, sets, args.max_tokens, args.limit,
                       args.setups.split(",") if args.setups else list(setups))
-    (out / "medusa.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot_summary(out / "medusa.png", "Medusa, SmolLM2-135M-Instruct, greedy", summary, sets, setups)
-    print(json.dumps(summary, indent=2))
+    report(out, "medusa", "Medusa, SmolLM2-135M-Instruct, greedy", summary, sets, setups)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,9 @@ is from the in-process one.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from bench.compare import SHARED_PROMPTS, compare, plot_summary
+from bench.compare import SHARED_PROMPTS, compare, report
 
 SETS = {"extraction20": Path(__file__).parent / "prompts" / "extraction20.jsonl",
         "vicuna80": SHARED_PROMPTS / "vicuna80.jsonl"}
@@ -39,9 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     sets = {name: SETS[name] for name in args.prompt_sets.split(",")}
     summary = compare(out, setups, sets, args.max_tokens, args.limit,
                       args.setups.split(",") if args.setups else list(setups))
-    (out / "speculative.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot_summary(out / "speculative.png", "speculative decoding, SmolLM2-135M-Instruct, greedy", summary, sets, setups)
-    print(json.dumps(summary, indent=2))
+    report(out, "speculative", "speculative decoding, SmolLM2-135M-Instruct, greedy", summary, sets, setups)
 
 
 if __name__ == "__main__":

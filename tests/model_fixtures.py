@@ -158,3 +158,44 @@ def make_medusa_heads(folder: Path | str, out: Path, vocab: list[int], tree: lis
             block.weight.normal_(0.0, 0.3)
     net.save(out, ends, {"random": True, "seed": seed}, tree)
     return out
+
+
+def continuation_table(runner, prompt: list[int], sampling: dict, length: int) -> dict[tuple[int, ...], float]:
+    """The target's exact distribution over its `length`-token continuations of `prompt` under the sampling
+    settings `sampling` (keep the support small: top_k), enumerated with one forward pass per prefix."""
+    import asyncio
+
+    from decoding.sampling import Sampler
+    from decoding.types import SamplingParams
+
+    async def build() -> dict:
+        session = await runner.open(len(prompt) + length + 1)
+        sampler = Sampler(SamplingParams(**sampling), runner.cfg.vocab_size)
+        table = {}
+
+        async def expand(prefix: list[int], prob: float) -> None:
+            p = sampler.probs((await runner.forward(session, torch.tensor([prompt + prefix]), start=0))[0, -1])
+            for t in torch.nonzero(p).flatten().tolist():
+                if len(prefix) + 1 == length:
+                    table[(*prefix, t)] = prob * float(p[t])
+                else:
+                    await expand([*prefix, t], prob * float(p[t]))
+
+        try:
+            await expand([], 1.0)
+            return table
+        finally:
+            await runner.release(session)
+
+    return asyncio.run(build())
+
+
+def chi_square_pvalue(counts: dict, table: dict) -> float:
+    """p-value of observed outcome counts against the exact probabilities `table` (same keys)."""
+    import numpy as np
+    from scipy import stats
+
+    keys = sorted(table)
+    expected = np.array([table[k] for k in keys])
+    n = sum(counts.values())
+    return float(stats.chisquare([counts[k] for k in keys], expected / expected.sum() * n).pvalue)

@@ -8,17 +8,13 @@ import asyncio
 import json
 import shutil
 
-import numpy as np
 import pytest
-import torch
-from model_fixtures import make_feature_drafter, smollm2_folder
+from model_fixtures import chi_square_pvalue, continuation_table, make_feature_drafter, smollm2_folder
 from processes import REPO, tiny_chat_model
-from scipy import stats
 
 from decoding.draft_model import DraftModel, check_tokenizer, runs
 from decoding.eagle import FeatureDraftModel
 from decoding.naive import NaivePolicy
-from decoding.sampling import Sampler
 from decoding.speculative import SpeculativePolicy
 from decoding.types import GenerationRequest, SamplingParams
 from model.load import load_local, load_tokenizer
@@ -82,23 +78,7 @@ def test_model_drafters_give_naive_greedy_tokens(loaded, drafts, drafter):
 def test_sampled_continuations_follow_the_target_distribution(loaded, drafts, drafter):
     # two-token continuations at temperature 0.8, top_k 3: nine outcomes, enumerated exactly from the target
     params = {"temperature": 0.8, "top_k": 3}
-    runner = loaded.runner
-
-    async def exact():
-        session = await runner.open(64)
-        try:
-            sampler = Sampler(SamplingParams(**params), loaded.cfg.vocab_size)
-            first = sampler.probs((await runner.forward(session, torch.tensor([PROMPT])))[0, -1])
-            table = {}
-            for a in torch.nonzero(first).flatten().tolist():
-                second = sampler.probs((await runner.forward(session, torch.tensor([[a]]), start=len(PROMPT)))[0, -1])
-                for b in torch.nonzero(second).flatten().tolist():
-                    table[(a, b)] = float(first[a] * second[b])
-            return table
-        finally:
-            await runner.release(session)
-
-    table = asyncio.run(exact())
+    table = continuation_table(loaded.runner, PROMPT, params, 2)
     policy = SpeculativePolicy(drafts)
     n = 1500
     counts = {key: 0 for key in table}
@@ -106,10 +86,7 @@ def test_sampled_continuations_follow_the_target_distribution(loaded, drafts, dr
         ids, _ = generate(policy, loaded, 2, {"drafter": drafter, "k": 2}, seed=seed, **params)
         assert tuple(ids) in counts  # nothing outside the target's support
         counts[tuple(ids)] += 1
-    keys = sorted(table)
-    expected = np.array([table[k] for k in keys])
-    pvalue = stats.chisquare([counts[k] for k in keys], expected / expected.sum() * n).pvalue
-    assert pvalue > 1e-3
+    assert chi_square_pvalue(counts, table) > 1e-3
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused(folders, tmp_path):

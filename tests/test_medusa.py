@@ -9,18 +9,15 @@ import asyncio
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
-from model_fixtures import make_medusa_heads, make_tiny_model, smollm2_folder
+from model_fixtures import chi_square_pvalue, continuation_table, make_medusa_heads, make_tiny_model, smollm2_folder
 from processes import REPO, tiny_chat_model
-from scipy import stats
 
 from decoding.medusa import MedusaPolicy
 from decoding.medusa_heads import MedusaModel
 from decoding.medusa_tree import Tree, grow_tree
 from decoding.naive import NaivePolicy
-from decoding.sampling import Sampler
 from decoding.target_fit import SHIPPED
 from decoding.types import GenerationRequest, SamplingParams
 
@@ -133,28 +130,7 @@ def test_sampled_continuations_follow_the_target_distribution(tiny, tiny_loaded,
     # the heads propose only the ids of that support, so the third token often comes from a tree node
     params = {"temperature": 0.8, "top_k": 3}
     runner = tiny_loaded.runner
-
-    async def exact():
-        session = await runner.open(64)
-        try:
-            sampler = Sampler(SamplingParams(**params), tiny_loaded.cfg.vocab_size)
-            table = {}
-
-            async def expand(prefix, prob):
-                logits = await runner.forward(session, torch.tensor([PROMPT + prefix]), start=0)
-                p = sampler.probs(logits[0, -1])
-                for t in torch.nonzero(p).flatten().tolist():
-                    if len(prefix) == 2:
-                        table[(*prefix, t)] = prob * float(p[t])
-                    else:
-                        await expand([*prefix, t], prob * float(p[t]))
-
-            await expand([], 1.0)
-            return table
-        finally:
-            await runner.release(session)
-
-    table = asyncio.run(exact())
+    table = continuation_table(runner, PROMPT, params, 3)
     vocab = sorted({t for key in table for t in key})
     path = make_medusa_heads(tiny, tmp_path / "support.safetensors", vocab, [[0], [1], [2], [0, 0], [1, 0]], seed=3)
     policy = MedusaPolicy(runner.thread.run_sync(MedusaModel.load, path, runner.ends))
@@ -167,10 +143,7 @@ def test_sampled_continuations_follow_the_target_distribution(tiny, tiny_loaded,
         counts[tuple(ids)] += 1
         accepted += sum(int(k) * v for k, v in last.stats["accepted_length_histogram"].items())
     assert accepted > n / 4  # tree nodes did produce tokens
-    keys = sorted(table)
-    expected = np.array([table[k] for k in keys])
-    pvalue = stats.chisquare([counts[k] for k in keys], expected / expected.sum() * n).pvalue
-    assert pvalue > 1e-3
+    assert chi_square_pvalue(counts, table) > 1e-3
 
 
 def test_typical_acceptance_is_flagged_and_greedy_at_temperature_zero(tiny_loaded, heads, naive_tokens):
