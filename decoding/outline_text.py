@@ -1,0 +1,58 @@
+"""The text side of outline decoding (Skeleton-of-Thought as Jupiter uses it): the outline prompt, the
+point-expansion prompt, and parsing the model's numbered outline.
+
+Prompts are chat messages, rendered by the served model's own chat template. The outline asks for 3 to 10
+numbered points of a few words each; each point is then expanded as its own sequence, continuing only that
+point in one or two sentences.
+"""
+
+from __future__ import annotations
+
+import re
+
+MAX_POINTS = 10
+MIN_POINTS = 2  # fewer is no outline: the request falls back to the default policy
+
+OUTLINE_SYSTEM = (
+    "You write the skeleton of an answer: 3 to 10 numbered points, one per line, each only a few words "
+    "(at most 8). Do not explain the points."
+)
+EXPAND_SYSTEM = "You expand one point of an outline into one or two sentences. Write only that point's text."
+
+# "1. x", "1) x", "1 - x", "Point 1: x", "**1.** x", "Step 2: x"; the number starts the line
+_NUMBERED = re.compile(r"^\s*(?:[*_#>\s]*)(?:(?:point|step)\s*)?(\d{1,2})\s*(?:[.):\-]|\*\*)+\s*(.+?)\s*$", re.I)
+_DECORATION = re.compile(r"^[*_\s]+|[*_\s]+$")
+
+
+def outline_messages(question: str) -> list[dict]:
+    """Chat messages that ask the model for the outline of its answer to `question`."""
+    return [{"role": "system", "content": OUTLINE_SYSTEM},
+            {"role": "user", "content": f"Question: {question}\nWrite the numbered skeleton of the answer."}]
+
+
+def expansion_messages(question: str, points: list[str], index: int) -> list[dict]:
+    """Chat messages that ask the model to expand point `index` (0-based) of the outline `points` only."""
+    outline = "\n".join(f"{i + 1}. {p}" for i, p in enumerate(points))
+    return [{"role": "system", "content": EXPAND_SYSTEM},
+            {"role": "user", "content": f"Question: {question}\nSkeleton of the answer:\n{outline}\n"
+                                        f"Continue only point {index + 1} ({points[index]}) in one or two sentences."}]
+
+
+def parse_outline(text: str) -> list[str]:
+    """The numbered points of an outline, in order: lines starting with a number; markdown decoration and
+    trailing colons stripped, empty and repeated points dropped (case-insensitive), at most MAX_POINTS.
+    Returns [] when fewer than MIN_POINTS remain (the outline could not be parsed)."""
+    points, seen = [], set()
+    for line in text.splitlines():
+        m = _NUMBERED.match(line)
+        if not m:
+            continue
+        point = _DECORATION.sub("", m.group(2)).rstrip(":").strip()
+        key = re.sub(r"\W+", " ", point).strip().lower()
+        if not key or key in seen:
+            continue
+        seen.add(key)
+        points.append(point)
+        if len(points) == MAX_POINTS:
+            break
+    return points if len(points) >= MIN_POINTS else []
