@@ -210,6 +210,17 @@ class ModelRunner:
         session.length = dest + len(kept)
         session.tokens = list(tokens) if tokens is not None else None
 
+    def _keep_rows(self, session: Session, rows: list[int]) -> None:
+        if session.generation != self.generation:
+            raise SessionLostError("the cluster was re-planned while this batch ran; please retry")
+        self.pipeline.keep_rows(session.id, rows)
+
+    async def keep_rows(self, session: Session, rows: list[int]) -> None:
+        """Keep only the batch rows `rows` (ascending) of a batched session, renumbered 0.. on every stage:
+        finished rows retire and later forward passes carry only the others."""
+        await self._run(self._keep_rows, session, rows)
+        session.rows = len(rows)
+
     def wire(self, session: Session) -> dict[str, tuple[int, int]]:
         """Bytes and requests per link that the session's calls have put on the network so far."""
         return self.pipeline.wire(session.id)

@@ -42,6 +42,9 @@ class Stage(Protocol):
     def commit(self, session: str, kept: list[int], dest: int) -> None:
         """Move the slots `kept` to dest, dest+1, ... (Medusa tree commit) and end the cache there."""
 
+    def keep_rows(self, session: str, rows: list[int]) -> None:
+        """Keep only the batch rows `rows` of the session's cache (retired rows stop costing compute)."""
+
     def fork(self, session: str, child: str, prefix_len: int, rows: int, capacity: int) -> None:
         """Open `child` with `rows` rows sharing `session`'s first prefix_len slots read-only."""
 
@@ -108,6 +111,9 @@ class LocalStage:
     def commit(self, session: str, kept: list[int], dest: int) -> None:
         self._cache(session).commit(kept, dest)
 
+    def keep_rows(self, session: str, rows: list[int]) -> None:
+        self._cache(session).keep_rows(rows)
+
     def fork(self, session: str, child: str, prefix_len: int, rows: int, capacity: int) -> None:
         parent = self._cache(session)
         self._add(child, lambda: parent.fork(prefix_len, rows, capacity, initial=prefix_len + self.INITIAL_SLOTS))
@@ -138,8 +144,8 @@ class Pipeline:
         return hidden
 
     def __getattr__(self, name):
-        # open, truncate, commit, fork, clone, release: applied to every stage in order.
-        if name not in ("open", "truncate", "commit", "fork", "clone", "release"):
+        # open, truncate, commit, keep_rows, fork, clone, release: applied to every stage in order.
+        if name not in ("open", "truncate", "commit", "keep_rows", "fork", "clone", "release"):
             raise AttributeError(name)
 
         def each(*args, **kwargs):

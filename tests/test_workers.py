@@ -207,3 +207,19 @@ def test_local_worker_respawns_when_its_port_was_taken(tiny, monkeypatch):
             assert not config.workers[0].url.endswith(f":{busy}")  # started again on a free port
         finally:
             config.stop()
+
+
+def test_worker_keeps_rows_of_a_batched_session(worker):
+    url, auth = worker
+    assert httpx.post(url + "/sessions/batch/open", json={"step": 1, "capacity": 16, "rows": 3},
+                      headers=auth).status_code == 200
+    keep = url + "/sessions/batch/keep_rows"
+    for body, status in [({"step": 2, "rows": [2, 0]}, 400), ({"step": 2, "rows": [0, 3]}, 400),
+                         ({"step": 2, "rows": []}, 400), ({"step": 2, "rows": [0, 2]}, 200),
+                         ({"step": 2, "rows": [0]}, 200), ({"step": 1, "rows": [0]}, 409)]:  # a retry, a stale step
+        r = httpx.post(keep, json=body, headers=auth)
+        assert r.status_code == status, (body, r.text)
+    assert httpx.post(keep, json={"step": 3, "rows": [1]}, headers={"authorization": "Bearer wrong"}).status_code == 401
+    # the retry was not applied again: two rows are left, so row 1 exists
+    assert httpx.post(keep, json={"step": 3, "rows": [1]}, headers=auth).status_code == 200
+    assert httpx.delete(url + "/sessions/batch", headers=auth).status_code == 200

@@ -80,6 +80,11 @@ class CommitBody(Strict):
     dest: int = Field(ge=0)
 
 
+class KeepRowsBody(Strict):
+    step: int = Field(ge=0)
+    rows: list[int] = Field(min_length=1, max_length=1024)
+
+
 class CloneBody(Strict):
     step: int = Field(ge=0)
     child: str = Field(min_length=1, max_length=128)
@@ -218,6 +223,11 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
     @app.post("/sessions/{sid}/commit", dependencies=auth)
     async def commit(sid: str, body: CommitBody):
         host.commit(sid, body.step, body.kept, body.dest)
+        return {"ok": True}
+
+    @app.post("/sessions/{sid}/keep_rows", dependencies=auth)
+    async def keep_rows(sid: str, body: KeepRowsBody):
+        host.keep_rows(sid, body.step, body.rows)
         return {"ok": True}
 
     @app.post("/sessions/{sid}/fork", dependencies=auth)

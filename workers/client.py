@@ -194,6 +194,9 @@ class RemotePipeline:
     def commit(self, session: str, kept: list[int], dest: int) -> None:
         self._each(session, "commit", {"kept": kept, "dest": dest})
 
+    def keep_rows(self, session: str, rows: list[int]) -> None:
+        self._each(session, "keep_rows", {"rows": rows})
+
     def fork(self, session: str, child: str, prefix_len: int, rows: int, capacity: int) -> None:
         self._each(session, "fork", {"child": child, "prefix_len": prefix_len, "rows": rows, "capacity": capacity})
 

@@ -205,6 +205,9 @@ class StageHost:
     def commit(self, session: str, step: int, kept: list[int], dest: int) -> None:
         self._apply(session, step, self._stage().commit, session, kept, dest)
 
+    def keep_rows(self, session: str, step: int, rows: list[int]) -> None:
+        self._apply(session, step, self._stage().keep_rows, session, rows)
+
     def fork(self, session: str, step: int, child: str, prefix_len: int, rows: int, capacity: int) -> None:
         self._apply(session, step, self._stage().fork, session, child, prefix_len, rows, capacity)
         self.steps.setdefault(child, 0)
