@@ -87,6 +87,19 @@ class ModelRunner:
             await self.thread.run_shielded(self.pipeline.release, session.id)
             raise
 
+    async def fork(self, parent: Session, prefix_len: int, rows: int, capacity: int) -> Session:
+        """A new session of `rows` rows that shares the parent's first prefix_len slots read-only on every stage
+        (outline's points after their common prompt); `capacity` counts those slots too. Release it before
+        the parent."""
+        child = Session(f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}", capacity, rows, length=prefix_len,
+                        generation=self.generation, tokens=None)
+        try:
+            await self._run(self.pipeline.fork, parent.id, child.id, prefix_len, rows, capacity)
+        except BaseException:
+            await self.thread.run_shielded(self.pipeline.release, child.id)
+            raise
+        return child
+
     async def release(self, session: Session) -> None:
         """Free the session, or keep it for prefix reuse when it is a plain run of tokens."""
         # Callers release in a `finally` that also runs when the request is cancelled (a client that
