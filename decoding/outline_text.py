@@ -2,8 +2,8 @@
 point-expansion prompt, and parsing the model's numbered outline.
 
 Prompts are chat messages, rendered by the served model's own chat template. The outline asks for 3 to 10
-numbered points of a few words each; each point is then expanded as its own sequence, continuing only that
-point in one or two sentences.
+numbered points of a few words each; each point is then expanded as its own sequence, about that point only,
+in one or two sentences.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ OUTLINE_SYSTEM = (
     "You write the skeleton of an answer: 3 to 10 numbered points, one per line, each only a few words "
     "(at most 8). Do not explain the points."
 )
-EXPAND_SYSTEM = "You expand one point of an outline into one or two sentences. Write only that point's text."
+EXPAND_SYSTEM = "Answer in one or two sentences."
 
 # "1. x", "1) x", "1 - x", "Point 1: x", "**1.** x", "Step 2: x"; the number starts the line
 _NUMBERED = re.compile(r"^\s*(?:[*_#>\s]*)(?:(?:point|step)\s*)?(\d{1,2})\s*(?:[.):\-]|\*\*)+\s*(.+?)\s*$", re.I)
@@ -31,11 +31,11 @@ def outline_messages(question: str) -> list[dict]:
 
 
 def expansion_messages(question: str, points: list[str], index: int) -> list[dict]:
-    """Chat messages that ask the model to expand point `index` (0-based) of the outline `points` only."""
-    outline = "\n".join(f"{i + 1}. {p}" for i, p in enumerate(points))
+    """Chat messages that ask the model to write point `index` (0-based) of the outline `points` only. Every
+    point's messages start alike (the question), so the points share that prompt's KV cache. The skeleton
+    itself is not shown: SmolLM2-135M then tends to repeat it instead of writing the point."""
     return [{"role": "system", "content": EXPAND_SYSTEM},
-            {"role": "user", "content": f"Question: {question}\nSkeleton of the answer:\n{outline}\n"
-                                        f"Continue only point {index + 1} ({points[index]}) in one or two sentences."}]
+            {"role": "user", "content": f"{question}\nWrite only about this point: {points[index]}."}]
 
 
 def parse_outline(text: str) -> list[str]:

@@ -172,7 +172,7 @@ def serve(args: argparse.Namespace) -> None:
 
     try:
         draft_k = (settings.draft_k, settings.draft_k_min, settings.draft_k_max)
-        policies = build_policies(drafts, settings.speculative_drafter, draft_k, medusa)
+        policies = build_policies(drafts, settings.speculative_drafter, draft_k, medusa, settings.policy)
         service = CompletionService(loaded, policies, settings, metrics, cluster)
         uvicorn.run(create_app(service, shutdown), host=settings.host, port=settings.port,
                     log_level=settings.log_level)

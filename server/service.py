@@ -95,8 +95,10 @@ class CompletionService:
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=bias,
             logprobs=logprobs, top_logprobs=top_logprobs)
+        question = next((m.text() for m in reversed(req.messages) if m.role == "user"), None) \
+            if hasattr(req, "messages") else None
         return GenerationRequest(prompt_ids, max_tokens, sampling, req.stop_list(), self.stop_token_ids,
-                                 policy, options)
+                                 policy, options, question)
 
     async def generate(self, gen: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """The policy's events, with metrics; model-side failures become APIErrors."""

@@ -1,0 +1,25 @@
+"""The `auto` policy: per request, outline decoding where the router says the prompt suits it (a chat question
+whose answer is a list of independent points), else the server's default policy."""
+
+from __future__ import annotations
+
+from decoding.router import route
+from decoding.types import GenerationRequest
+from model.runner import ModelRunner
+
+
+class AutoPolicy:
+    name = "auto"
+    options = frozenset()
+
+    def __init__(self, outline, default):
+        """outline: the outline policy; default: the policy for everything else."""
+        self.outline, self.default = outline, default
+
+    async def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
+        suits, reason = route(request.question) if request.question else (False, "not a chat request")
+        chosen = self.outline if suits else self.default
+        async for event in chosen.generate(request, model, tokenizer):
+            if event.stats is not None:
+                event.stats = {**event.stats, "auto": {"chose": chosen.name, "router": reason}}
+            yield event

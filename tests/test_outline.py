@@ -1,0 +1,116 @@
+"""The outline policy: requests it cannot serve fall back and say why (tiny model); on SmolLM2 (float32) the
+points of a real outline, expanded in one batch, each get exactly the tokens expanding them alone gives,
+and the answer streams point by point in order."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from decoding.naive import NaivePolicy
+from decoding.outline import OutlinePolicy, chat_ids, common_prefix
+from decoding.outline_text import expansion_messages, outline_messages, parse_outline
+from decoding.types import GenerationRequest, SamplingParams
+from model.load import load_local
+from model.source import resolve_model
+from model.thread import ModelThread
+
+
+def run(policy, loaded, prompt, max_tokens, question=None):
+    request = GenerationRequest(prompt, max_tokens, SamplingParams(temperature=0.0), (), frozenset({2}),
+                                policy.name, {}, question)
+
+    async def collect():
+        return [e async for e in policy.generate(request, loaded.runner, loaded.tokenizer)]
+
+    return asyncio.run(collect())
+
+
+def test_common_prefix():
+    assert common_prefix([[1, 2, 3], [1, 2, 4], [1, 2]]) == 2
+    assert common_prefix([[5], [6]]) == 0
+
+
+@pytest.mark.parametrize("question", [None, "How can I sleep better?"])
+def test_requests_outline_cannot_serve_fall_back(tiny_loaded, question):
+    # the tiny random model writes no numbered outline; without a chat question there is none to ask for
+    prompt = chat_ids(tiny_loaded.tokenizer, [{"role": "user", "content": "How can I sleep better?"}])
+    events = run(OutlinePolicy(), tiny_loaded, prompt, 12, question)
+    naive = run(NaivePolicy(), tiny_loaded, prompt, 12)
+    assert [t for e in events for t in e.token_ids] == [t for e in naive for t in e.token_ids]
+    stats = events[-1].stats
+    assert stats["policy"] == "outline" and stats["outline"]["fallback_policy"] == "naive"
+    assert stats["outline"]["fallback"] == ("not a chat request" if question is None
+                                            else "the outline could not be parsed")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    model = load_local(resolve_model(None), "float32", 1.0, ModelThread(2))
+    yield model
+    model.runner.close()
+
+
+@pytest.mark.slow
+def test_batched_points_equal_each_point_alone_and_stream_in_order(smollm2):
+    question = "What are some tips for staying healthy while working from home?"
+    tok = smollm2.tokenizer
+    events = run(OutlinePolicy(point_tokens=24), smollm2, chat_ids(tok, [{"role": "user", "content": question}]),
+                 120, question)
+    stats = events[-1].stats
+    assert "fallback" not in stats["outline"], stats
+    n, share = stats["outline"]["points"], stats["outline"]["point_tokens"]
+    outline = run(NaivePolicy(), smollm2, chat_ids(tok, outline_messages(question)), 96)
+    points = parse_outline(tok.decode([t for e in outline for t in e.token_ids], skip_special_tokens=True))
+    assert len(points) == n >= 2
+    text = "".join(e.text for e in events)
+    expected = []
+    for i, point in enumerate(points):
+        head = f"{i + 1}. {point}: "
+        alone = run(NaivePolicy(), smollm2, chat_ids(tok, expansion_messages(question, points, i)), share)
+        expected.append(head + "".join(e.text for e in alone) + "\n")
+    assert text == "".join(expected)
+    expanded = round(stats["tokens_per_step"] * stats["steps"])
+    assert sum(len(e.token_ids) for e in events) == stats["outline"]["outline_tokens"] + expanded  # usage
+    print(text)
+
+
+@pytest.mark.slow
+def test_outline_over_two_workers_equals_in_process(smollm2, tmp_path):
+    import httpx
+    from processes import model_id, start_server
+
+    question = "What are some tips for saving money on groceries?"
+    events = run(OutlinePolicy(), smollm2, chat_ids(smollm2.tokenizer, [{"role": "user", "content": question}]),
+                 60, question)
+    want = "".join(e.text for e in events)
+    assert "fallback" not in events[-1].stats["outline"]
+    proc, url = start_server(tmp_path, "outline", "--local-workers", "2", "--placement", "even",
+                             "--worker-threads", "1")
+    try:
+        body = {"model": model_id(url), "temperature": 0, "max_tokens": 60, "decoding": "outline",
+                "messages": [{"role": "user", "content": question}]}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300).json()
+        assert r["choices"][0]["message"]["content"] == want
+        assert r["decoding"]["outline"]["points"] >= 2 and r["decoding"]["wire_requests_per_token"] >= 0
+        streamed = []
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=300) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    streamed += [c["delta"].get("content") or "" for c in chunk["choices"]]
+        assert "".join(streamed) == want
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize("question, chose", [("Write a Python function that sorts a list.", "naive"),
+                                             (None, "naive"), ("How can I sleep better?", "outline")])
+def test_auto_routes_per_request(tiny_loaded, question, chose):
+    from decoding.auto import AutoPolicy
+
+    prompt = chat_ids(tiny_loaded.tokenizer, [{"role": "user", "content": question or "hi"}])
+    events = run(AutoPolicy(OutlinePolicy(), NaivePolicy()), tiny_loaded, prompt, 8, question)
+    assert events[-1].stats["auto"]["chose"] == chose
