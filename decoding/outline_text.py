@@ -24,10 +24,20 @@ _NUMBERED = re.compile(r"^\s*(?:[*_#>\s]*)(?:(?:point|step)\s*)?(\d{1,2})\s*(?:[
 _DECORATION = re.compile(r"^[*_\s]+|[*_\s]+$")
 
 
+# One worked example before the question (as Skeleton-of-Thought's prompt has): without it SmolLM2-135M wrote
+# a numbered outline for 13 of 20 vicuna80 prompts the router accepts; with it, for all 20.
+EXAMPLE_QUESTION = "What are some ways to learn a new language?"
+EXAMPLE_OUTLINE = ("1. Practice every day\n2. Use language apps\n3. Watch films with subtitles\n"
+                   "4. Talk with native speakers\n5. Read simple books")
+
+
 def outline_messages(question: str) -> list[dict]:
     """Chat messages that ask the model for the outline of its answer to `question`."""
+    ask = "Question: {}\nWrite the numbered skeleton of the answer."
     return [{"role": "system", "content": OUTLINE_SYSTEM},
-            {"role": "user", "content": f"Question: {question}\nWrite the numbered skeleton of the answer."}]
+            {"role": "user", "content": ask.format(EXAMPLE_QUESTION)},
+            {"role": "assistant", "content": EXAMPLE_OUTLINE},
+            {"role": "user", "content": ask.format(question)}]
 
 
 def expansion_messages(question: str, points: list[str], index: int) -> list[dict]:

@@ -1,0 +1,94 @@
+"""Outline decoding against naive: end-to-end latency per answer, in-process and over N local workers.
+
+    python -m bench.outline --out bench/results/DIR [--limit N] [--max-tokens 256] [--setups in_process,2_workers]
+
+Takes the vicuna80 prompts the router (decoding/router.py) sends to outline, runs naive and outline on each
+in turn (greedy, streamed), and writes DIR/outline.json (per setup: median latency of each, the median of
+per-prompt latency ratios, both answers' median lengths) and DIR/side_by_side.md with the first ten answer
+pairs, for a reader to judge their quality.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+from transformers import AutoTokenizer
+
+from bench.compare import SHARED_PROMPTS
+from bench.distributed import start
+from bench.prompts import prompt_text
+from decoding.router import route
+from model.source import resolve_model
+
+
+def answer(client: httpx.Client, prompt: str, policy: str, max_tokens: int) -> dict:
+    """One streamed greedy chat completion: its text, its latency to the last byte and its statistics."""
+    body = {"model": client.get("/v1/models").json()["data"][0]["id"], "temperature": 0, "stream": True,
+            "max_tokens": max_tokens, "messages": [{"role": "user", "content": prompt}], "decoding": policy}
+    start, parts, stats = time.perf_counter(), [], None
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                parts += [c["delta"].get("content") or "" for c in chunk.get("choices", [])]
+                stats = chunk.get("decoding") or stats
+    return {"text": "".join(parts), "latency_s": time.perf_counter() - start, "decoding": stats}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--limit", type=int)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--setups", default="in_process,2_workers")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [json.loads(line) for line in (SHARED_PROMPTS / "vicuna80.jsonl").read_text().splitlines() if line]
+    prompts = [prompt_text(r) for r in rows if route(prompt_text(r))[0]][:args.limit]
+    setups = {"in_process": [], f"{args.workers}_workers": ["--local-workers", str(args.workers)]}
+    tok = AutoTokenizer.from_pretrained(resolve_model(None).folder)  # to count the answers' tokens
+    summary: dict = {"settings": {"prompts": len(prompts), "max_tokens": args.max_tokens}}
+    for setup in args.setups.split(","):
+        proc, url = start(["--log-level", "warning", *setups[setup]], out / f"{setup}.log")
+        try:
+            with httpx.Client(base_url=url, timeout=600) as client:
+                runs = []
+                for prompt in prompts:
+                    runs.append({"prompt": prompt, "naive": answer(client, prompt, "naive", args.max_tokens),
+                                 "outline": answer(client, prompt, "outline", args.max_tokens)})
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        for r in runs:
+            for policy in ("naive", "outline"):
+                r[policy]["answer_tokens"] = len(tok.encode(r[policy]["text"], add_special_tokens=False))
+        summary[setup] = {
+            **{f"median_{policy}_latency_s": round(statistics.median(r[policy]["latency_s"] for r in runs), 3)
+               for policy in ("naive", "outline")},
+            "median_latency_ratio_naive_over_outline": round(statistics.median(
+                r["naive"]["latency_s"] / r["outline"]["latency_s"] for r in runs), 3),
+            **{f"median_{policy}_answer_tokens": statistics.median(r[policy]["answer_tokens"] for r in runs)
+               for policy in ("naive", "outline")},
+            "fallbacks": sum(1 for r in runs if "fallback" in (r["outline"]["decoding"] or {}).get("outline", {})),
+        }
+        (out / f"{setup}_runs.json").write_text(json.dumps(runs, indent=1) + "\n")
+        if setup == args.setups.split(",")[0]:
+            pairs = [f"## {r['prompt']}\n\n**naive** ({r['naive']['answer_tokens']} tokens, "
+                     f"{r['naive']['latency_s']:.2f} s)\n\n{r['naive']['text']}\n\n**outline** "
+                     f"({r['outline']['answer_tokens']} tokens, {r['outline']['latency_s']:.2f} s)\n\n"
+                     f"{r['outline']['text']}\n" for r in runs[:10]]
+            (out / "side_by_side.md").write_text("# naive against outline, SmolLM2-135M-Instruct, greedy\n\n"
+                                                 + "\n".join(pairs))
+    (out / "outline.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
