@@ -26,9 +26,9 @@ from decoding.router import route
 from model.source import resolve_model
 
 
-def answer(client: httpx.Client, prompt: str, policy: str, max_tokens: int) -> dict:
+def answer(client: httpx.Client, model: str, prompt: str, policy: str, max_tokens: int) -> dict:
     """One streamed greedy chat completion: its text, its latency to the last byte and its statistics."""
-    body = {"model": client.get("/v1/models").json()["data"][0]["id"], "temperature": 0, "stream": True,
+    body = {"model": model, "temperature": 0, "stream": True,
             "max_tokens": max_tokens, "messages": [{"role": "user", "content": prompt}], "decoding": policy}
     start, parts, stats = time.perf_counter(), [], None
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -59,10 +59,9 @@ def main(argv: list[str] | None = None) -> None:
         proc, url = start(["--log-level", "warning", *setups[setup]], out / f"{setup}.log")
         try:
             with httpx.Client(base_url=url, timeout=600) as client:
-                runs = []
-                for prompt in prompts:
-                    runs.append({"prompt": prompt, "naive": answer(client, prompt, "naive", args.max_tokens),
-                                 "outline": answer(client, prompt, "outline", args.max_tokens)})
+                model = client.get("/v1/models").json()["data"][0]["id"]
+                runs = [{"prompt": prompt, **{policy: answer(client, model, prompt, policy, args.max_tokens)
+                                              for policy in ("naive", "outline")}} for prompt in prompts]
         finally:
             proc.terminate()
             proc.wait(30)

@@ -50,11 +50,13 @@ def _measure(model: str | None, heads_path: Path, sizes: list[int], context: int
         session = await runner.open(context + max(sizes) + 1)
         try:
             await runner.forward(session, ids[:, :context], last_only=True)
+            chains = {n: Tree([[0] * d for d in range(1, n)]) for n in sizes}  # n nodes: the root and a chain
+            inputs = {n: await runner.call(lambda c=c: (c.positions(context), c.mask(context)))
+                      for n, c in chains.items()}
             times = {n: [] for n in sizes}
             for _ in range(reps):
                 for n in sizes:  # interleaved, so that noise on the shared machine spreads over every size
-                    chain = Tree([[0] * d for d in range(1, n)])
-                    positions, mask = await runner.call(lambda c=chain: (c.positions(context), c.mask(context)))
+                    positions, mask = inputs[n]
                     t0 = time.perf_counter()
                     if n == 1:
                         await runner.forward(session, ids[:, context:context + n], context, last_only=True,

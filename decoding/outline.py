@@ -29,11 +29,8 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 def common_prefix(seqs: list[list[int]]) -> int:
     """Length of the longest prefix all sequences share."""
-    n = min(map(len, seqs))
-    for i in range(n):
-        if any(s[i] != seqs[0][i] for s in seqs):
-            return i
-    return n
+    columns = enumerate(zip(*seqs, strict=False))  # up to the shortest
+    return next((i for i, column in columns if len(set(column)) > 1), min(map(len, seqs)))
 
 
 class OutlinePolicy:
@@ -85,7 +82,6 @@ class OutlinePolicy:
         samplers = [await model.call(Sampler, request.sampling, model.cfg.vocab_size) for _ in points]
         texts = [TextStream(tokenizer, request.stop, request.stop_token_ids, share) for _ in points]
         pending: list[list[tuple[int, str]]] = [[] for _ in points]  # per point: (token, text) not sent yet
-        finished = [False] * len(points)
         shown, header_due = 0, True  # points sent completely; whether the next one's "N. point" is unsent
         carry = list(outline_ids)  # generated too: counted in usage with the first event, not shown
         passes = expanded = 0  # batched forward passes, and the tokens they produced
@@ -98,10 +94,8 @@ class OutlinePolicy:
             passes += 1
             expanded += len(step)
             for row, token in step:
-                if not finished[row]:  # a stop string ends a point before the batch retires its row
-                    pushed = texts[row].push(token)
-                    pending[row].append((token, pushed.text))
-                    finished[row] = pushed.finish_reason is not None
+                if not texts[row].finished:  # a stop string ends a point before the batch retires its row
+                    pending[row].append((token, texts[row].push(token).text))
             ids, parts = list(carry), []
             while shown < len(points):  # the next point to show grows; finished ones follow in order
                 if header_due:
@@ -110,7 +104,7 @@ class OutlinePolicy:
                 ids += [t for t, _ in pending[shown]]
                 parts += [text for _, text in pending[shown]]
                 pending[shown] = []
-                if not finished[shown]:
+                if not texts[shown].finished:
                     break
                 parts.append("\n")
                 shown, header_due = shown + 1, True
