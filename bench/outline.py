@@ -2,10 +2,11 @@
 
     python -m bench.outline --out bench/results/DIR [--limit N] [--max-tokens 256] [--setups in_process,2_workers]
 
-Takes the vicuna80 prompts the router (decoding/router.py) sends to outline, runs naive and outline on each
-in turn (greedy, streamed), and writes DIR/outline.json (per setup: median latency of each, the median of
-per-prompt latency ratios, both answers' median lengths) and DIR/side_by_side.md with the first ten answer
-pairs, for a reader to judge their quality.
+Takes the vicuna80 prompts the router (decoding/router.py) sends to outline and runs on each in turn (greedy,
+streamed) naive, outline, and outline composed with each verification policy. Writes DIR/outline.json (per
+setup and policy: median latency, the median of per-prompt latency ratios naive / policy, the answers' median
+lengths, fallbacks), DIR/outline.png (those ratios), DIR/SETUP_runs.json (every answer) and
+DIR/side_by_side.md with the first ten naive and outline answers, for a reader to judge their quality.
 """
 
 from __future__ import annotations
@@ -21,12 +22,17 @@ from transformers import AutoTokenizer
 
 from bench.compare import SHARED_PROMPTS
 from bench.distributed import start
+from bench.plot import bar_chart
 from bench.prompts import prompt_text
 from decoding.router import route
 from model.source import resolve_model
 
+POLICIES = {"naive": "naive", "outline": "outline",
+            "outline+speculative": {"policy": "outline", "verify": "speculative"},
+            "outline+medusa": {"policy": "outline", "verify": "medusa"}}
 
-def answer(client: httpx.Client, model: str, prompt: str, policy: str, max_tokens: int) -> dict:
+
+def answer(client: httpx.Client, model: str, prompt: str, policy, max_tokens: int) -> dict:
     """One streamed greedy chat completion: its text, its latency to the last byte and its statistics."""
     body = {"model": model, "temperature": 0, "stream": True,
             "max_tokens": max_tokens, "messages": [{"role": "user", "content": prompt}], "decoding": policy}
@@ -60,23 +66,22 @@ def main(argv: list[str] | None = None) -> None:
         try:
             with httpx.Client(base_url=url, timeout=600) as client:
                 model = client.get("/v1/models").json()["data"][0]["id"]
-                runs = [{"prompt": prompt, **{policy: answer(client, model, prompt, policy, args.max_tokens)
-                                              for policy in ("naive", "outline")}} for prompt in prompts]
+                runs = [{"prompt": prompt, **{name: answer(client, model, prompt, policy, args.max_tokens)
+                                              for name, policy in POLICIES.items()}} for prompt in prompts]
         finally:
             proc.terminate()
             proc.wait(30)
         for r in runs:
-            for policy in ("naive", "outline"):
-                r[policy]["answer_tokens"] = len(tok.encode(r[policy]["text"], add_special_tokens=False))
-        summary[setup] = {
-            **{f"median_{policy}_latency_s": round(statistics.median(r[policy]["latency_s"] for r in runs), 3)
-               for policy in ("naive", "outline")},
-            "median_latency_ratio_naive_over_outline": round(statistics.median(
-                r["naive"]["latency_s"] / r["outline"]["latency_s"] for r in runs), 3),
-            **{f"median_{policy}_answer_tokens": statistics.median(r[policy]["answer_tokens"] for r in runs)
-               for policy in ("naive", "outline")},
-            "fallbacks": sum(1 for r in runs if "fallback" in (r["outline"]["decoding"] or {}).get("outline", {})),
-        }
+            for name in POLICIES:
+                r[name]["answer_tokens"] = len(tok.encode(r[name]["text"], add_special_tokens=False))
+        summary[setup] = {name: {
+            "median_latency_s": round(statistics.median(r[name]["latency_s"] for r in runs), 3),
+            "median_latency_ratio_naive_over_this": round(statistics.median(
+                r["naive"]["latency_s"] / r[name]["latency_s"] for r in runs), 3),
+            "median_answer_tokens": statistics.median(r[name]["answer_tokens"] for r in runs),
+            "fallbacks": sum(1 for r in runs if "fallback" in (r[name]["decoding"] or {}).get("outline", {})),
+            "median_tokens_per_step": statistics.median(r[name]["decoding"]["tokens_per_step"] or 0 for r in runs),
+        } for name in POLICIES}
         (out / f"{setup}_runs.json").write_text(json.dumps(runs, indent=1) + "\n")
         if setup == args.setups.split(",")[0]:
             pairs = [f"## {r['prompt']}\n\n**naive** ({r['naive']['answer_tokens']} tokens, "
@@ -86,6 +91,12 @@ def main(argv: list[str] | None = None) -> None:
             (out / "side_by_side.md").write_text("# naive against outline, SmolLM2-135M-Instruct, greedy\n\n"
                                                  + "\n".join(pairs))
     (out / "outline.json").write_text(json.dumps(summary, indent=2) + "\n")
+    names = [n for n in POLICIES if n != "naive"]
+    bar_chart(out / "outline.png", f"SmolLM2-135M-Instruct, {len(prompts)} vicuna80 prompts the router accepts, "
+              f"greedy, max {args.max_tokens} tokens", [
+                  (f"{setup}: median latency ratio naive / policy", names,
+                   [summary[setup][n]["median_latency_ratio_naive_over_this"] for n in names])
+                  for setup in args.setups.split(",")])
     print(json.dumps(summary, indent=2))
 
 

@@ -48,20 +48,43 @@ def expansion_messages(question: str, points: list[str], index: int) -> list[dic
             {"role": "user", "content": f"{question}\nWrite only about this point: {points[index]}."}]
 
 
+def _point(line: str) -> str | None:
+    """The point a numbered line holds, undecorated; None for a line that is not a numbered point."""
+    m = _NUMBERED.match(line)
+    return _DECORATION.sub("", m.group(2)).rstrip(":").strip() if m else None
+
+
+def _key(point: str) -> str:
+    return re.sub(r"\W+", " ", point).strip().lower()
+
+
+def cut_outline(text: str) -> str | None:
+    """Where an outline being written is over, so its decoding can stop: the text before the first completed
+    line that repeats an earlier point, or is prose after the points, or after MAX_POINTS distinct points;
+    None while it may go on. (SmolLM2-135M often loops on one point until its token budget runs out.) Only
+    completed lines count, so the cut does not depend on how many tokens each decoding step added."""
+    seen: set[str] = set()
+    done = 0  # characters of the lines kept so far
+    for line in text.split("\n")[:-1]:
+        point = _point(line)
+        if len(seen) == MAX_POINTS or (point is None and seen and line.strip()) or (point and _key(point) in seen):
+            return text[:done]
+        if point and _key(point):
+            seen.add(_key(point))
+        done += len(line) + 1
+    return None
+
+
 def parse_outline(text: str) -> list[str]:
     """The numbered points of an outline, in order: lines starting with a number; markdown decoration and
     trailing colons stripped, empty and repeated points dropped (case-insensitive), at most MAX_POINTS.
     Returns [] when fewer than MIN_POINTS remain (the outline could not be parsed)."""
     points, seen = [], set()
     for line in text.splitlines():
-        m = _NUMBERED.match(line)
-        if not m:
+        point = _point(line)
+        if not point or not _key(point) or _key(point) in seen:
             continue
-        point = _DECORATION.sub("", m.group(2)).rstrip(":").strip()
-        key = re.sub(r"\W+", " ", point).strip().lower()
-        if not key or key in seen:
-            continue
-        seen.add(key)
+        seen.add(_key(point))
         points.append(point)
         if len(points) == MAX_POINTS:
             break

@@ -42,7 +42,8 @@ def build_policies(draft_models: dict | None = None, default_drafter: str | None
 
     policies = [NaivePolicy(), SpeculativePolicy(draft_models, default_drafter, *draft_k), MedusaPolicy(medusa)]
     by_name = {p.name: p for p in policies}
-    by_name["outline"] = OutlinePolicy(by_name.get(default))
+    by_name["outline"] = OutlinePolicy(by_name.get(default), verifiers={
+        name: by_name[name] for name in ("speculative", "medusa")})
     by_name["auto"] = AutoPolicy(by_name["outline"], by_name.get(default, by_name["naive"]))
     return by_name
 

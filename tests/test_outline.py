@@ -11,16 +11,16 @@ import pytest
 
 from decoding.naive import NaivePolicy
 from decoding.outline import OutlinePolicy, chat_ids, common_prefix
-from decoding.outline_text import expansion_messages, outline_messages, parse_outline
+from decoding.outline_text import cut_outline, expansion_messages, outline_messages, parse_outline
 from decoding.types import GenerationRequest, SamplingParams
 from model.load import load_local
 from model.source import resolve_model
 from model.thread import ModelThread
 
 
-def run(policy, loaded, prompt, max_tokens, question=None):
+def run(policy, loaded, prompt, max_tokens, question=None, options=None):
     request = GenerationRequest(prompt, max_tokens, SamplingParams(temperature=0.0), (), frozenset({2}),
-                                policy.name, {}, question)
+                                policy.name, options or {}, question)
 
     async def collect():
         return [e async for e in policy.generate(request, loaded.runner, loaded.tokenizer)]
@@ -39,8 +39,11 @@ def test_requests_outline_cannot_serve_fall_back(tiny_loaded, question):
     prompt = chat_ids(tiny_loaded.tokenizer, [{"role": "user", "content": "How can I sleep better?"}])
     events = run(OutlinePolicy(), tiny_loaded, prompt, 12, question)
     naive = run(NaivePolicy(), tiny_loaded, prompt, 12)
-    assert [t for e in events for t in e.token_ids] == [t for e in naive for t in e.token_ids]
+    assert "".join(e.text for e in events) == "".join(e.text for e in naive)
     stats = events[-1].stats
+    outline_tokens = stats["outline"]["outline_tokens"]
+    assert (outline_tokens > 0) == (question is not None)
+    assert sum(len(e.token_ids) for e in events) == outline_tokens + sum(len(e.token_ids) for e in naive)  # usage
     assert stats["policy"] == "outline" and stats["outline"]["fallback_policy"] == "naive"
     assert stats["outline"]["fallback"] == ("not a chat request" if question is None
                                             else "the outline could not be parsed")
@@ -53,17 +56,32 @@ def smollm2():
     model.runner.close()
 
 
+@pytest.fixture(scope="module")
+def verifiers(smollm2):
+    from decoding.medusa import MedusaPolicy
+    from decoding.medusa_heads import MedusaModel
+    from decoding.speculative import SpeculativePolicy
+    from decoding.target_fit import SHIPPED
+
+    path = next(SHIPPED.glob("smollm2-135m-instruct-medusa.safetensors"))
+    heads = smollm2.runner.thread.run_sync(MedusaModel.load, path, smollm2.runner.ends)
+    return {"medusa": MedusaPolicy(heads), "speculative": SpeculativePolicy()}
+
+
 @pytest.mark.slow
-def test_batched_points_equal_each_point_alone_and_stream_in_order(smollm2):
+@pytest.mark.parametrize("verify", ["none", "medusa", "speculative"])
+def test_batched_points_equal_each_point_alone_and_stream_in_order(smollm2, verifiers, verify):
     question = "What are some tips for staying healthy while working from home?"
     tok = smollm2.tokenizer
-    events = run(OutlinePolicy(point_tokens=24), smollm2, chat_ids(tok, [{"role": "user", "content": question}]),
-                 120, question)
+    policy = OutlinePolicy(point_tokens=24, verifiers=verifiers)
+    events = run(policy, smollm2, chat_ids(tok, [{"role": "user", "content": question}]), 120, question,
+                 {"verify": verify, "pass_tokens": 64})  # room for candidates with every point live
     stats = events[-1].stats
     assert "fallback" not in stats["outline"], stats
     n, share = stats["outline"]["points"], stats["outline"]["point_tokens"]
     outline = run(NaivePolicy(), smollm2, chat_ids(tok, outline_messages(question)), 96)
-    points = parse_outline(tok.decode([t for e in outline for t in e.token_ids], skip_special_tokens=True))
+    full = tok.decode([t for e in outline for t in e.token_ids], skip_special_tokens=True)
+    points = parse_outline(cut_outline(full) or full)
     assert len(points) == n >= 2
     text = "".join(e.text for e in events)
     expected = []
@@ -72,8 +90,11 @@ def test_batched_points_equal_each_point_alone_and_stream_in_order(smollm2):
         alone = run(NaivePolicy(), smollm2, chat_ids(tok, expansion_messages(question, points, i)), share)
         expected.append(head + "".join(e.text for e in alone) + "\n")
     assert text == "".join(expected)
-    expanded = round(stats["tokens_per_step"] * stats["steps"])
-    assert sum(len(e.token_ids) for e in events) == stats["outline"]["outline_tokens"] + expanded  # usage
+    assert sum(len(e.token_ids) for e in events) == stats["outline"]["outline_tokens"] + \
+        stats["outline"]["expanded_tokens"]  # usage
+    assert stats["outline"]["verify"] == verify
+    if verify != "none":
+        assert stats["acceptance_rate"] is not None
     print(text)
 
 
@@ -94,7 +115,10 @@ def test_outline_over_two_workers_equals_in_process(smollm2, tmp_path):
                 "messages": [{"role": "user", "content": question}]}
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300).json()
         assert r["choices"][0]["message"]["content"] == want
-        assert r["decoding"]["outline"]["points"] >= 2 and r["decoding"]["wire_requests_per_token"] >= 0
+        assert r["decoding"]["outline"]["points"] >= 2 and r["decoding"]["wire_requests_per_token"] > 0
+        composed = {**body, "decoding": {"policy": "outline", "verify": "medusa", "pass_tokens": 64}}
+        r = httpx.post(url + "/v1/chat/completions", json=composed, timeout=300).json()
+        assert r["choices"][0]["message"]["content"] == want and r["decoding"]["acceptance_rate"] is not None
         streamed = []
         with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=300) as s:
             for line in s.iter_lines():

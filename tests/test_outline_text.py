@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from decoding.outline_text import MAX_POINTS, expansion_messages, outline_messages, parse_outline
+from decoding.outline_text import MAX_POINTS, cut_outline, expansion_messages, outline_messages, parse_outline
 from decoding.router import route
 
 
@@ -27,6 +27,19 @@ def test_outline_parsing(text, points):
 def test_outline_is_capped():
     text = "\n".join(f"{i}. point number {i}" for i in range(1, 15))
     assert parse_outline(text) == [f"point number {i}" for i in range(1, MAX_POINTS + 1)]
+
+
+@pytest.mark.parametrize("text, cut", [
+    ("1. Pride\n2. Excitement\n3. Pride\n4. Pr", "1. Pride\n2. Excitement\n"),  # a point repeats
+    ("1. Sleep\n\n2. Eat\nThe answer is 1.\n", "1. Sleep\n\n2. Eat\n"),  # prose after the points
+    ("Here you go:\n1. Sleep\n2. Eat", None),  # prose before the points, and the last line still growing
+    ("1. Sleep\n2. Eat\n2. Eat", None),  # a repeat on a line not completed yet
+    ("".join(f"{i}. point {i}\n" for i in range(1, 13)), "".join(f"{i}. point {i}\n" for i in range(1, 11))),
+])
+def test_an_outline_is_cut_where_it_is_over(text, cut):
+    assert cut_outline(text) == cut
+    if cut:  # the cut keeps every point the whole text would give, up to its first repeat
+        assert parse_outline(cut) == parse_outline(text)[:len(parse_outline(cut))]
 
 
 def test_prompts_name_the_question_and_the_point():

@@ -199,6 +199,7 @@ class RemotePipeline:
 
     def fork(self, session: str, child: str, prefix_len: int, rows: int, capacity: int) -> None:
         self._each(session, "fork", {"child": child, "prefix_len": prefix_len, "rows": rows, "capacity": capacity})
+        self.wire_stats[child] = {link: [0, 0] for link in self.links}
 
     def clone(self, session: str, child: str, prefix_len: int, capacity: int) -> None:
         self._each(session, "clone", {"child": child, "prefix_len": prefix_len, "capacity": capacity})
