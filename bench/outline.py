@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
                 r["naive"]["latency_s"] / r[name]["latency_s"] for r in runs), 3),
             "median_answer_tokens": statistics.median(r[name]["answer_tokens"] for r in runs),
             "fallbacks": sum(1 for r in runs if "fallback" in (r[name]["decoding"] or {}).get("outline", {})),
-            "median_tokens_per_step": statistics.median(r[name]["decoding"]["tokens_per_step"] or 0 for r in runs),
+            "median_tokens_per_step": round(statistics.median(
+                r[name]["decoding"]["tokens_per_step"] or 0 for r in runs), 4),
         } for name in POLICIES}
         (out / f"{setup}_runs.json").write_text(json.dumps(runs, indent=1) + "\n")
         if setup == args.setups.split(",")[0]:

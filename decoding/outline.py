@@ -82,7 +82,7 @@ class OutlinePolicy:
                 raise ValueError(f"{key} must be an integer from 1 to 1024, got {value!r}")
         verify = options.get("verify", "none")
         if verify not in self.verifiers:
-            raise ValueError(f"verify must be one of {', '.join(self.verifiers)}, got {verify!r}")
+            raise ValueError(f"verify must be one of {', '.join(sorted(self.verifiers))}, got {verify!r}")
         if hasattr(self.verifiers[verify], "check"):
             self.verifiers[verify].check({})
 

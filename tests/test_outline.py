@@ -138,3 +138,17 @@ def test_auto_routes_per_request(tiny_loaded, question, chose):
     prompt = chat_ids(tiny_loaded.tokenizer, [{"role": "user", "content": question or "hi"}])
     events = run(AutoPolicy(OutlinePolicy(), NaivePolicy()), tiny_loaded, prompt, 8, question)
     assert events[-1].stats["auto"]["chose"] == chose
+
+
+def test_bad_outline_options_are_refused():
+    from decoding.medusa import MedusaPolicy
+    from decoding.speculative import SpeculativePolicy
+
+    policy = OutlinePolicy(verifiers={"medusa": MedusaPolicy(None), "speculative": SpeculativePolicy()})
+    policy.check({"verify": "speculative", "pass_tokens": 16})
+    with pytest.raises(ValueError, match="--medusa"):  # no heads loaded: says how to load them
+        policy.check({"verify": "medusa"})
+    with pytest.raises(ValueError, match="verify must be one of medusa, none, speculative"):
+        policy.check({"verify": "eagle"})
+    with pytest.raises(ValueError, match="pass_tokens"):
+        policy.check({"pass_tokens": 0})
