@@ -146,3 +146,8 @@ class DecoderLayer(nn.Module):
         # x [B, T, H] -> [B, T, H]
         x = x + self.attn(self.input_norm(x), rope, cache, layer, start, mask)
         return x + self.ffn(self.post_norm(x))
+
+    def parts(self, x, rope, cache: KVCache, layer: int, start: int, mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() in its two halves: Z, the post-attention state [B, T, H], and X, the layer's output."""
+        z = x + self.attn(self.input_norm(x), rope, cache, layer, start, mask)
+        return z, z + self.ffn(self.post_norm(z))

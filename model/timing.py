@@ -37,7 +37,7 @@ def grid(cfg: ModelConfig, tokens: Sequence[int], contexts: Sequence[int]) -> tu
     return toks, ctxs
 
 
-def _median_ms(fn: Callable[[], object], reps: int, min_total_s: float = 0.05, max_reps: int = 50) -> float:
+def median_ms(fn: Callable[[], object], reps: int, min_total_s: float = 0.05, max_reps: int = 50) -> float:
     # At least `reps` runs and at least min_total_s of them (short passes need many runs for a stable median
     # on a shared machine, where one descheduled OpenMP thread costs a whole scheduler tick).
     fn()  # warm-up: first calls allocate and pick kernels
@@ -68,7 +68,7 @@ def time_layers(stack: LayerStack, tokens: Sequence[int], contexts: Sequence[int
                 stack(hidden, positions, cache, c)
                 cache.truncate(c)
 
-            row.append(_median_ms(one, reps) / n_layers)
+            row.append(median_ms(one, reps) / n_layers)
             if step:
                 step()
         rows.append(tuple(row))
@@ -84,8 +84,8 @@ def time_ends(ends: TokenEnds, tokens: Sequence[int], reps: int = 3) -> tuple[Cu
     for n in toks:
         ids = torch.randint(0, cfg.vocab_size, (1, n))
         hidden = torch.randn(1, n, cfg.hidden_size)
-        embed.append(_median_ms(lambda ids=ids: ends.embed_tokens(ids), reps))
-        head.append(_median_ms(lambda hidden=hidden: ends.logits(hidden), reps))
+        embed.append(median_ms(lambda ids=ids: ends.embed_tokens(ids), reps))
+        head.append(median_ms(lambda hidden=hidden: ends.logits(hidden), reps))
     return Curve(toks, (0,), (tuple(embed),)), Curve(toks, (0,), (tuple(head),))
 
 

@@ -143,6 +143,22 @@ def _train_parsers(sub) -> None:
                    "machine's verification cost again and choose the default tree")
 
 
+def _headsplit_parser(sub) -> None:
+    p = sub.add_parser("profile-headsplit", help="HeadSplit's offline profile: per-layer speculation acceptance "
+                       "and block times")
+    p.add_argument("--model", default=None, help="the model (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--data", type=Path, default=Path("../shared/data"), help="the shared data folder")
+    p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "edgespec" / "distill",
+                   help="where generated answers are cached (shared with train-drafter)")
+    p.add_argument("--prompts", type=int, default=64, help="calibration prompts (their greedy answers too)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--gen-batch", type=int, default=32)
+    p.add_argument("--epsilon", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.3])
+    p.add_argument("--contexts", type=int, nargs="+", default=[0, 1024], help="cached tokens of the timed passes")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="of the timed blocks")
+    p.add_argument("--out", type=Path, help="the profile (default: config/profiles/MODEL-headsplit.json)")
+
+
 def _overrides(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if v is not None and k != "command"}
 
@@ -221,6 +237,12 @@ def train_medusa(args: argparse.Namespace) -> None:
     train(args)
 
 
+def profile_headsplit(args: argparse.Namespace) -> None:
+    from decoding.headsplit_profile import profile
+
+    profile(args)
+
+
 def main(argv: list[str] | None = None) -> None:
     # Before torch loads libgomp: OpenMP threads spin 300000 rounds after each parallel region by default.
     # When stages are processes on shared cores, only one computes at a time and the spinning threads of
@@ -235,10 +257,12 @@ def main(argv: list[str] | None = None) -> None:
     add_plan_parser(sub)
     _bench_parser(sub)
     _train_parsers(sub)
+    _headsplit_parser(sub)
     args = parser.parse_args(argv)
     try:
         commands = {"serve": serve, "worker": worker, "profile": profile, "plan": plan, "bench": bench,
-                    "train-drafter": train_drafter, "train-medusa": train_medusa}
+                    "train-drafter": train_drafter, "train-medusa": train_medusa,
+                    "profile-headsplit": profile_headsplit}
         commands[args.command](args)
     except (FileNotFoundError, ValueError) as exc:
         print(f"edgespec {args.command}: {exc}", file=sys.stderr)

@@ -90,6 +90,9 @@ def test_batched_points_equal_each_point_alone_and_stream_in_order(smollm2, veri
         alone = run(NaivePolicy(), smollm2, chat_ids(tok, expansion_messages(question, points, i)), share)
         expected.append(head + "".join(e.text for e in alone) + "\n")
     assert text == "".join(expected)
+    # point 1 streams as it is generated: many events carry its text before it is complete
+    sent = [len("".join(e.text for e in events[:i + 1])) for i in range(len(events))]
+    assert sum(1 for n in sent if 0 < n < len(expected[0])) > 5
     assert sum(len(e.token_ids) for e in events) == stats["outline"]["outline_tokens"] + \
         stats["outline"]["expanded_tokens"]  # usage
     assert stats["outline"]["verify"] == verify

@@ -1,0 +1,63 @@
+"""What HeadSplit's inter-layer speculation needs to know about a model (tensor code; issue 9's profiling).
+
+Layer l+1's attention may start on Z_l = x + attn(norm(x)), layer l's post-attention state, while layer l's FFN
+still computes its output X_l = Z_l + ffn(norm(Z_l)). The speculation is kept for a token when
+||Z_l - X_l|| / ||X_l|| < epsilon. `drift` measures that ratio at every layer and position of exact forward
+passes over calibration text; `acceptance` turns it into alpha, the per-layer acceptance probability the
+planner decides with; `time_blocks` measures what one decoding token costs in each block of a layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from model.blocks import FFN, AttentionBlock
+from model.kv_cache import KVCache
+from model.packed import pack_linears
+from model.stack import LayerStack, causal_mask
+from model.timing import median_ms
+
+
+@torch.inference_mode()
+def drift(stack: LayerStack, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [1, T, H] (embedded tokens) -> [L, T] float32: ||Z_l - X_l|| / ||X_l|| per layer and position."""
+    t = hidden.shape[1]
+    cache = stack.new_cache(t)
+    rope, mask = stack.rotary(torch.arange(t).unsqueeze(0)), causal_mask(0, t)
+    x, out = hidden.to(stack.dtype), []
+    for i, layer in enumerate(stack.layers):
+        z, x = layer.parts(x, rope, cache, i, 0, mask)
+        out.append(((z - x).float().norm(dim=-1) / x.float().norm(dim=-1))[0])  # [T]
+    return torch.stack(out)
+
+
+def acceptance(drifts: Sequence[torch.Tensor], epsilon: float) -> list[float]:
+    """alpha per layer from drift() results [L, T_i]: the share of tokens whose previous layer's drift is below
+    epsilon, i.e. where starting layer l on Z_(l-1) would be kept. Layer 0 has no previous layer: 0."""
+    below = torch.cat([d for d in drifts], dim=1) < epsilon  # [L, sum T]
+    return [0.0] + [round(float(v), 4) for v in below[:-1].float().mean(dim=1)]
+
+
+@torch.inference_mode()
+def time_blocks(stack: LayerStack, context: int, reps: int = 5) -> dict[str, float]:
+    """Milliseconds of one decoding token (after `context` cached ones) in each block of a layer: one KV group's
+    attention with its share of the output projection, gathering the groups (sum and residual), and the FFN
+    with its norm and residual. Random weights of the real shapes: the cost depends on shapes only."""
+    cfg, dtype = stack.cfg, stack.dtype
+    group = pack_linears(AttentionBlock(cfg, [0], dtype, with_o_bias=cfg.o_bias))
+    ffn = pack_linears(FFN(cfg, dtype))
+    norm = stack.layers[0].post_norm
+    cache = KVCache(1, 1, cfg.head_dim, context + 1, dtype)
+    if context:
+        cache.write(0, 0, torch.randn(1, 1, context, cfg.head_dim, dtype=dtype),
+                    torch.randn(1, 1, context, cfg.head_dim, dtype=dtype))
+    x = torch.randn(1, 1, cfg.hidden_size, dtype=dtype)
+    rope = stack.rotary(torch.tensor([[context]]))
+    partials = [torch.randn(1, 1, cfg.hidden_size, dtype=dtype) for _ in range(cfg.n_kv_heads)]
+    return {
+        "group_ms": median_ms(lambda: group(x, rope, cache, 0, context, None), reps),
+        "proj_ms": median_ms(lambda: x + torch.stack(partials).sum(dim=0), reps),
+        "ffn_ms": median_ms(lambda: x + ffn(norm(x)), reps),
+    }

@@ -1,0 +1,39 @@
+"""HeadSplit's profiling on the tiny model (float32): the layer halves compose to the layer, the drift is
+||Z - X|| / ||X|| of those halves at every layer and position, alpha is read from the previous layer's drift,
+and the block timer measures every block."""
+
+from __future__ import annotations
+
+import torch
+
+from model.drift import acceptance, drift, time_blocks
+from model.stack import causal_mask
+
+
+def test_drift_is_the_relative_change_the_ffn_makes(tiny_loaded):
+    stack = tiny_loaded.runner.pipeline.stages[0].stack
+    ids = torch.tensor([[(i * 7) % 50 + 100 for i in range(12)]])
+    hidden = tiny_loaded.runner.ends.embed_tokens(ids)  # [1, 12, H]
+    got = drift(stack, hidden)
+    assert got.shape == (len(stack.layers), 12)
+    with torch.inference_mode():  # by hand, from the plain layers
+        cache, x = stack.new_cache(12), hidden
+        rope, mask = stack.rotary(torch.arange(12).unsqueeze(0)), causal_mask(0, 12)
+        for i, layer in enumerate(stack.layers):
+            z = x + layer.attn(layer.input_norm(x), rope, cache, i, 0, mask)
+            x = layer(x, rope, stack.new_cache(12), i, 0, mask)  # the whole layer, fresh cache: same X
+            want = (z - x).norm(dim=-1)[0] / x.norm(dim=-1)[0]
+            torch.testing.assert_close(got[i], want, atol=1e-5, rtol=1e-5)
+
+
+def test_alpha_reads_the_previous_layers_drift():
+    drifts = [torch.tensor([[0.01, 0.2], [0.3, 0.04], [0.5, 0.5]]), torch.tensor([[0.02], [0.01], [0.9]])]
+    assert acceptance(drifts, 0.05) == [0.0, round(2 / 3, 4), round(2 / 3, 4)]
+    assert acceptance(drifts, 0.0) == [0.0, 0.0, 0.0]
+    assert acceptance(drifts, 1.0) == [0.0, 1.0, 1.0]
+
+
+def test_every_block_is_timed(tiny_loaded):
+    stack = tiny_loaded.runner.pipeline.stages[0].stack
+    times = time_blocks(stack, context=16, reps=2)
+    assert set(times) == {"group_ms", "proj_ms", "ffn_ms"} and all(v > 0 for v in times.values())
