@@ -61,3 +61,29 @@ def time_blocks(stack: LayerStack, context: int, reps: int = 5) -> dict[str, flo
         "proj_ms": median_ms(lambda: x + torch.stack(partials).sum(dim=0), reps),
         "ffn_ms": median_ms(lambda: x + ffn(norm(x)), reps),
     }
+
+
+@torch.inference_mode()
+def speculating_forward(stack: LayerStack, hidden: torch.Tensor, epsilon: float, speculate: Sequence[bool]
+                        ) -> tuple[torch.Tensor, list[int]]:
+    """A whole-sequence pass with HeadSplit's inter-layer speculation: hidden [1, T, H] -> output [1, T, H], and
+    per layer the tokens whose speculation was kept. At a speculating layer l, a token's attention reads
+    Z_(l-1) instead of X_(l-1) (its queries, keys and values: the KV entry written is the speculative one)
+    when ||Z - X|| / ||X|| < epsilon for that token; the residual is always the exact X_(l-1). Each position
+    decides alone and attends to earlier positions' cached entries, so this equals decoding token by token
+    with the same decisions. epsilon 0 keeps nothing: the exact model."""
+    t = hidden.shape[1]
+    cache = stack.new_cache(t)
+    rope, mask = stack.rotary(torch.arange(t).unsqueeze(0)), causal_mask(0, t)
+    x, z, kept = hidden.to(stack.dtype), None, []
+    for i, layer in enumerate(stack.layers):
+        attend = x
+        if z is not None and speculate[stack.first + i]:
+            keep = ((z - x).float().norm(dim=-1) / x.float().norm(dim=-1)) < epsilon  # [1, T]
+            attend = torch.where(keep.unsqueeze(-1), z, x)
+            kept.append(int(keep.sum()))
+        else:
+            kept.append(0)
+        z = x + layer.attn(layer.input_norm(attend), rope, cache, i, 0, mask)
+        x = z + layer.ffn(layer.post_norm(z))
+    return x, kept

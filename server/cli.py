@@ -151,6 +151,7 @@ def _headsplit_parser(sub) -> None:
     p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "edgespec" / "distill",
                    help="where generated answers are cached (shared with train-drafter)")
     p.add_argument("--prompts", type=int, default=64, help="calibration prompts (their greedy answers too)")
+    p.add_argument("--heldout", type=int, default=32, help="the next prompts, whose answers' perplexity is measured")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--gen-batch", type=int, default=32)
     p.add_argument("--epsilon", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.3])
