@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import statistics
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from model.config import ModelConfig
 from model.drift import acceptance, drift, speculating_forward, time_blocks
 from model.source import resolve_model
 from model.stack import LayerStack, TokenEnds
+from model.timing import model_card
 from model.weights import TensorSource
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -66,9 +68,10 @@ def profile(args: argparse.Namespace) -> dict:
     timed = LayerStack.load(src, cfg, 0, 1, DTYPES[args.dtype])
     blocks = {str(c): time_blocks(timed, c) for c in args.contexts}
     record = {
-        "model": files.name, "calibration": {"prompts": len(rows), "tokens": tokens,
-                                             "data": "alpaca_seed_tasks.jsonl, wizardlm_testset.jsonl (first "
-                                                     f"{args.prompts}), greedy answers"},
+        "model": files.name,
+        "card": asdict(model_card(cfg, files.name, DTYPES[args.dtype])),  # the shapes the block times are for
+        "calibration": {"prompts": len(rows), "tokens": tokens, "data": "alpaca_seed_tasks.jsonl, "
+                        f"wizardlm_testset.jsonl (first {args.prompts}), greedy answers"},
         "median_drift": [round(float(v), 4) for v in every.median(dim=1).values],
         "alpha": {str(eps): acceptance(drifts, eps) for eps in args.epsilon},
         "held_out": {"prompts": len(held), "answer_tokens": sum(len(r["answer"]) for r in held),

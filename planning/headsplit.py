@@ -16,7 +16,8 @@ evaluated on a preliminary placement (groups spread evenly, every FFN on the med
 Placement is greedy: FFN and projection blocks first, each to the least-loaded device (by time) with room;
 then each layer's KV groups, one at a time, to the device that keeps the layer's attention time (slowest
 device's groups plus its link to the projection device) least, where a speculating layer's attention must fit
-in the previous layer's FFN time (a layer that cannot is placed without speculation). Link times are the
+in the previous layer's FFN time (a layer that cannot is placed without speculation) and avoids the device
+computing that FFN. Link times are the
 measured round trips plus the profile's 15% margin.
 """
 
@@ -126,8 +127,12 @@ def place(devices: list[HeadDevice], card: HeadCard, alphas: list[float], link: 
     for layer, lp in enumerate(layers):
         budget = by_name[layers[layer - 1].ffn].ffn_ms if spec[layer] else float("inf")
         groups: dict[str, list[int]] = {}
+        # the previous layer's FFN device computes while a speculating layer's attention would run: it takes
+        # this layer's groups only when no other device has room
+        busy = layers[layer - 1].ffn if spec[layer] else None
         for g in range(card.n_groups):
             fits = [d for d in devices if room[d.name] >= group_bytes]
+            fits = [d for d in fits if d.name != busy] or fits
             if not fits:
                 raise InfeasibleError(f"no device has room for KV group {g} of layer {layer} ({group_bytes} bytes)")
 

@@ -80,3 +80,11 @@ def test_groups_spread_to_cut_the_layer_attention_time_and_ffns_by_load():
     layers = place(devices(4), CARD, [0.0] * 4, link(0.0), context=10)
     assert all(max(map(len, lp.groups.values())) == 1 for lp in layers)  # 4 groups over 4 equal devices
     assert len({lp.ffn for lp in layers}) == 4  # the FFNs go to the least-loaded device each time
+
+
+def test_a_speculating_layer_keeps_its_groups_off_the_busy_ffn_device():
+    layers = place(devices(3), CARD, [0.9] * 4, link(), context=10)
+    for prev, lp in itertools.pairwise(layers):
+        if lp.speculate:
+            assert prev.ffn not in lp.groups
+    assert any(lp.speculate for lp in layers)
