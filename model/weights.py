@@ -84,10 +84,15 @@ def load_layer(layer_mod, src: TensorSource, cfg: ModelConfig, layer: int, dtype
     layer_mod.input_norm.weight.copy_(src.get(p + "input_layernorm.weight", dtype))
     layer_mod.post_norm.weight.copy_(src.get(p + "post_attention_layernorm.weight", dtype))
     load_attention(layer_mod.attn, src, cfg, layer, dtype)
-    ffn = layer_mod.ffn
+    load_ffn(layer_mod.ffn, src, layer, dtype)
+
+
+def load_ffn(ffn, src: TensorSource, layer: int, dtype: torch.dtype) -> None:
+    """Fill an FFN block from `model.layers.{layer}.mlp.*`."""
+    p = f"model.layers.{layer}.mlp."
     for kind in ("weight", "bias"):
         if getattr(ffn.down, kind) is None:
             continue
-        gate, up = src.get(p + f"mlp.gate_proj.{kind}", dtype), src.get(p + f"mlp.up_proj.{kind}", dtype)
+        gate, up = src.get(p + f"gate_proj.{kind}", dtype), src.get(p + f"up_proj.{kind}", dtype)
         getattr(ffn.gate_up, kind).copy_(torch.cat([gate, up]))
-        getattr(ffn.down, kind).copy_(src.get(p + f"mlp.down_proj.{kind}", dtype))
+        getattr(ffn.down, kind).copy_(src.get(p + f"down_proj.{kind}", dtype))

@@ -1,0 +1,156 @@
+"""HeadSplit execution in one process (issue 9's groundwork): a placement's blocks on named devices, and the
+schedule every decoding step follows, with inter-layer speculation.
+
+Each device holds, for the layers the placement gives it, some KV groups (their q, k and v rows, their
+projection columns, the input norm, and their own KV cache) and some FFN blocks (post-attention norm, FFN),
+loaded alone from the checkpoint. A layer runs as: every group device computes its partial attention output
+from the layer's input; the projection device sums the partials and the residual into Z; the FFN device adds
+the FFN of Z into X, the layer's output.
+
+At a speculating layer l (decoding passes of one token), the group devices start from Z_(l-1) before
+X_(l-1) exists, writing their keys and values into the session's cache as staged entries. When X_(l-1) is
+there, the speculation is kept if ||Z - X|| / ||X|| < epsilon: the staged entries stand (commit). Otherwise
+the groups run again from X_(l-1), overwriting the staged entries (discard), so the step's result and cache
+are the exact ones. Epsilon 0 never keeps: the exact model.
+
+Here the devices are objects in one process and the steps run one after another; the workers run the same
+blocks and the same decisions with the steps overlapping on their devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from model.blocks import FFN, AttentionBlock, RMSNorm, Rotary
+from model.config import ModelConfig
+from model.kv_cache import KVCache
+from model.packed import pack_linears
+from model.stack import causal_mask
+from model.weights import TensorSource, load_attention, load_ffn
+from planning.headsplit import LayerPlace
+
+
+class HeadBlocks:
+    """The blocks one device holds: groups[l] of layer l's KV groups, and the FFN of the layers in `ffns`."""
+
+    def __init__(self, src: TensorSource, cfg: ModelConfig, dtype: torch.dtype, groups: dict[int, list[int]],
+                 ffns: list[int]):
+        self.cfg, self.dtype = cfg, dtype
+        self.attn: dict[int, tuple[RMSNorm, AttentionBlock]] = {}
+        self.ffn: dict[int, tuple[RMSNorm, FFN]] = {}
+        with torch.no_grad():
+            for layer, gs in groups.items():
+                norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+                norm.weight.copy_(src.get(f"model.layers.{layer}.input_layernorm.weight", dtype))
+                block = AttentionBlock(cfg, sorted(gs), dtype, with_o_bias=cfg.o_bias and 0 in gs)  # bias added once
+                load_attention(block, src, cfg, layer, dtype)
+                self.attn[layer] = (norm, pack_linears(block))
+            for layer in ffns:
+                norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+                norm.weight.copy_(src.get(f"model.layers.{layer}.post_attention_layernorm.weight", dtype))
+                ffn = FFN(cfg, dtype)
+                load_ffn(ffn, src, layer, dtype)
+                self.ffn[layer] = (norm, pack_linears(ffn))
+
+    def new_caches(self, capacity: int, rows: int) -> dict[int, KVCache]:
+        """One cache per layer with groups here, holding only those groups."""
+        return {layer: KVCache(1, block.n_kv, self.cfg.head_dim, capacity, self.dtype, rows=rows)
+                for layer, (_, block) in self.attn.items()}
+
+    def attend(self, layer: int, x: torch.Tensor, rope, cache: KVCache, start: int, mask) -> torch.Tensor:
+        """x [B, T, H] (the layer's input) -> this device's partial attention output [B, T, H]."""
+        norm, block = self.attn[layer]
+        return block(norm(x), rope, cache, 0, start, mask)
+
+    def feed_forward(self, layer: int, z: torch.Tensor) -> torch.Tensor:
+        """Z [B, T, H] -> the layer's output X [B, T, H]."""
+        norm, ffn = self.ffn[layer]
+        return z + ffn(norm(z))
+
+
+@dataclass
+class SpeculationStats:
+    """Per session: speculations kept and discarded, per layer."""
+
+    kept: list[int] = field(default_factory=list)
+    discarded: list[int] = field(default_factory=list)
+
+
+class HeadSplitPipeline:
+    """A HeadSplit placement run in-process, with the Stage seam's open / forward / truncate / release."""
+
+    def __init__(self, src: TensorSource, cfg: ModelConfig, dtype: torch.dtype, layers: list[LayerPlace],
+                 epsilon: float = 0.05):
+        if len(layers) != cfg.n_layers:
+            raise ValueError(f"the placement has {len(layers)} layers, the model {cfg.n_layers}")
+        for i, lp in enumerate(layers):
+            placed = sorted(g for gs in lp.groups.values() for g in gs)
+            if placed != list(range(cfg.n_kv_heads)):
+                raise ValueError(f"layer {i}: groups {placed} are not each of the {cfg.n_kv_heads} KV groups once")
+        self.cfg, self.layers, self.epsilon = cfg, layers, epsilon
+        names = sorted({d for lp in layers for d in [*lp.groups, lp.ffn, lp.proj]})
+        self.devices = {
+            name: HeadBlocks(src, cfg, dtype, {i: lp.groups[name] for i, lp in enumerate(layers)
+                                               if lp.groups.get(name)},
+                             [i for i, lp in enumerate(layers) if lp.ffn == name])
+            for name in names}
+        self.rotary = Rotary(cfg, dtype)
+        self.dtype = dtype
+        self.caches: dict[str, dict[str, dict[int, KVCache]]] = {}  # session -> device -> layer -> cache
+        self.stats: dict[str, SpeculationStats] = {}
+        self.epsilons: dict[str, float] = {}
+
+    def open(self, session: str, capacity: int, rows: int = 1, epsilon: float | None = None) -> None:
+        self.caches[session] = {name: d.new_caches(capacity, rows) for name, d in self.devices.items()}
+        self.stats[session] = SpeculationStats([0] * self.cfg.n_layers, [0] * self.cfg.n_layers)
+        self.epsilons[session] = self.epsilon if epsilon is None else epsilon
+
+    def release(self, session: str) -> None:
+        for table in (self.caches, self.stats, self.epsilons):
+            table.pop(session, None)
+
+    def truncate(self, session: str, length: int) -> None:
+        for caches in self.caches[session].values():
+            for cache in caches.values():
+                cache.truncate(length)
+
+    @torch.inference_mode()
+    def forward(self, session: str, hidden: torch.Tensor, positions: torch.Tensor, start: int,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [B, T, H] at positions [B, T], cached at slots start.. -> the last layer's output [B, T, H]."""
+        caches, stats, eps = self.caches[session], self.stats[session], self.epsilons[session]
+        b, t, _ = hidden.shape
+        for per_layer in caches.values():
+            for cache in per_layer.values():
+                cache.check_write(start, t, b)
+                cache.ensure(start + t)
+        if mask is None and t > 1:
+            mask = causal_mask(start, t)
+        elif mask is not None:
+            mask = mask.unsqueeze(1) if mask.dim() == 3 else mask  # broadcast over heads
+        rope = self.rotary(positions)
+        x, z = hidden.to(self.dtype), None
+        for i, lp in enumerate(self.layers):
+
+            def partials(src: torch.Tensor, i=i, lp=lp) -> torch.Tensor:
+                # every group device's partial output from src, summed at the projection device
+                return sum(self.devices[d].attend(i, src, rope, caches[d][i], start, mask)
+                           for d, gs in lp.groups.items() if gs)
+
+            if lp.speculate and z is not None and b == t == 1:
+                out = partials(z)  # started on Z_(l-1): staged keys and values
+                if float((z - x).float().norm() / x.float().norm()) < eps:
+                    stats.kept[i] += 1  # the staged entries stand
+                else:
+                    stats.discarded[i] += 1
+                    out = partials(x)  # recomputed from X_(l-1): the staged entries are overwritten
+            else:
+                out = partials(x)
+            z = x + out
+            x = self.devices[lp.ffn].feed_forward(i, z)
+        for per_layer in caches.values():
+            for cache in per_layer.values():
+                cache.length = start + t
+        return x

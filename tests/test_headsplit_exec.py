@@ -1,0 +1,100 @@
+"""HeadSplit execution in-process (model/headsplit.py) on the tiny model (float32): head-level blocks split
+over devices equal the plain model; epsilon 0 (every speculation discarded) equals it too, caches included;
+kept speculations are what the whole-sequence speculating pass computes; the bookkeeping counts them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.drift import speculating_forward
+from model.headsplit import HeadSplitPipeline
+from model.weights import TensorSource
+from planning.headsplit import LayerPlace
+
+IDS = [(i * 11) % 70 + 100 for i in range(14)]
+
+
+def placements(n_layers: int, speculate: bool) -> dict[str, list[LayerPlace]]:
+    return {
+        "2 devices": [LayerPlace({"a": [0], "b": [1]}, "a", "ab"[i % 2], speculate and i > 0)
+                      for i in range(n_layers)],
+        "3 devices": [LayerPlace({"b": [1], "c": [0]}, "c", "abc"[i % 3], speculate and i > 0)
+                      for i in range(n_layers)],
+    }
+
+
+def exact_run(loaded, ids: list[int], prefill: int) -> list[torch.Tensor]:
+    """Last-layer outputs of the plain stack: a prefill of `prefill` tokens, then one token at a time."""
+    stack = loaded.runner.pipeline.stages[0].stack
+    ends = loaded.runner.ends
+    cache = stack.new_cache(len(ids))
+    with torch.inference_mode():
+        outs = [stack(ends.embed_tokens(torch.tensor([ids[:prefill]])), torch.arange(prefill)[None], cache, 0)]
+        for p in range(prefill, len(ids)):
+            outs.append(stack(ends.embed_tokens(torch.tensor([[ids[p]]])), torch.tensor([[p]]), cache, p))
+    return outs
+
+
+def split_run(loaded, pipe: HeadSplitPipeline, ids: list[int], prefill: int, epsilon: float) -> list[torch.Tensor]:
+    ends = loaded.runner.ends
+    pipe.open("s", len(ids), epsilon=epsilon)
+    with torch.inference_mode():
+        outs = [pipe.forward("s", ends.embed_tokens(torch.tensor([ids[:prefill]])), torch.arange(prefill)[None], 0)]
+        for p in range(prefill, len(ids)):
+            outs.append(pipe.forward("s", ends.embed_tokens(torch.tensor([[ids[p]]])), torch.tensor([[p]]), p))
+    return outs
+
+
+@pytest.fixture(scope="module")
+def src(tiny):
+    return TensorSource(tiny)
+
+
+@pytest.mark.parametrize("where", ["2 devices", "3 devices"])
+def test_head_level_blocks_equal_the_model(tiny_loaded, src, where):
+    cfg = tiny_loaded.cfg
+    pipe = HeadSplitPipeline(src, cfg, torch.float32, placements(cfg.n_layers, False)[where])
+    for got, want in zip(split_run(tiny_loaded, pipe, IDS, 6, 0.05), exact_run(tiny_loaded, IDS, 6), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert sum(pipe.stats["s"].kept) == sum(pipe.stats["s"].discarded) == 0  # nothing speculated
+
+
+@pytest.mark.parametrize("where", ["2 devices", "3 devices"])
+def test_epsilon_zero_discards_every_speculation_and_is_exact(tiny_loaded, src, where):
+    cfg = tiny_loaded.cfg
+    pipe = HeadSplitPipeline(src, cfg, torch.float32, placements(cfg.n_layers, True)[where])
+    got = split_run(tiny_loaded, pipe, IDS, 6, 0.0)
+    for g, want in zip(got, exact_run(tiny_loaded, IDS, 6), strict=True):
+        torch.testing.assert_close(g, want, atol=1e-5, rtol=1e-5)
+    steps = len(IDS) - 6
+    assert pipe.stats["s"].discarded == [0] + [steps] * (cfg.n_layers - 1) and sum(pipe.stats["s"].kept) == 0
+    # the staged entries were overwritten: every device's cache holds the exact keys and values
+    plain = HeadSplitPipeline(src, cfg, torch.float32, placements(cfg.n_layers, False)[where])
+    split_run(tiny_loaded, plain, IDS, 6, 0.0)
+    for device, per_layer in pipe.caches["s"].items():
+        for layer, cache in per_layer.items():
+            want = plain.caches["s"][device][layer]
+            torch.testing.assert_close(cache.k[0][..., :len(IDS), :], want.k[0][..., :len(IDS), :])
+            torch.testing.assert_close(cache.v[0][..., :len(IDS), :], want.v[0][..., :len(IDS), :])
+
+
+def test_kept_speculation_is_the_speculating_pass(tiny_loaded, src):
+    # every speculation kept, one token at a time from the start: what the whole-sequence pass of
+    # model/drift.py computes with the same decisions (its perplexity figures rest on this)
+    cfg = tiny_loaded.cfg
+    pipe = HeadSplitPipeline(src, cfg, torch.float32, placements(cfg.n_layers, True)["2 devices"])
+    got = torch.cat(split_run(tiny_loaded, pipe, IDS, 1, float("inf")), dim=1)  # [1, T, H]
+    stack = tiny_loaded.runner.pipeline.stages[0].stack
+    want, kept = speculating_forward(stack, tiny_loaded.runner.ends.embed_tokens(torch.tensor([IDS])), float("inf"),
+                                     [True] * cfg.n_layers)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert pipe.stats["s"].kept == kept == [0] + [len(IDS)] * (cfg.n_layers - 1)
+    assert not torch.allclose(got, torch.cat(exact_run(tiny_loaded, IDS, 1), dim=1), atol=1e-4)
+
+
+def test_a_placement_must_hold_every_group_once(tiny_loaded, src):
+    cfg = tiny_loaded.cfg
+    bad = [LayerPlace({"a": [0], "b": [0]}, "a", "a") for _ in range(cfg.n_layers)]
+    with pytest.raises(ValueError, match="each of the 2 KV groups once"):
+        HeadSplitPipeline(src, cfg, torch.float32, bad)
