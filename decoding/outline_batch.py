@@ -69,7 +69,7 @@ class Rows:
         return positions, torch.cat([seen, tree.mask(0).expand(b, t, t)], dim=2)
 
     def keep(self, b: int, path: list[int]) -> None:
-        """Batch row b keeps the nodes `path` of the pass just written at slot `end` (call before `advance`)."""
+        """Batch row b keeps the nodes `path` of the pass just written at slot `end` (before `end` moves past it)."""
         row = self.ids[b]
         self.seen[row, [self.end + n for n in path]] = True
         self.next[row] += len(path)
