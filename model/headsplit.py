@@ -28,18 +28,23 @@ from model.config import ModelConfig
 from model.kv_cache import KVCache
 from model.packed import pack_linears
 from model.stack import causal_mask
+from model.stage import SessionError
 from model.weights import TensorSource, load_attention, load_ffn
 from planning.headsplit import LayerPlace
 
 
 class HeadBlocks:
-    """The blocks one device holds: groups[l] of layer l's KV groups, and the FFN of the layers in `ffns`."""
+    """The blocks one device holds, groups[l] of layer l's KV groups and the FFN of the layers in `ffns`, with
+    each session's caches of those groups. The device interface HeadSplitPipeline drives (a worker proxies the
+    same calls over HTTP)."""
 
     def __init__(self, src: TensorSource, cfg: ModelConfig, dtype: torch.dtype, groups: dict[int, list[int]],
                  ffns: list[int]):
         self.cfg, self.dtype = cfg, dtype
+        self.rotary = Rotary(cfg, dtype)
         self.attn: dict[int, tuple[RMSNorm, AttentionBlock]] = {}
         self.ffn: dict[int, tuple[RMSNorm, FFN]] = {}
+        self.sessions: dict[str, dict[int, KVCache]] = {}  # session -> layer -> the cache of its groups here
         with torch.no_grad():
             for layer, gs in groups.items():
                 norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -54,20 +59,66 @@ class HeadBlocks:
                 load_ffn(ffn, src, layer, dtype)
                 self.ffn[layer] = (norm, pack_linears(ffn))
 
-    def new_caches(self, capacity: int, rows: int) -> dict[int, KVCache]:
-        """One cache per layer with groups here, holding only those groups."""
-        return {layer: KVCache(1, block.n_kv, self.cfg.head_dim, capacity, self.dtype, rows=rows)
-                for layer, (_, block) in self.attn.items()}
+    def open(self, session: str, capacity: int, rows: int = 1) -> None:
+        self.sessions[session] = {layer: KVCache(1, block.n_kv, self.cfg.head_dim, capacity, self.dtype, rows=rows)
+                                  for layer, (_, block) in self.attn.items()}
 
-    def attend(self, layer: int, x: torch.Tensor, rope, cache: KVCache, start: int, mask) -> torch.Tensor:
-        """x [B, T, H] (the layer's input) -> this device's partial attention output [B, T, H]."""
+    def release(self, session: str) -> None:
+        self.sessions.pop(session, None)
+
+    def truncate(self, session: str, length: int) -> None:
+        for cache in self._caches(session).values():
+            cache.truncate(length)
+
+    def _caches(self, session: str) -> dict[int, KVCache]:
+        if session not in self.sessions:
+            raise SessionError(f"no session {session!r} here")
+        return self.sessions[session]
+
+    @torch.inference_mode()
+    def attend(self, session: str, layer: int, x: torch.Tensor, positions: torch.Tensor, start: int,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """x [B, T, H] (the layer's input) at positions [B, T], its keys and values cached at slots start.. ->
+        this device's partial attention output [B, T, H]. mask [B, T, start+T] (None: causal)."""
+        if layer not in self.attn:
+            raise ValueError(f"layer {layer} has no KV groups here")
+        cache = self._caches(session)[layer]
+        b, t, _ = x.shape
+        cache.check_write(start, t, b)
+        cache.ensure(start + t)
+        if mask is None and t > 1:
+            mask = causal_mask(start, t)
+        elif mask is not None and mask.dim() == 3:
+            mask = mask.unsqueeze(1)  # broadcast over heads
         norm, block = self.attn[layer]
-        return block(norm(x), rope, cache, 0, start, mask)
+        out = block(norm(x.to(self.dtype)), self.rotary(positions), cache, 0, start, mask)
+        cache.length = start + t
+        return out
 
+    @torch.inference_mode()
     def feed_forward(self, layer: int, z: torch.Tensor) -> torch.Tensor:
         """Z [B, T, H] -> the layer's output X [B, T, H]."""
+        if layer not in self.ffn:
+            raise ValueError(f"layer {layer}'s FFN is not here")
         norm, ffn = self.ffn[layer]
+        z = z.to(self.dtype)
         return z + ffn(norm(z))
+
+
+def blocks_of(layers: list[LayerPlace], device: str) -> tuple[dict[int, list[int]], list[int]]:
+    """What a placement gives one device: its KV groups by layer, and the layers whose FFN it runs."""
+    return ({i: lp.groups[device] for i, lp in enumerate(layers) if lp.groups.get(device)},
+            [i for i, lp in enumerate(layers) if lp.ffn == device])
+
+
+def check_placement(layers: list[LayerPlace], cfg: ModelConfig) -> None:
+    """A ValueError unless the placement covers every layer and each layer's KV groups exactly once."""
+    if len(layers) != cfg.n_layers:
+        raise ValueError(f"the placement has {len(layers)} layers, the model {cfg.n_layers}")
+    for i, lp in enumerate(layers):
+        placed = sorted(g for gs in lp.groups.values() for g in gs)
+        if placed != list(range(cfg.n_kv_heads)):
+            raise ValueError(f"layer {i}: groups {placed} are not each of the {cfg.n_kv_heads} KV groups once")
 
 
 @dataclass
@@ -79,65 +130,57 @@ class SpeculationStats:
 
 
 class HeadSplitPipeline:
-    """A HeadSplit placement run in-process, with the Stage seam's open / forward / truncate / release."""
+    """The HeadSplit schedule over a placement's devices (HeadBlocks in-process, or worker proxies with the same
+    calls), with the Stage seam's open / forward / truncate / release. `fan_out(fns)` runs one layer's group
+    calls (default: one after another; over workers, at once)."""
 
-    def __init__(self, src: TensorSource, cfg: ModelConfig, dtype: torch.dtype, layers: list[LayerPlace],
-                 epsilon: float = 0.05):
-        if len(layers) != cfg.n_layers:
-            raise ValueError(f"the placement has {len(layers)} layers, the model {cfg.n_layers}")
-        for i, lp in enumerate(layers):
-            placed = sorted(g for gs in lp.groups.values() for g in gs)
-            if placed != list(range(cfg.n_kv_heads)):
-                raise ValueError(f"layer {i}: groups {placed} are not each of the {cfg.n_kv_heads} KV groups once")
-        self.cfg, self.layers, self.epsilon = cfg, layers, epsilon
-        names = sorted({d for lp in layers for d in [*lp.groups, lp.ffn, lp.proj]})
-        self.devices = {
-            name: HeadBlocks(src, cfg, dtype, {i: lp.groups[name] for i, lp in enumerate(layers)
-                                               if lp.groups.get(name)},
-                             [i for i, lp in enumerate(layers) if lp.ffn == name])
-            for name in names}
-        self.rotary = Rotary(cfg, dtype)
-        self.dtype = dtype
-        self.caches: dict[str, dict[str, dict[int, KVCache]]] = {}  # session -> device -> layer -> cache
+    def __init__(self, devices: dict, layers: list[LayerPlace], cfg: ModelConfig, epsilon: float = 0.05,
+                 fan_out=None):
+        check_placement(layers, cfg)
+        self.devices, self.layers, self.cfg, self.epsilon = devices, layers, cfg, epsilon
+        self.fan_out = fan_out or (lambda fns: [fn() for fn in fns])
         self.stats: dict[str, SpeculationStats] = {}
         self.epsilons: dict[str, float] = {}
 
+    @classmethod
+    def local(cls, src: TensorSource, cfg: ModelConfig, dtype: torch.dtype, layers: list[LayerPlace],
+              epsilon: float = 0.05) -> HeadSplitPipeline:
+        """Every device of the placement as HeadBlocks in this process."""
+        check_placement(layers, cfg)
+        names = sorted({d for lp in layers for d in [*lp.groups, lp.ffn]})
+        return cls({name: HeadBlocks(src, cfg, dtype, *blocks_of(layers, name)) for name in names}, layers, cfg,
+                   epsilon)
+
     def open(self, session: str, capacity: int, rows: int = 1, epsilon: float | None = None) -> None:
-        self.caches[session] = {name: d.new_caches(capacity, rows) for name, d in self.devices.items()}
+        for device in self.devices.values():
+            device.open(session, capacity, rows)
         self.stats[session] = SpeculationStats([0] * self.cfg.n_layers, [0] * self.cfg.n_layers)
         self.epsilons[session] = self.epsilon if epsilon is None else epsilon
 
     def release(self, session: str) -> None:
-        for table in (self.caches, self.stats, self.epsilons):
-            table.pop(session, None)
+        for device in self.devices.values():
+            device.release(session)
+        self.stats.pop(session, None)
+        self.epsilons.pop(session, None)
 
     def truncate(self, session: str, length: int) -> None:
-        for caches in self.caches[session].values():
-            for cache in caches.values():
-                cache.truncate(length)
+        for device in self.devices.values():
+            device.truncate(session, length)
 
     @torch.inference_mode()
     def forward(self, session: str, hidden: torch.Tensor, positions: torch.Tensor, start: int,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [B, T, H] at positions [B, T], cached at slots start.. -> the last layer's output [B, T, H]."""
-        caches, stats, eps = self.caches[session], self.stats[session], self.epsilons[session]
+        stats, eps = self.stats[session], self.epsilons[session]
         b, t, _ = hidden.shape
-        for per_layer in caches.values():
-            for cache in per_layer.values():
-                cache.check_write(start, t, b)
-                cache.ensure(start + t)
-        if mask is None and t > 1:
-            mask = causal_mask(start, t)
-        elif mask is not None:
-            mask = mask.unsqueeze(1) if mask.dim() == 3 else mask  # broadcast over heads
-        rope = self.rotary(positions)
-        x, z = hidden.to(self.dtype), None
+        x, z = hidden, None
         for i, lp in enumerate(self.layers):
 
             def partials(src: torch.Tensor, i=i, lp=lp) -> torch.Tensor:
                 # every group device's partial output from src, summed at the projection device
-                return sum(self.devices[d].attend(i, src, rope, caches[d][i], start, mask)
-                           for d, gs in lp.groups.items() if gs)
+                calls = [lambda d=d: self.devices[d].attend(session, i, src, positions, start, mask)
+                         for d, gs in lp.groups.items() if gs]
+                return sum(self.fan_out(calls))
 
             if lp.speculate and z is not None and b == t == 1:
                 out = partials(z)  # started on Z_(l-1): staged keys and values
@@ -150,7 +193,4 @@ class HeadSplitPipeline:
                 out = partials(x)
             z = x + out
             x = self.devices[lp.ffn].feed_forward(i, z)
-        for per_layer in caches.values():
-            for cache in per_layer.values():
-                cache.length = start + t
         return x

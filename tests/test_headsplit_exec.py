@@ -54,7 +54,7 @@ def src(tiny):
 @pytest.mark.parametrize("where", ["2 devices", "3 devices"])
 def test_head_level_blocks_equal_the_model(tiny_loaded, src, where):
     cfg = tiny_loaded.cfg
-    pipe = HeadSplitPipeline(src, cfg, torch.float32, placements(cfg.n_layers, False)[where])
+    pipe = HeadSplitPipeline.local(src, cfg, torch.float32, placements(cfg.n_layers, False)[where])
     for got, want in zip(split_run(tiny_loaded, pipe, IDS, 6, 0.05), exact_run(tiny_loaded, IDS, 6), strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert sum(pipe.stats["s"].kept) == sum(pipe.stats["s"].discarded) == 0  # nothing speculated
@@ -63,18 +63,18 @@ def test_head_level_blocks_equal_the_model(tiny_loaded, src, where):
 @pytest.mark.parametrize("where", ["2 devices", "3 devices"])
 def test_epsilon_zero_discards_every_speculation_and_is_exact(tiny_loaded, src, where):
     cfg = tiny_loaded.cfg
-    pipe = HeadSplitPipeline(src, cfg, torch.float32, placements(cfg.n_layers, True)[where])
+    pipe = HeadSplitPipeline.local(src, cfg, torch.float32, placements(cfg.n_layers, True)[where])
     got = split_run(tiny_loaded, pipe, IDS, 6, 0.0)
     for g, want in zip(got, exact_run(tiny_loaded, IDS, 6), strict=True):
         torch.testing.assert_close(g, want, atol=1e-5, rtol=1e-5)
     steps = len(IDS) - 6
     assert pipe.stats["s"].discarded == [0] + [steps] * (cfg.n_layers - 1) and sum(pipe.stats["s"].kept) == 0
     # the staged entries were overwritten: every device's cache holds the exact keys and values
-    plain = HeadSplitPipeline(src, cfg, torch.float32, placements(cfg.n_layers, False)[where])
+    plain = HeadSplitPipeline.local(src, cfg, torch.float32, placements(cfg.n_layers, False)[where])
     split_run(tiny_loaded, plain, IDS, 6, 0.0)
-    for device, per_layer in pipe.caches["s"].items():
-        for layer, cache in per_layer.items():
-            want = plain.caches["s"][device][layer]
+    for name, device in pipe.devices.items():
+        for layer, cache in device.sessions["s"].items():
+            want = plain.devices[name].sessions["s"][layer]
             torch.testing.assert_close(cache.k[0][..., :len(IDS), :], want.k[0][..., :len(IDS), :])
             torch.testing.assert_close(cache.v[0][..., :len(IDS), :], want.v[0][..., :len(IDS), :])
 
@@ -83,7 +83,7 @@ def test_kept_speculation_is_the_speculating_pass(tiny_loaded, src):
     # every speculation kept, one token at a time from the start: what the whole-sequence pass of
     # model/drift.py computes with the same decisions (its perplexity figures rest on this)
     cfg = tiny_loaded.cfg
-    pipe = HeadSplitPipeline(src, cfg, torch.float32, placements(cfg.n_layers, True)["2 devices"])
+    pipe = HeadSplitPipeline.local(src, cfg, torch.float32, placements(cfg.n_layers, True)["2 devices"])
     got = torch.cat(split_run(tiny_loaded, pipe, IDS, 1, float("inf")), dim=1)  # [1, T, H]
     stack = tiny_loaded.runner.pipeline.stages[0].stack
     want, kept = speculating_forward(stack, tiny_loaded.runner.ends.embed_tokens(torch.tensor([IDS])), float("inf"),
@@ -97,4 +97,4 @@ def test_a_placement_must_hold_every_group_once(tiny_loaded, src):
     cfg = tiny_loaded.cfg
     bad = [LayerPlace({"a": [0], "b": [0]}, "a", "a") for _ in range(cfg.n_layers)]
     with pytest.raises(ValueError, match="each of the 2 KV groups once"):
-        HeadSplitPipeline(src, cfg, torch.float32, bad)
+        HeadSplitPipeline.local(src, cfg, torch.float32, bad)

@@ -1,0 +1,105 @@
+"""HeadSplit blocks over real worker processes (workers/head_routes.py, workers/head_client.py): KV groups
+split across workers give exactly the in-process model's outputs (float32), with and without speculation at
+epsilon 0; the routes want the cluster token and refuse bad input without disturbing a session."""
+
+from __future__ import annotations
+
+import secrets
+
+import httpx
+import pytest
+import torch
+from model_fixtures import smollm2_folder
+from processes import start_worker
+
+from model.config import ModelConfig
+from model.stack import LayerStack, TokenEnds
+from model.weights import TensorSource
+from planning.headsplit import LayerPlace
+from workers.head_client import remote_headsplit
+
+IDS = [(i * 13) % 300 + 400 for i in range(12)]
+
+
+def exact(folder, ids: list[int], prefill: int) -> list[torch.Tensor]:
+    cfg = ModelConfig.from_folder(folder)
+    src = TensorSource(folder)
+    stack, ends = LayerStack.load(src, cfg, 0, cfg.n_layers, torch.float32), TokenEnds.load(src, cfg, torch.float32)
+    cache = stack.new_cache(len(ids))
+    outs = [stack(ends.embed_tokens(torch.tensor([ids[:prefill]])), torch.arange(prefill)[None], cache, 0)]
+    for p in range(prefill, len(ids)):
+        outs.append(stack(ends.embed_tokens(torch.tensor([[ids[p]]])), torch.tensor([[p]]), cache, p))
+    return outs
+
+
+def run(pipe, folder, ids: list[int], prefill: int, epsilon: float) -> tuple[list[torch.Tensor], int]:
+    """The outputs of a prefill then one token at a time, and how many speculations were discarded."""
+    cfg = ModelConfig.from_folder(folder)
+    ends = TokenEnds.load(TensorSource(folder), cfg, torch.float32)
+    pipe.open("s", len(ids), epsilon=epsilon)
+    try:
+        outs = [pipe.forward("s", ends.embed_tokens(torch.tensor([ids[:prefill]])), torch.arange(prefill)[None], 0)]
+        for p in range(prefill, len(ids)):
+            outs.append(pipe.forward("s", ends.embed_tokens(torch.tensor([[ids[p]]])), torch.tensor([[p]]), p))
+        return outs, sum(pipe.stats["s"].discarded)
+    finally:
+        pipe.release("s")
+
+
+@pytest.fixture
+def workers(request, tmp_path):
+    n, model = request.param
+    token = secrets.token_hex(8)
+    procs = [start_worker(tmp_path, token, model, f"w{i}") for i in range(n)]
+    yield token, {f"w{i}": url for i, (_, url) in enumerate(procs)}
+    for proc, _ in procs:
+        proc.stop()
+
+
+def spread(cfg: ModelConfig, names: list[str], speculate: bool) -> list[LayerPlace]:
+    """KV groups dealt over the workers (rotating per layer), FFN and projection rotating too."""
+    out = []
+    for layer in range(cfg.n_layers):
+        groups: dict[str, list[int]] = {}
+        for g in range(cfg.n_kv_heads):
+            groups.setdefault(names[(g + layer) % len(names)], []).append(g)
+        out.append(LayerPlace(groups, names[layer % len(names)], names[(layer + 1) % len(names)],
+                              speculate and layer > 0))
+    return out
+
+
+@pytest.mark.parametrize("workers", [(2, "tiny")], indirect=True, ids=["tiny-2w"])
+def test_tiny_over_two_workers(workers, tiny):
+    token, urls = workers
+    folder = tiny
+    cfg = ModelConfig.from_folder(folder)
+    want = exact(folder, IDS, 5)
+    for speculate, eps in ((False, 0.05), (True, 0.0)):
+        pipe = remote_headsplit(urls, token, spread(cfg, list(urls), speculate), cfg, model=folder)
+        got, discarded = run(pipe, folder, IDS, 5, eps)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+        assert discarded == (len(IDS) - 5) * (cfg.n_layers - 1) * speculate
+    # the cluster's token only; bad input is a clear 400 and the session goes on
+    url = urls["w0"]
+    assert httpx.post(url + "/heads/assign", json={"groups": {}}, timeout=30).status_code == 401
+    auth = {"authorization": f"Bearer {token}"}
+    assert httpx.post(url + "/heads/sessions/s/open", json={"capacity": 8}, headers=auth).status_code == 200
+    bad = httpx.post(url + "/heads/sessions/s/attend", params={"layer": 0, "start": 0}, content=b"junk",
+                     headers=auth)
+    assert bad.status_code == 400 and "safetensors" in bad.json()["error"]["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [(2, None), (3, None)], indirect=True, ids=["smollm2-2w", "smollm2-3w"])
+def test_smollm2_head_level_over_workers_equals_the_model(workers):
+    token, urls = workers
+    folder = smollm2_folder()
+    cfg = ModelConfig.from_folder(folder)
+    want = exact(folder, IDS, 5)
+    for speculate, eps in ((False, 0.05), (True, 0.0)):  # head-level; every speculation discarded
+        pipe = remote_headsplit(urls, token, spread(cfg, list(urls), speculate), cfg)
+        got, discarded = run(pipe, folder, IDS, 5, eps)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+        assert discarded == (len(IDS) - 5) * (cfg.n_layers - 1) * speculate
