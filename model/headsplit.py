@@ -1,5 +1,5 @@
-"""HeadSplit execution in one process (issue 9's groundwork): a placement's blocks on named devices, and the
-schedule every decoding step follows, with inter-layer speculation.
+"""HeadSplit execution (issue 9's groundwork): a placement's blocks on named devices, and the schedule every
+decoding step follows, with inter-layer speculation.
 
 Each device holds, for the layers the placement gives it, some KV groups (their q, k and v rows, their
 projection columns, the input norm, and their own KV cache) and some FFN blocks (post-attention norm, FFN),
@@ -13,8 +13,9 @@ there, the speculation is kept if ||Z - X|| / ||X|| < epsilon: the staged entrie
 the groups run again from X_(l-1), overwriting the staged entries (discard), so the step's result and cache
 are the exact ones. Epsilon 0 never keeps: the exact model.
 
-Here the devices are objects in one process and the steps run one after another; the workers run the same
-blocks and the same decisions with the steps overlapping on their devices.
+The devices are HeadBlocks in this process, or proxies of the same calls to workers (workers/head_client.py).
+Either way the schedule's steps run one after another for now: speculation is exact in its bookkeeping but
+does not yet overlap the previous layer's FFN, which is where its time saving comes from.
 """
 
 from __future__ import annotations
