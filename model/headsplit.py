@@ -13,9 +13,9 @@ there, the speculation is kept if ||Z - X|| / ||X|| < epsilon: the staged entrie
 the groups run again from X_(l-1), overwriting the staged entries (discard), so the step's result and cache
 are the exact ones. Epsilon 0 never keeps: the exact model.
 
-The devices are HeadBlocks in this process, or proxies of the same calls to workers (workers/head_client.py).
-Either way the schedule's steps run one after another for now: speculation is exact in its bookkeeping but
-does not yet overlap the previous layer's FFN, which is where its time saving comes from.
+The devices are HeadBlocks in this process, or proxies of the same calls to workers (workers/head_client.py),
+where the calls handed to `fan_out` together run at once: a layer's group calls, and at a speculating layer
+also the previous layer's FFN call with this layer's speculative group calls.
 """
 
 from __future__ import annotations
@@ -174,24 +174,29 @@ class HeadSplitPipeline:
         """hidden [B, T, H] at positions [B, T], cached at slots start.. -> the last layer's output [B, T, H]."""
         stats, eps = self.stats[session], self.epsilons[session]
         b, t, _ = hidden.shape
-        x, z = hidden, None
+
+        def attend_calls(i: int, src: torch.Tensor) -> list:
+            # layer i's group devices' partial outputs from src (summed at the projection device)
+            return [lambda d=d: self.devices[d].attend(session, i, src, positions, start, mask)
+                    for d, gs in self.layers[i].groups.items() if gs]
+
+        def ffn_call(i: int, z: torch.Tensor):
+            return lambda: self.devices[self.layers[i].ffn].feed_forward(i, z)
+
+        x, z = hidden, None  # layer i's input X_(i-1), and the previous layer's Z while its FFN is pending
         for i, lp in enumerate(self.layers):
-
-            def partials(src: torch.Tensor, i=i, lp=lp) -> torch.Tensor:
-                # every group device's partial output from src, summed at the projection device
-                calls = [lambda d=d: self.devices[d].attend(session, i, src, positions, start, mask)
-                         for d, gs in lp.groups.items() if gs]
-                return sum(self.fan_out(calls))
-
-            if lp.speculate and z is not None and b == t == 1:
-                out = partials(z)  # started on Z_(l-1): staged keys and values
+            if z is not None and lp.speculate and b == t == 1:
+                # the previous layer's FFN and this layer's attention on its Z (staged entries) at once
+                x, *staged = self.fan_out([ffn_call(i - 1, z), *attend_calls(i, z)])
                 if float((z - x).float().norm() / x.float().norm()) < eps:
                     stats.kept[i] += 1  # the staged entries stand
+                    out = sum(staged)
                 else:
-                    stats.discarded[i] += 1
-                    out = partials(x)  # recomputed from X_(l-1): the staged entries are overwritten
+                    stats.discarded[i] += 1  # recomputed from X_(i-1): the staged entries are overwritten
+                    out = sum(self.fan_out(attend_calls(i, x)))
             else:
-                out = partials(x)
+                if z is not None:
+                    x = ffn_call(i - 1, z)()
+                out = sum(self.fan_out(attend_calls(i, x)))
             z = x + out
-            x = self.devices[lp.ffn].feed_forward(i, z)
-        return x
+        return ffn_call(len(self.layers) - 1, z)()

@@ -1,6 +1,6 @@
 """The controller's side of HeadSplit over workers (issue 9, in progress): one proxy per worker with the device
-calls of model/headsplit.py's HeadBlocks, and a HeadSplitPipeline over them whose group calls of a layer go
-out at once.
+calls of model/headsplit.py's HeadBlocks, and a HeadSplitPipeline over them whose concurrent calls (a layer's
+group calls; at a speculating layer, those and the previous layer's FFN) go out at once.
 
 For now the controller gathers each layer's partial outputs itself (it plays the projection device) and sends
 Z to the FFN device: two round trips per layer. Gathering at a projection worker that forwards Z on, without
@@ -9,6 +9,7 @@ the controller in between, is the next step.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -28,6 +29,9 @@ class RemoteHeads:
 
     def __init__(self, http: httpx.Client, worker: WorkerRef):
         self.http, self.worker = http, worker
+        self.payload = [0, 0]  # tensor bytes sent and received by attend and ffn calls, and their count below
+        self.calls = 0
+        self.lock = threading.Lock()  # an FFN call and a speculative attend call may run at once
 
     def _call(self, method: str, path: str, **kwargs) -> httpx.Response:
         try:
@@ -57,10 +61,19 @@ class RemoteHeads:
         body = encode({"x": x, "positions": positions, "mask": mask})
         r = self._call("POST", f"/heads/sessions/{session}/attend", params={"layer": layer, "start": start},
                        content=body, headers=OCTETS)
+        self._count(body, r)
         return decode(r.content, ("out",))["out"]
 
+    def _count(self, body: bytes, r: httpx.Response) -> None:
+        with self.lock:
+            self.payload[0] += len(body)
+            self.payload[1] += len(r.content)
+            self.calls += 1
+
     def feed_forward(self, layer: int, z: torch.Tensor) -> torch.Tensor:
-        r = self._call("POST", "/heads/ffn", params={"layer": layer}, content=encode({"z": z}), headers=OCTETS)
+        body = encode({"z": z})
+        r = self._call("POST", "/heads/ffn", params={"layer": layer}, content=body, headers=OCTETS)
+        self._count(body, r)
         return decode(r.content, ("x",))["x"]
 
 
@@ -73,5 +86,5 @@ def remote_headsplit(workers: dict[str, str], token: str, layers: list[LayerPlac
     devices = {name: RemoteHeads(http, WorkerRef(url.rstrip("/"), name, 0, 0)) for name, url in workers.items()}
     for name, device in devices.items():
         device.assign(*blocks_of(layers, name), dtype, model)
-    pool = ThreadPoolExecutor(max(1, len(devices)), thread_name_prefix="heads")
+    pool = ThreadPoolExecutor(len(devices) + 1, thread_name_prefix="heads")  # an FFN call beside every device's
     return HeadSplitPipeline(devices, layers, cfg, epsilon, lambda fns: list(pool.map(lambda fn: fn(), fns)))
