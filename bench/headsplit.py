@@ -56,11 +56,10 @@ def layer_based(workers: int, tokens: int, log: Path) -> float:
     return 1000 / statistics.median(rates)
 
 
-def placement(cfg: ModelConfig, names: list[str], alphas: list[float], every: bool) -> list[LayerPlace]:
-    """The planner's placement on identical devices (block times from the profile); `every`: all layers after
-    the first speculate."""
-    record = json.loads((PROFILES / f"{resolve_model(None).name.lower()}-headsplit.json").read_text())
-    ms = record["block_ms"]["by_context"]["0"]
+def placement(cfg: ModelConfig, names: list[str], ms: dict[str, float], alphas: list[float], every: bool
+              ) -> list[LayerPlace]:
+    """The planner's placement on identical devices with block times `ms` (from the profile); `every`: all
+    layers after the first speculate."""
     devices = [HeadDevice(n, ms["group_ms"], ms["proj_ms"], ms["ffn_ms"], 2**33) for n in names]
     group = 4 * cfg.head_dim * cfg.hidden_size * (cfg.queries_per_group + 1)
     card = HeadCard(cfg.n_layers, cfg.n_kv_heads, group, 4 * cfg.head_dim, 0, 2 * cfg.layer_param_count(),
@@ -93,6 +92,7 @@ def head_mode(urls: dict[str, str], token: str, cfg: ModelConfig, layers: list[L
     sent = sum(d.payload[0] + d.payload[1] - b[0] - b[1] for d, b in zip(pipe.devices.values(), before, strict=True))
     calls = sum(d.calls - b[2] for d, b in zip(pipe.devices.values(), before, strict=True))
     pipe.release("bench")
+    pipe.close()
     return {"median_ms_per_token": round(1000 * statistics.median(times), 3),
             "payload_bytes_per_token": round(sent / steps, 1), "calls_per_token": round(calls / steps, 2),
             "speculating_layers": sum(lp.speculate for lp in layers),
@@ -114,21 +114,23 @@ def main(argv: list[str] | None = None) -> None:
 
     prompt = chat_ids(AutoTokenizer.from_pretrained(files.folder), [{"role": "user", "content": PROMPT}])
     record = json.loads((PROFILES / f"{files.name.lower()}-headsplit.json").read_text())
+    ms = record["block_ms"]["by_context"]["0"]
     results = {"layer": {"median_ms_per_token": round(layer_based(args.workers, args.tokens,
                                                                   args.out / "layer_server.log"), 3)}}
     config = launch_local_workers(args.workers, None, 1, ";".join(str(i) for i in range(args.workers)))
     try:
         asyncio.run(wait_healthy(config, 120))
         urls = {w.name: w.url for w in config.workers}
-        names = list(urls)
-        results["head"] = head_mode(urls, config.token, cfg, placement(cfg, names, [0.0] * cfg.n_layers, False),
-                                    0.0, ends, prompt, args.tokens)
+
+        def mode(alphas: list[float], every: bool, epsilon: float) -> dict:
+            layers = placement(cfg, list(urls), ms, alphas, every)
+            return head_mode(urls, config.token, cfg, layers, epsilon, ends, prompt, args.tokens)
+
+        results["head"] = mode([0.0] * cfg.n_layers, False, 0.0)
         for eps in args.epsilon:
             alphas = record["alpha"].get(str(eps), [0.0] * cfg.n_layers)
-            results[f"headsplit eps {eps}"] = head_mode(urls, config.token, cfg, placement(cfg, names, alphas, False),
-                                                        eps, ends, prompt, args.tokens)
-            results[f"headsplit eps {eps}, every layer"] = head_mode(
-                urls, config.token, cfg, placement(cfg, names, alphas, True), eps, ends, prompt, args.tokens)
+            results[f"headsplit eps {eps}"] = mode(alphas, False, eps)
+            results[f"headsplit eps {eps}, every layer"] = mode(alphas, True, eps)
     finally:
         config.stop()
     layer = results["layer"]["median_ms_per_token"]

@@ -133,13 +133,14 @@ class SpeculationStats:
 class HeadSplitPipeline:
     """The HeadSplit schedule over a placement's devices (HeadBlocks in-process, or worker proxies with the same
     calls), with the Stage seam's open / forward / truncate / release. `fan_out(fns)` runs one layer's group
-    calls (default: one after another; over workers, at once)."""
+    calls (default: one after another; over workers, at once); `close()` frees what reaching them holds."""
 
     def __init__(self, devices: dict, layers: list[LayerPlace], cfg: ModelConfig, epsilon: float = 0.05,
-                 fan_out=None):
+                 fan_out=None, close=None):
         check_placement(layers, cfg)
         self.devices, self.layers, self.cfg, self.epsilon = devices, layers, cfg, epsilon
         self.fan_out = fan_out or (lambda fns: [fn() for fn in fns])
+        self._close = close
         self.stats: dict[str, SpeculationStats] = {}
         self.epsilons: dict[str, float] = {}
 
@@ -167,6 +168,11 @@ class HeadSplitPipeline:
     def truncate(self, session: str, length: int) -> None:
         for device in self.devices.values():
             device.truncate(session, length)
+
+    def close(self) -> None:
+        """Free what reaching the devices holds (connections, threads)."""
+        if self._close:
+            self._close()
 
     @torch.inference_mode()
     def forward(self, session: str, hidden: torch.Tensor, positions: torch.Tensor, start: int,

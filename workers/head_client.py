@@ -87,4 +87,9 @@ def remote_headsplit(workers: dict[str, str], token: str, layers: list[LayerPlac
     for name, device in devices.items():
         device.assign(*blocks_of(layers, name), dtype, model)
     pool = ThreadPoolExecutor(len(devices) + 1, thread_name_prefix="heads")  # an FFN call beside every device's
-    return HeadSplitPipeline(devices, layers, cfg, epsilon, lambda fns: list(pool.map(lambda fn: fn(), fns)))
+
+    def close() -> None:
+        pool.shutdown(wait=False, cancel_futures=True)
+        http.close()
+
+    return HeadSplitPipeline(devices, layers, cfg, epsilon, lambda fns: list(pool.map(lambda fn: fn(), fns)), close)
