@@ -31,8 +31,9 @@ from decoding.outline import chat_ids
 from model.config import ModelConfig
 from model.source import resolve_model
 from model.stack import TokenEnds
+from model.timing import model_card
 from model.weights import TensorSource
-from planning.headsplit import HeadCard, HeadDevice, LayerPlace, place
+from planning.headsplit import HeadDevice, LayerPlace, head_card, place
 from workers.cluster import launch_local_workers, wait_healthy
 from workers.head_client import remote_headsplit
 
@@ -61,9 +62,7 @@ def placement(cfg: ModelConfig, names: list[str], ms: dict[str, float], alphas: 
     """The planner's placement on identical devices with block times `ms` (from the profile); `every`: all
     layers after the first speculate."""
     devices = [HeadDevice(n, ms["group_ms"], ms["proj_ms"], ms["ffn_ms"], 2**33) for n in names]
-    group = 4 * cfg.head_dim * cfg.hidden_size * (cfg.queries_per_group + 1)
-    card = HeadCard(cfg.n_layers, cfg.n_kv_heads, group, 4 * cfg.head_dim, 0, 2 * cfg.layer_param_count(),
-                    2 * cfg.hidden_size)
+    card = head_card(model_card(cfg, "served", torch.bfloat16))
     # links: about half a millisecond per loopback HTTP message on this machine
     layers = place(devices, card, [1.0] * cfg.n_layers if every else alphas, lambda a, b: 0.0 if a == b else 0.5,
                    context=512)

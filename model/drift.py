@@ -20,6 +20,11 @@ from model.stack import LayerStack, causal_mask
 from model.timing import median_ms
 
 
+def relative_drift(z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """||Z - X|| / ||X|| per position: z, x [..., H] -> [...] float32."""
+    return (z - x).float().norm(dim=-1) / x.float().norm(dim=-1)
+
+
 @torch.inference_mode()
 def drift(stack: LayerStack, hidden: torch.Tensor) -> torch.Tensor:
     """hidden [1, T, H] (embedded tokens) -> [L, T] float32: ||Z_l - X_l|| / ||X_l|| per layer and position."""
@@ -29,14 +34,14 @@ def drift(stack: LayerStack, hidden: torch.Tensor) -> torch.Tensor:
     x, out = hidden.to(stack.dtype), []
     for i, layer in enumerate(stack.layers):
         z, x = layer.parts(x, rope, cache, i, 0, mask)
-        out.append(((z - x).float().norm(dim=-1) / x.float().norm(dim=-1))[0])  # [T]
+        out.append(relative_drift(z, x)[0])  # [T]
     return torch.stack(out)
 
 
 def acceptance(drifts: Sequence[torch.Tensor], epsilon: float) -> list[float]:
     """alpha per layer from drift() results [L, T_i]: the share of tokens whose previous layer's drift is below
     epsilon, i.e. where starting layer l on Z_(l-1) would be kept. Layer 0 has no previous layer: 0."""
-    below = torch.cat([d for d in drifts], dim=1) < epsilon  # [L, sum T]
+    below = torch.cat(list(drifts), dim=1) < epsilon  # [L, sum T]
     return [0.0] + [round(float(v), 4) for v in below[:-1].float().mean(dim=1)]
 
 
@@ -79,7 +84,7 @@ def speculating_forward(stack: LayerStack, hidden: torch.Tensor, epsilon: float,
     for i, layer in enumerate(stack.layers):
         attend = x
         if z is not None and speculate[stack.first + i]:
-            keep = ((z - x).float().norm(dim=-1) / x.float().norm(dim=-1)) < epsilon  # [1, T]
+            keep = relative_drift(z, x) < epsilon  # [1, T]
             attend = torch.where(keep.unsqueeze(-1), z, x)
             kept.append(int(keep.sum()))
         else:

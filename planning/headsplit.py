@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from planning.profile import ModelCard
+
 ALPHA_MIN = 0.7
 
 
@@ -51,6 +53,20 @@ class HeadCard:
     proj_bytes: int
     ffn_bytes: int
     activation_bytes: int  # one token's hidden state on the wire
+
+
+def group_params(card: ModelCard) -> int:
+    """Weights of one KV group: its query, key and value rows and its columns of the output projection."""
+    q = card.n_heads // card.n_kv_heads * card.head_dim  # query rows of the group
+    return (q + 2 * card.head_dim) * card.hidden_size + card.hidden_size * q
+
+
+def head_card(card: ModelCard) -> HeadCard:
+    """The block sizes of a model card. The projection block only sums the groups' outputs (their projection
+    columns travel with the groups): it holds no weights."""
+    group = int(group_params(card) * card.weight_bytes_per_param)
+    return HeadCard(card.n_layers, card.n_kv_heads, group, 2 * card.head_dim * card.kv_bytes_per_value, 0,
+                    card.layer_weight_bytes() - card.n_kv_heads * group, card.activation_bytes(1))
 
 
 @dataclass

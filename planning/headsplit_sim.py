@@ -25,7 +25,7 @@ import argparse
 import json
 from pathlib import Path
 
-from planning.headsplit import HeadCard, HeadDevice, LayerPlace, place
+from planning.headsplit import HeadDevice, LayerPlace, group_params, head_card, place
 from planning.profile import LinkProfile, ModelCard
 from planning.testbeds import CONFIG, MODELS_DIR, DeviceSpec, device_spec, head_params, load_card, load_specs
 
@@ -36,7 +36,7 @@ def block_costs(card: ModelCard, context: int) -> dict[str, tuple[float, float]]
     """(bytes read, FLOPs) of one decoding token after `context` cached ones, per block of a layer."""
     h, hd, w = card.hidden_size, card.head_dim, card.weight_bytes_per_param
     q = card.n_heads // card.n_kv_heads * hd  # query rows of one KV group
-    group = (q + 2 * hd) * h + h * q  # its q, k, v rows and its projection columns
+    group = group_params(card)
     ffn = card.layer_params - card.n_kv_heads * group - 2 * h  # the rest of the layer but its norms
     kv = 2 * hd * (context + 1) * card.kv_bytes_per_value
     return {"group_ms": (group * w + kv, 2 * group + 4 * q * (context + 1)),
@@ -46,9 +46,8 @@ def block_costs(card: ModelCard, context: int) -> dict[str, tuple[float, float]]
 
 def scaled_blocks(measured: dict[str, float], ref_card: ModelCard, ref: DeviceSpec, card: ModelCard,
                   target: DeviceSpec, context: int) -> dict[str, float]:
-    """The target's block times: its roofline times the reference block's measured efficiency factor.
-    measured: the reference's block times for one token after an empty cache."""
-    # the factors from the reference's blocks measured with an empty cache, applied at the target's context
+    """The target's block times at `context`: its roofline times the efficiency factor of the reference's block,
+    measured for one token after an empty cache."""
     ref_costs, costs = block_costs(ref_card, 0), block_costs(card, context)
     out = {}
     for block, t_ref in measured.items():
@@ -102,11 +101,7 @@ def simulate(card: ModelCard, spec: DeviceSpec, n_devices: int, link_profile: Li
     names = [f"{spec.short}-{i}" for i in range(n_devices)]
     devices = {n: HeadDevice(n, blocks["group_ms"], blocks["proj_ms"], blocks["ffn_ms"], spec.capacity_bytes())
                for n in names}
-    q = card.n_heads // card.n_kv_heads * card.head_dim
-    group = int(((q + 2 * card.head_dim) * card.hidden_size + card.hidden_size * q) * w)
-    # the projection block only sums the groups' outputs (their projection columns travel with the groups)
-    hcard = HeadCard(card.n_layers, card.n_kv_heads, group, 2 * card.head_dim * card.kv_bytes_per_value, 0,
-                     card.layer_weight_bytes() - card.n_kv_heads * group, card.activation_bytes(1))
+    hcard = head_card(card)
 
     def link(a: str, b: str) -> float:
         return 0.0 if a == b else hop
