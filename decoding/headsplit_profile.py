@@ -32,11 +32,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PROFILES = Path(__file__).resolve().parents[1] / "config" / "profiles"
 
 
+def load_profile(model_name: str, path: Path | None = None) -> dict | None:
+    """The HeadSplit profile of a model (default: the one shipped in config/profiles), or None."""
+    path = path or PROFILES / f"{model_name.lower()}-headsplit.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 @torch.inference_mode()
-def held_out_perplexity(stack: LayerStack, ends: TokenEnds, rows: list[dict], epsilon: float) -> dict:
-    """Perplexity of the rows' answer tokens (teacher forced) with every layer after the first speculating at
-    `epsilon` (0: exact), and the share of token-layers whose speculation was kept."""
-    speculate = [i > 0 for i in range(stack.cfg.n_layers)]
+def held_out_perplexity(stack: LayerStack, ends: TokenEnds, rows: list[dict], epsilon: float,
+                        speculate: list[bool] | None = None) -> dict:
+    """Perplexity of the rows' answer tokens (teacher forced) with the layers in `speculate` (default: every
+    layer after the first) speculating at `epsilon` (0: exact), and the share of speculating token-layers whose
+    speculation was kept."""
+    speculate = speculate or [i > 0 for i in range(stack.cfg.n_layers)]
     nll, count, kept, slots = 0.0, 0, 0, 0
     for r in rows:
         ids = torch.tensor([r["prompt"] + r["answer"]])  # [1, T]
@@ -44,8 +52,8 @@ def held_out_perplexity(stack: LayerStack, ends: TokenEnds, rows: list[dict], ep
         logits = ends.logits(out)[0, len(r["prompt"]) - 1:-1]  # [A, V]: the positions predicting the answer
         nll += float(torch.nn.functional.cross_entropy(logits, ids[0, len(r["prompt"]):], reduction="sum"))
         count += len(r["answer"])
-        kept, slots = kept + sum(k), slots + ids.shape[1] * (len(k) - 1)
-    return {"perplexity": round(math.exp(nll / count), 4), "kept_share": round(kept / slots, 4)}
+        kept, slots = kept + sum(k), slots + ids.shape[1] * sum(speculate)
+    return {"perplexity": round(math.exp(nll / count), 4), "kept_share": round(kept / slots, 4) if slots else None}
 
 
 def profile(args: argparse.Namespace) -> dict:

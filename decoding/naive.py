@@ -15,6 +15,13 @@ class NaivePolicy:
     name = "naive"
     options = frozenset()
 
+    async def started(self, request: GenerationRequest, model: ModelRunner, session) -> None:
+        """Called once the session is open (a subclass configures it here)."""
+
+    async def summary(self, model: ModelRunner, session) -> dict:
+        """Figures of the session to add to the final statistics."""
+        return {}
+
     async def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
         sampler = await model.call(Sampler, request.sampling, model.cfg.vocab_size)
         text = TextStream(tokenizer, request.stop, request.stop_token_ids, request.max_tokens)
@@ -22,6 +29,7 @@ class NaivePolicy:
         session = await model.open(len(request.prompt_ids) + request.max_tokens, prompt=request.prompt_ids)
         stats.cached_prompt_tokens = session.length
         try:
+            await self.started(request, model, session)
             def choose(logits):  # logits [1, 1, V], on the model thread
                 return sampler.choose_with_logprob(logits[0, -1])
 
@@ -31,7 +39,7 @@ class NaivePolicy:
                 stats.tokens_emitted(1, model.wire(session))
                 logprobs = [logprob] if logprob else []
                 if pushed.finish_reason:
-                    final = stats.as_dict(model.wire(session))
+                    final = stats.as_dict(model.wire(session)) | await self.summary(model, session)
                     yield TokenEvent([token], pushed.text, pushed.finish_reason, logprobs, final)
                     return
                 yield TokenEvent([token], pushed.text, None, logprobs)

@@ -29,18 +29,22 @@ class DecodingPolicy(Protocol):
 
 def build_policies(draft_models: dict | None = None, default_drafter: str | None = None,
                    draft_k: tuple[int, int, int] = (4, 1, 8), medusa=None,
-                   default: str = "naive") -> dict[str, DecodingPolicy]:
+                   default: str = "naive", headsplit=None, headsplit_epsilon: float = 0.05
+                   ) -> dict[str, DecodingPolicy]:
     """Every policy this build has, by name; draft_models: drafter weights by name (decoding.draft_model,
     decoding.eagle); draft_k: the draft length to start from and its bounds; medusa: Medusa heads
     (decoding.medusa_heads), without which `medusa` refuses requests and says why; default: the server's
-    default policy, which `outline` falls back to."""
+    default policy, which `outline` falls back to; headsplit: the `headsplit` runner (decoding.headsplit.LazyRunner),
+    without which `headsplit` refuses requests."""
     from decoding.auto import AutoPolicy
+    from decoding.headsplit import HeadSplitPolicy
     from decoding.medusa import MedusaPolicy
     from decoding.naive import NaivePolicy
     from decoding.outline import OutlinePolicy
     from decoding.speculative import SpeculativePolicy
 
-    policies = [NaivePolicy(), SpeculativePolicy(draft_models, default_drafter, *draft_k), MedusaPolicy(medusa)]
+    policies = [NaivePolicy(), SpeculativePolicy(draft_models, default_drafter, *draft_k), MedusaPolicy(medusa),
+                HeadSplitPolicy(headsplit, headsplit_epsilon)]
     by_name = {p.name: p for p in policies}
     by_name["outline"] = OutlinePolicy(by_name.get(default), verifiers={
         name: by_name[name] for name in ("speculative", "medusa")})

@@ -15,102 +15,37 @@ are the exact ones. Epsilon 0 never keeps: the exact model.
 
 The devices are HeadBlocks in this process, or proxies of the same calls to workers (workers/head_client.py),
 where the calls handed to `fan_out` together run at once: a layer's group calls, and at a speculating layer
-also the previous layer's FFN call with this layer's speculative group calls.
+also the previous layer's FFN call with this layer's speculative group calls. Over workers, the projection
+worker of a layer runs this same schedule itself (`run`), its own blocks directly and its peers' over HTTP, so
+a step reaches the controller only at its end or where the projection device changes.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from model.blocks import FFN, AttentionBlock, RMSNorm, Rotary
 from model.config import ModelConfig
 from model.drift import relative_drift
-from model.kv_cache import KVCache
-from model.packed import pack_linears
-from model.stack import causal_mask
-from model.stage import SessionError
-from model.weights import TensorSource, load_attention, load_ffn
+from model.head_blocks import HeadBlocks
+from model.weights import TensorSource
 from planning.headsplit import LayerPlace
 
-
-class HeadBlocks:
-    """The blocks one device holds, groups[l] of layer l's KV groups and the FFN of the layers in `ffns`, with
-    each session's caches of those groups. The device interface HeadSplitPipeline drives (a worker proxies the
-    same calls over HTTP)."""
-
-    def __init__(self, src: TensorSource, cfg: ModelConfig, dtype: torch.dtype, groups: dict[int, list[int]],
-                 ffns: list[int]):
-        self.cfg, self.dtype = cfg, dtype
-        self.rotary = Rotary(cfg, dtype)
-        self.attn: dict[int, tuple[RMSNorm, AttentionBlock]] = {}
-        self.ffn: dict[int, tuple[RMSNorm, FFN]] = {}
-        self.sessions: dict[str, dict[int, KVCache]] = {}  # session -> layer -> the cache of its groups here
-        with torch.no_grad():
-            for layer, gs in groups.items():
-                norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-                norm.weight.copy_(src.get(f"model.layers.{layer}.input_layernorm.weight", dtype))
-                block = AttentionBlock(cfg, sorted(gs), dtype, with_o_bias=cfg.o_bias and 0 in gs)  # bias added once
-                load_attention(block, src, cfg, layer, dtype)
-                self.attn[layer] = (norm, pack_linears(block))
-            for layer in ffns:
-                norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-                norm.weight.copy_(src.get(f"model.layers.{layer}.post_attention_layernorm.weight", dtype))
-                ffn = FFN(cfg, dtype)
-                load_ffn(ffn, src, layer, dtype)
-                self.ffn[layer] = (norm, pack_linears(ffn))
-
-    def open(self, session: str, capacity: int, rows: int = 1) -> None:
-        self.sessions[session] = {layer: KVCache(1, block.n_kv, self.cfg.head_dim, capacity, self.dtype, rows=rows)
-                                  for layer, (_, block) in self.attn.items()}
-
-    def release(self, session: str) -> None:
-        self.sessions.pop(session, None)
-
-    def truncate(self, session: str, length: int) -> None:
-        for cache in self._caches(session).values():
-            cache.truncate(length)
-
-    def _caches(self, session: str) -> dict[int, KVCache]:
-        if session not in self.sessions:
-            raise SessionError(f"no session {session!r} here")
-        return self.sessions[session]
-
-    @torch.inference_mode()
-    def attend(self, session: str, layer: int, x: torch.Tensor, positions: torch.Tensor, start: int,
-               mask: torch.Tensor | None) -> torch.Tensor:
-        """x [B, T, H] (the layer's input) at positions [B, T], its keys and values cached at slots start.. ->
-        this device's partial attention output [B, T, H]. mask [B, T, start+T] (None: causal)."""
-        if layer not in self.attn:
-            raise ValueError(f"layer {layer} has no KV groups here")
-        cache = self._caches(session)[layer]
-        b, t, _ = x.shape
-        cache.check_write(start, t, b)
-        cache.ensure(start + t)
-        if mask is None and t > 1:
-            mask = causal_mask(start, t)
-        elif mask is not None and mask.dim() == 3:
-            mask = mask.unsqueeze(1)  # broadcast over heads
-        norm, block = self.attn[layer]
-        out = block(norm(x.to(self.dtype)), self.rotary(positions), cache, 0, start, mask)
-        cache.length = start + t
-        return out
-
-    @torch.inference_mode()
-    def feed_forward(self, layer: int, z: torch.Tensor) -> torch.Tensor:
-        """Z [B, T, H] -> the layer's output X [B, T, H]."""
-        if layer not in self.ffn:
-            raise ValueError(f"layer {layer}'s FFN is not here")
-        norm, ffn = self.ffn[layer]
-        z = z.to(self.dtype)
-        return z + ffn(norm(z))
+log = logging.getLogger(__name__)
 
 
 def blocks_of(layers: list[LayerPlace], device: str) -> tuple[dict[int, list[int]], list[int]]:
     """What a placement gives one device: its KV groups by layer, and the layers whose FFN it runs."""
-    return ({i: lp.groups[device] for i, lp in enumerate(layers) if lp.groups.get(device)},
+    return ({i: sorted(lp.groups[device]) for i, lp in enumerate(layers) if lp.groups.get(device)},
             [i for i, lp in enumerate(layers) if lp.ffn == device])
+
+
+def devices_named(layers: list[LayerPlace]) -> set[str]:
+    """Every device a placement gives a block to."""
+    return {d for lp in layers for d in [*lp.groups, lp.proj, lp.ffn]}
 
 
 def check_placement(layers: list[LayerPlace], cfg: ModelConfig) -> None:
@@ -124,6 +59,22 @@ def check_placement(layers: list[LayerPlace], cfg: ModelConfig) -> None:
 
 
 @dataclass
+class MemoryWatch:
+    """When to re-place: a device's blocks and caches past `threshold` of its capacity (checked every `every`
+    steps); `replan(slots)` gives the placement for `slots` cached tokens in all."""
+
+    capacities: dict[str, int]
+    replan: Callable[[int], list[LayerPlace]]
+    threshold: float = 0.85
+    every: int = 16
+    steps: int = 0
+
+    def due(self) -> bool:
+        self.steps += 1
+        return self.steps % self.every == 0
+
+
+@dataclass
 class SpeculationStats:
     """Per session: speculations kept and discarded, per layer."""
 
@@ -133,42 +84,70 @@ class SpeculationStats:
 
 class HeadSplitPipeline:
     """The HeadSplit schedule over a placement's devices (HeadBlocks in-process, or worker proxies with the same
-    calls), with the Stage seam's open / forward / truncate / release. `fan_out(fns)` runs one layer's group
-    calls (default: one after another; over workers, at once); `close()` frees what reaching them holds."""
+    calls), with the Stage seam's open / forward / truncate / release.
+
+    `fan_out(fns)` runs one layer's group calls (default: one after another; over workers, at once). With
+    `gathered`, the devices are workers that run the schedule themselves (`run` at each layer's projection
+    device, which calls its peers directly): the controller hands a step to the first layer's projection worker
+    and gets the last layer's output back, with one more hop only where the projection device changes.
+    `close()` frees what reaching the devices holds."""
 
     def __init__(self, devices: dict, layers: list[LayerPlace], cfg: ModelConfig, epsilon: float = 0.05,
-                 fan_out=None, close=None):
+                 fan_out=None, close=None, gathered: bool = False):
         check_placement(layers, cfg)
         self.devices, self.layers, self.cfg, self.epsilon = devices, layers, cfg, epsilon
         self.fan_out = fan_out or (lambda fns: [fn() for fn in fns])
         self._close = close
+        self.gathered = gathered
         self.stats: dict[str, SpeculationStats] = {}
         self.epsilons: dict[str, float] = {}
+        self.wire_stats: dict[str, dict[str, list[int]]] = {}  # session -> link -> [bytes, requests]
+        self.lengths: dict[str, int] = {}  # session -> slots written
+        self.memory: MemoryWatch | None = None
+        self.replacements = 0
 
     @classmethod
     def local(cls, src: TensorSource, cfg: ModelConfig, dtype: torch.dtype, layers: list[LayerPlace],
               epsilon: float = 0.05) -> HeadSplitPipeline:
         """Every device of the placement as HeadBlocks in this process."""
         check_placement(layers, cfg)
-        names = sorted({d for lp in layers for d in [*lp.groups, lp.ffn]})
+        names = sorted(devices_named(layers))
         return cls({name: HeadBlocks(src, cfg, dtype, *blocks_of(layers, name)) for name in names}, layers, cfg,
                    epsilon)
 
     def open(self, session: str, capacity: int, rows: int = 1, epsilon: float | None = None) -> None:
+        if rows != 1:
+            raise ValueError("HeadSplit decodes one sequence per session (no batched rows)")
         for device in self.devices.values():
             device.open(session, capacity, rows)
         self.stats[session] = SpeculationStats([0] * self.cfg.n_layers, [0] * self.cfg.n_layers)
         self.epsilons[session] = self.epsilon if epsilon is None else epsilon
+        self.wire_stats[session] = {}
+        self.lengths[session] = 0
+
+    def set_epsilon(self, session: str, epsilon: float) -> None:
+        """The session's speculation tolerance from now on (a request's `epsilon`)."""
+        self.epsilons[session] = epsilon
 
     def release(self, session: str) -> None:
         for device in self.devices.values():
             device.release(session)
         self.stats.pop(session, None)
         self.epsilons.pop(session, None)
+        self.wire_stats.pop(session, None)
+        self.lengths.pop(session, None)
 
     def truncate(self, session: str, length: int) -> None:
         for device in self.devices.values():
             device.truncate(session, length)
+        self.lengths[session] = length
+
+    def wire(self, session: str) -> dict[str, tuple[int, int]]:
+        """Bytes and requests per link that the session's steps have sent so far (workers only)."""
+        return {link: (b, n) for link, (b, n) in self.wire_stats.get(session, {}).items()}
+
+    def kv_bytes(self) -> int:
+        return sum(getattr(d, "kv_bytes", lambda: 0)() for d in self.devices.values())
 
     def close(self) -> None:
         """Free what reaching the devices holds (connections, threads)."""
@@ -180,7 +159,77 @@ class HeadSplitPipeline:
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [B, T, H] at positions [B, T], cached at slots start.. -> the last layer's output [B, T, H]."""
         stats, eps = self.stats[session], self.epsilons[session]
+        if not self.gathered:
+            out = self.run(session, 0, hidden, positions, start, mask, eps, stats)[0]
+        else:
+            layer, wire, out = 0, self.wire_stats[session], hidden
+            while layer < len(self.layers):  # each projection worker runs the layers it gathers, then hands back
+                out, layer = self.devices[self.layers[layer].proj].run(session, layer, out, positions, start, mask,
+                                                                       eps, stats, wire)
+        self.lengths[session] = max(self.lengths[session], start + hidden.shape[1])
+        if self.memory is not None and self.memory.due():
+            self.check_memory()
+        return out
+
+    def check_memory(self) -> bool:
+        """Re-place the blocks when a device's memory use has crossed the threshold (between steps): the
+        planner's new placement for the slots the sessions hold, doubled for growth, within the threshold of
+        every device. False when nothing is hot or no placement fits (the caches then grow until one is full)."""
+        watch = self.memory
+        used = {name: device.memory_bytes() for name, device in self.devices.items()}
+        if all(used[n] <= watch.threshold * watch.capacities[n] for n in used):
+            return False
+        try:
+            layers = watch.replan(2 * sum(self.lengths.values()))
+        except ValueError as exc:  # planning.headsplit.InfeasibleError
+            log.warning("a HeadSplit device passed %.0f%% of its memory and no placement fits: %s",
+                        100 * watch.threshold, exc)
+            return False
+        self.move_to(layers)
+        return True
+
+    def move_to(self, layers: list[LayerPlace]) -> None:
+        """Re-place the blocks: groups that change device take every session's keys and values with them, FFNs
+        load where they now run, and the projection workers learn the new placement."""
+        check_placement(layers, self.cfg)
+        unknown = devices_named(layers) - set(self.devices)
+        if unknown:
+            raise ValueError(f"the placement names unknown devices {sorted(unknown)}")
+        leaving: dict[str, dict[int, list[int]]] = {}  # device -> layer -> groups it gives up
+        owner: dict[tuple[int, int], str] = {}  # (layer, group) -> the device that held it
+        for layer, (old, new) in enumerate(zip(self.layers, layers, strict=True)):
+            for device, gs in old.groups.items():
+                for g in gs:
+                    owner[layer, g] = device
+                    if g not in new.groups.get(device, []):
+                        leaving.setdefault(device, {}).setdefault(layer, []).append(g)
+        exported = {device: self.devices[device].export(groups) for device, groups in leaving.items()}
+        for name, device in self.devices.items():
+            groups, ffns = blocks_of(layers, name)
+            incoming: dict = {}
+            for layer, gs in groups.items():
+                for g in gs:
+                    src = owner[layer, g]
+                    if src != name:
+                        for session, by_layer in exported[src].items():
+                            incoming.setdefault(session, {}).setdefault(layer, {})[g] = by_layer[layer][g]
+            device.reshape(groups, ffns, incoming)
+        if self.gathered:
+            for device in self.devices.values():
+                device.set_placement(layers)
+        self.layers = layers
+        self.replacements += 1
+        log.info("HeadSplit blocks re-placed (%d groups moved)", sum(len(g) for d in leaving.values()
+                                                                      for g in d.values()))
+
+    def run(self, session: str, first: int, hidden: torch.Tensor, positions: torch.Tensor, start: int,
+            mask: torch.Tensor | None, eps: float, stats: SpeculationStats, here: str | None = None
+            ) -> tuple[torch.Tensor, int]:
+        """Layers first.. from their input hidden [B, T, H], while their projection device is `here` (None: all
+        of them) -> (the output [B, T, H] of the last layer run, the next layer to run)."""
         b, t, _ = hidden.shape
+        if here is not None and self.layers[first].proj != here:
+            raise ValueError(f"layer {first}'s projection runs on {self.layers[first].proj}, not {here}")
 
         def attend_calls(i: int, src: torch.Tensor) -> list:
             # layer i's group devices' partial outputs from src (summed at the projection device)
@@ -191,7 +240,10 @@ class HeadSplitPipeline:
             return lambda: self.devices[self.layers[i].ffn].feed_forward(i, z)
 
         x, z = hidden, None  # layer i's input X_(i-1), and the previous layer's Z while its FFN is pending
-        for i, lp in enumerate(self.layers):
+        for i in range(first, len(self.layers)):
+            lp = self.layers[i]
+            if here is not None and lp.proj != here:  # the next projection device takes over from X_(i-1)
+                return ffn_call(i - 1, z)(), i
             if z is not None and lp.speculate and b == t == 1:
                 # the previous layer's FFN and this layer's attention on its Z (staged entries) at once
                 x, *staged = self.fan_out([ffn_call(i - 1, z), *attend_calls(i, z)])
@@ -206,4 +258,4 @@ class HeadSplitPipeline:
                     x = ffn_call(i - 1, z)()
                 out = sum(self.fan_out(attend_calls(i, x)))
             z = x + out
-        return ffn_call(len(self.layers) - 1, z)()
+        return ffn_call(len(self.layers) - 1, z)(), len(self.layers)

@@ -13,12 +13,17 @@ probability alpha_l from offline profiling, layer l speculates when
 
 evaluated on a preliminary placement (groups spread evenly, every FFN on the median-capacity device).
 
-Placement is greedy: FFN and projection blocks first, each to the least-loaded device (by time) with room;
-then each layer's KV groups, one at a time, to the device that keeps the layer's attention time (slowest
-device's groups plus its link to the projection device) least, where a speculating layer's attention must fit
-in the previous layer's FFN time (a layer that cannot is placed without speculation) and avoids the device
-computing that FFN. Link times are the
-measured round trips plus the profile's 15% margin.
+Placement is greedy: projection and FFN blocks first, layer by layer, each to the device with room where it adds
+least to a token's time, its work plus the round trip of its input and output (a projection from the previous
+layer's projection device, an FFN from this layer's), and among equals to the least-loaded device. For one
+stream of tokens the layers run one after another, so spreading the FFNs by load alone would add a round trip
+per layer and balance nothing; the load decides between devices the links do not separate, and memory spreads
+the blocks once a device is full. The projection device runs the step's schedule (model/headsplit.py), so it
+changes only when the links or memory say so. Then each layer's KV groups, one at a time, go to the device that
+keeps the layer's attention time (slowest device's groups plus its link to the projection device) least, where a
+speculating layer's attention must fit in the previous layer's FFN time (a layer that cannot is placed without
+speculation) and avoids the device computing that FFN. Link times are the measured round trips plus the
+profile's 15% margin.
 """
 
 from __future__ import annotations
@@ -88,8 +93,10 @@ def worthwhile(alpha: float, t_ffn_prev: float, t_attn: float, alpha_min: float 
 
 
 def attention_ms(groups: dict[str, list[int]], devices: dict[str, HeadDevice], proj: str, link: Link) -> float:
-    """A layer's attention time: its slowest device's groups and their hop to the projection device."""
-    return max((len(g) * devices[d].group_ms + link(d, proj) for d, g in groups.items() if g), default=0.0)
+    """A layer's attention time: its slowest device's groups and their round trip from and to the projection
+    device (which sends each group device the layer's input and sums the partial outputs)."""
+    return max((len(g) * devices[d].group_ms + link(proj, d) + link(d, proj) for d, g in groups.items() if g),
+               default=0.0)
 
 
 def spread(n_groups: int, names: list[str]) -> dict[str, list[int]]:
@@ -125,41 +132,75 @@ def place(devices: list[HeadDevice], card: HeadCard, alphas: list[float], link: 
     load = dict.fromkeys(by_name, 0.0)  # ms of work per token placed on each device
     room = {d.name: d.capacity_bytes for d in devices}
 
-    def take(nbytes: int, ms: Callable[[HeadDevice], float], what: str) -> str:
+    def take(nbytes: int, ms: Callable[[HeadDevice], float], what: str, hop: Callable[[str], float]) -> str:
+        # the device with room where the block adds least to the token's time (its work and the round trip of
+        # its input and output), the least-loaded one among equals
         fits = [d for d in devices if room[d.name] >= nbytes]
         if not fits:
             raise InfeasibleError(f"no device has room for {what} ({nbytes} bytes)")
-        best = min(fits, key=lambda d: (load[d.name] + ms(d), d.name))
+        best = min(fits, key=lambda d: (ms(d) + hop(d.name), load[d.name] + ms(d), d.name))
         room[best.name] -= nbytes
         load[best.name] += ms(best)
         return best.name
 
-    layers = []
+    def round_trip(a: str | None):
+        return lambda b: 0.0 if a is None else link(a, b) + link(b, a)
+
+    layers: list[LayerPlace] = []
     for layer in range(card.n_layers):
-        ffn = take(card.ffn_bytes, lambda d: d.ffn_ms, f"layer {layer}'s FFN")
-        proj = take(card.proj_bytes, lambda d: d.proj_ms, f"layer {layer}'s projection")
+        # the projection from where the previous layer gathered; the FFN from this layer's projection device
+        proj = take(card.proj_bytes, lambda d: d.proj_ms, f"layer {layer}'s projection",
+                    round_trip(layers[-1].proj if layers else None))
+        ffn = take(card.ffn_bytes, lambda d: d.ffn_ms, f"layer {layer}'s FFN", round_trip(proj))
         layers.append(LayerPlace({}, proj, ffn))
     group_bytes = card.group_bytes + card.group_kv_bytes_per_token * context
-    for layer, lp in enumerate(layers):
-        budget = by_name[layers[layer - 1].ffn].ffn_ms if spec[layer] else float("inf")
+
+    def place_groups(lp: LayerPlace, layer: int, busy: str | None) -> dict[str, list[int]]:
+        # the layer's groups one at a time where its attention time grows least; `busy` (the previous layer's
+        # FFN device, computing while a speculating layer's attention runs) takes them only when no other has room
         groups: dict[str, list[int]] = {}
-        # the previous layer's FFN device computes while a speculating layer's attention would run: it takes
-        # this layer's groups only when no other device has room
-        busy = layers[layer - 1].ffn if spec[layer] else None
         for g in range(card.n_groups):
-            fits = [d for d in devices if room[d.name] >= group_bytes]
+            fits = [d for d in devices if room[d.name] - group_bytes * len(groups.get(d.name, [])) >= group_bytes]
             fits = [d for d in fits if d.name != busy] or fits
             if not fits:
                 raise InfeasibleError(f"no device has room for KV group {g} of layer {layer} ({group_bytes} bytes)")
 
-            def after(d: HeadDevice, g=g, groups=groups, proj=lp.proj) -> float:
-                trial = {**groups, d.name: [*groups.get(d.name, []), g]}
-                return attention_ms(trial, by_name, proj, link)
+            def after(d: HeadDevice, g=g) -> float:
+                return attention_ms({**groups, d.name: [*groups.get(d.name, []), g]}, by_name, lp.proj, link)
 
-            best = min(fits, key=lambda d: (after(d), load[d.name], d.name))
+            best = min(fits, key=lambda d: (after(d), load[d.name] + d.group_ms * len(groups.get(d.name, [])),
+                                            d.name))
             groups.setdefault(best.name, []).append(g)
-            room[best.name] -= group_bytes
-            load[best.name] += best.group_ms
+        return groups
+
+    for layer, lp in enumerate(layers):
+        groups = place_groups(lp, layer, layers[layer - 1].ffn if spec[layer] else None)
+        # the speculation test again, on this placement's times: a layer whose attention the previous FFN hides
+        # too little of to pay for the redos is placed as a plain layer
+        lp.speculate = spec[layer] and worthwhile(alphas[layer], by_name[layers[layer - 1].ffn].ffn_ms,
+                                                  attention_ms(groups, by_name, lp.proj, link), alpha_min)
+        if spec[layer] and not lp.speculate:
+            groups = place_groups(lp, layer, None)
         lp.groups = groups
-        lp.speculate = spec[layer] and attention_ms(groups, by_name, lp.proj, link) <= budget
+        for name, gs in groups.items():
+            room[name] -= group_bytes * len(gs)
+            load[name] += by_name[name].group_ms * len(gs)
     return layers
+
+
+def profiled_alphas(record: dict | None, n_layers: int, epsilon: float) -> list[float]:
+    """Per-layer acceptance at `epsilon` from an offline profile (`edgespec profile-headsplit`): the largest
+    profiled tolerance not above it (alpha grows with epsilon, so this errs towards not speculating); zeros
+    without a profile or below every profiled tolerance."""
+    table = {float(k): v for k, v in (record or {}).get("alpha", {}).items()}
+    below = [e for e in table if e <= epsilon]
+    return list(table[max(below)]) if below else [0.0] * n_layers
+
+
+def profiled_devices(record: dict | None, capacities: dict[str, int], context: int = 0) -> list[HeadDevice]:
+    """Devices (name -> memory for blocks) with the profile's block times at the nearest profiled context not
+    above `context` (one device type: the machine that profiled; unit times without a profile)."""
+    by_context = (record or {}).get("block_ms", {}).get("by_context", {})
+    fits = [int(c) for c in by_context if int(c) <= context] or [min(map(int, by_context), default=0)]
+    ms = by_context.get(str(max(fits)), {"group_ms": 1.0, "proj_ms": 0.0, "ffn_ms": 1.0})
+    return [HeadDevice(name, ms["group_ms"], ms["proj_ms"], ms["ffn_ms"], cap) for name, cap in capacities.items()]

@@ -111,10 +111,19 @@ def simulate(card: ModelCard, spec: DeviceSpec, n_devices: int, link_profile: Li
     layer = layer_based_ms(card, blocks, n_devices, hop, ends_ms)
     head_level = timeline_ms(plain, devices, link, alphas, names[0], ends_ms)
     headsplit = timeline_ms(speculating, devices, link, alphas, names[0], ends_ms)
+    # what no placement beats with free links: groups spread evenly (head-level), and also every attention hidden
+    # behind the previous FFN (HeadSplit with every speculation kept); the FFN runs whole on one device either way
+    groups_ms = -(-card.n_kv_heads // n_devices) * blocks["group_ms"]
+    free_head = card.n_layers * (groups_ms + blocks["proj_ms"] + blocks["ffn_ms"]) + ends_ms
+    free_split = card.n_layers * (max(groups_ms, blocks["ffn_ms"]) + blocks["proj_ms"]) + ends_ms
     return {"block_ms": {k: round(v, 4) for k, v in blocks.items()}, "hop_ms": round(hop, 4),
             "ends_ms": round(ends_ms, 4), "speculating_layers": sum(lp.speculate for lp in speculating),
             "ms_per_token": {"layer": round(layer, 3), "head": round(head_level, 3), "headsplit": round(headsplit, 3)},
-            "speedup_over_layer": {"head": round(layer / head_level, 3), "headsplit": round(layer / headsplit, 3)}}
+            "speedup_over_layer": {"head": round(layer / head_level, 3), "headsplit": round(layer / headsplit, 3)},
+            "bound_without_link_costs": {"attention_share_of_layer": round(
+                card.n_kv_heads * blocks["group_ms"] / (card.n_kv_heads * blocks["group_ms"] + blocks["proj_ms"]
+                                                        + blocks["ffn_ms"]), 4),
+                "head_speedup": round(layer / free_head, 3), "headsplit_speedup": round(layer / free_split, 3)}}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,14 +9,20 @@ from pathlib import Path
 
 from decoding.draft_model import DraftModel
 from decoding.eagle import FeatureDraftModel
+from decoding.headsplit import LazyRunner
+from decoding.headsplit_profile import load_profile
 from decoding.medusa_heads import MedusaModel
 from decoding.target_fit import SHIPPED
 from model.config import ModelConfig
-from model.load import LoadedModel, load_local, load_with_pipeline
+from model.headsplit import HeadSplitPipeline, MemoryWatch
+from model.load import DTYPES, LoadedModel, load_local, load_with_pipeline
 from model.prefix import PrefixCache
 from model.runner import ModelRunner
 from model.source import ModelFiles, resolve_model
 from model.thread import ModelThread
+from model.timing import model_card
+from model.weights import TensorSource
+from planning.headsplit import head_card, place, profiled_alphas, profiled_devices
 from planning.plan import Plan, PlanOptions
 from planning.profile import ClusterProfile
 from server.metrics import Metrics
@@ -24,6 +30,7 @@ from server.replanner import ClusterManager, prefill_cuts
 from server.settings import ServeSettings
 from workers.client import RemotePipeline, ResultMailbox
 from workers.cluster import ClusterConfig, launch_local_workers, parse_ranges, wait_healthy
+from workers.head_client import remote_headsplit
 from workers.profiler import Device, ProfileOptions, cache_path, profile_cluster
 
 log = logging.getLogger(__name__)
@@ -103,6 +110,50 @@ def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[Loaded
         config.stop()
         raise
     return loaded, manager
+
+
+def headsplit_runner(settings: ServeSettings, loaded: LoadedModel, cluster: ClusterManager | None
+                     ) -> LazyRunner | None:
+    """The `headsplit` policy's runner, built at its first request: the planner's placement (from the shipped
+    HeadSplit profile's acceptance at the configured epsilon and block times, and the cluster profile's
+    memory and round trips plus its margin) over the workers, or over one in-process device."""
+    if not settings.headsplit:
+        return None
+
+    def build() -> ModelRunner:
+        cfg, dtype = loaded.cfg, DTYPES[settings.dtype]
+        record = load_profile(loaded.files.name, Path(settings.headsplit_profile) if settings.headsplit_profile
+                              else None)
+        card = head_card(model_card(cfg, loaded.files.name, dtype))
+        context = min(settings.plan_context, cfg.max_position_embeddings)
+        alphas = profiled_alphas(record, cfg.n_layers, settings.headsplit_epsilon)
+        if cluster is None:
+            layers = place(profiled_devices(record, {"local": 2**62}, context), card, alphas, lambda a, b: 0.0,
+                           context)
+            pipe = HeadSplitPipeline.local(TensorSource(loaded.files.folder), cfg, dtype, layers,
+                                           settings.headsplit_epsilon)
+        else:
+            urls = {m.name: m.url for m in cluster.members.values() if m.up}
+            profile = cluster.profile
+            capacities = {n: profile.device(n).memory_capacity_bytes for n in urls}
+
+            def link(a: str, b: str) -> float:  # one message of a token's hidden state, with the margin
+                return profile.transfer_ms(a, b, 1)
+
+            def replan(slots: int) -> list:  # every device within the threshold, for `slots` cached tokens
+                room = {n: int(settings.memory_threshold * c) for n, c in capacities.items()}
+                return place(profiled_devices(record, room, context), card, alphas, link, max(slots, 1))
+
+            layers = place(profiled_devices(record, capacities, context), card, alphas, link, context)
+            pipe = remote_headsplit(urls, cluster.config.token, layers, cfg, settings.dtype, settings.model,
+                                    settings.headsplit_epsilon, settings.stage_timeout_s)
+            pipe.memory = MemoryWatch(capacities, replan, settings.memory_threshold)
+        log.info("headsplit placement: %s", "; ".join(
+            f"{i}: groups {lp.groups}, proj {lp.proj}, ffn {lp.ffn}{', speculates' if lp.speculate else ''}"
+            for i, lp in enumerate(layers)))
+        return ModelRunner(cfg, loaded.runner.ends, pipe, loaded.runner.thread)
+
+    return LazyRunner(build)
 
 
 def load_draft_models(settings: ServeSettings, loaded: LoadedModel) -> dict[str, DraftModel | FeatureDraftModel]:

@@ -52,6 +52,10 @@ def _serve_parser(sub) -> None:
                                    "the shipped one, when trained for the served model) or 'off'")
     p.add_argument("--medusa", help="Medusa heads for the `medusa` policy: a file from train-medusa, 'auto' (default: "
                    "the shipped heads when they fit the model) or 'off'")
+    p.add_argument("--headsplit", action=argparse.BooleanOptionalAction, default=None,
+                   help="offer the `headsplit` policy (default: on; its blocks load at its first request)")
+    p.add_argument("--headsplit-epsilon", type=float, help="`headsplit`'s default tolerance (default 0.05)")
+    p.add_argument("--headsplit-profile", help="HeadSplit profile JSON (default: the shipped one for the model)")
     p.add_argument("--speculative-drafter", help="drafter of the plain `speculative` policy (default: eagle+ngram "
                                                  "when eagle is loaded, else the first draft model's, else ngram)")
 
@@ -158,6 +162,16 @@ def _headsplit_parser(sub) -> None:
     p.add_argument("--contexts", type=int, nargs="+", default=[0, 1024], help="cached tokens of the timed passes")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="of the timed blocks")
     p.add_argument("--out", type=Path, help="the profile (default: config/profiles/MODEL-headsplit.json)")
+    p = sub.add_parser("compare-headsplit", help="layer-based, head-level and HeadSplit decoding of one prompt over "
+                       "pinned local workers: per-token latency, payload, speculation counts (the paper's --mode all)")
+    p.add_argument("--out", type=Path, required=True, help="where headsplit.json and headsplit.png go")
+    p.add_argument("--tokens", type=int, default=128, help="greedy tokens decoded per mode")
+    p.add_argument("--workers", type=int, default=2, help="local workers, pinned one per core")
+    p.add_argument("--epsilon", type=float, nargs="+", default=[0.05, 0.3], help="HeadSplit's tolerances")
+    p.add_argument("--mode", choices=["layer", "head", "headsplit", "all"], default="all")
+    p.add_argument("--data", type=Path, default=Path("../shared/data"), help="the shared data folder")
+    p.add_argument("--no-perplexity", dest="perplexity", action="store_false",
+                   help="skip the held-out perplexity of the HeadSplit modes")
 
 
 def _overrides(args: argparse.Namespace) -> dict:
@@ -169,7 +183,7 @@ def serve(args: argparse.Namespace) -> None:
 
     from decoding.policy import build_policies
     from server.app import create_app
-    from server.boot import load_draft_models, load_medusa, load_served_model
+    from server.boot import headsplit_runner, load_draft_models, load_medusa, load_served_model
     from server.metrics import Metrics
     from server.service import CompletionService
     from server.settings import ServeSettings
@@ -180,16 +194,20 @@ def serve(args: argparse.Namespace) -> None:
     loaded, cluster = load_served_model(settings, metrics)
     drafts = load_draft_models(settings, loaded)
     medusa = load_medusa(settings, loaded)
+    heads = headsplit_runner(settings, loaded, cluster)
 
     def shutdown() -> None:
         # From the app's lifespan: uvicorn re-raises SIGTERM after its shutdown, so code after run() may not run.
+        if heads is not None:
+            heads.close()
         loaded.runner.close()
         if cluster is not None:
             cluster.config.stop()
 
     try:
         draft_k = (settings.draft_k, settings.draft_k_min, settings.draft_k_max)
-        policies = build_policies(drafts, settings.speculative_drafter, draft_k, medusa, settings.policy)
+        policies = build_policies(drafts, settings.speculative_drafter, draft_k, medusa, settings.policy, heads,
+                                  settings.headsplit_epsilon)
         service = CompletionService(loaded, policies, settings, metrics, cluster)
         uvicorn.run(create_app(service, shutdown), host=settings.host, port=settings.port,
                     log_level=settings.log_level)
@@ -244,6 +262,12 @@ def profile_headsplit(args: argparse.Namespace) -> None:
     profile(args)
 
 
+def compare_headsplit(args: argparse.Namespace) -> None:
+    from bench.headsplit import run
+
+    run(args)
+
+
 def main(argv: list[str] | None = None) -> None:
     # Before torch loads libgomp: OpenMP threads spin 300000 rounds after each parallel region by default.
     # When stages are processes on shared cores, only one computes at a time and the spinning threads of
@@ -263,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         commands = {"serve": serve, "worker": worker, "profile": profile, "plan": plan, "bench": bench,
                     "train-drafter": train_drafter, "train-medusa": train_medusa,
-                    "profile-headsplit": profile_headsplit}
+                    "profile-headsplit": profile_headsplit, "compare-headsplit": compare_headsplit}
         commands[args.command](args)
     except (FileNotFoundError, ValueError) as exc:
         print(f"edgespec {args.command}: {exc}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """HeadSplit execution in-process (model/headsplit.py) on the tiny model (float32): head-level blocks split
 over devices equal the plain model; epsilon 0 (every speculation discarded) equals it too, caches included;
-kept speculations are what the whole-sequence speculating pass computes; the bookkeeping counts them."""
+kept speculations are what the whole-sequence speculating pass computes; the bookkeeping counts them; a device
+past its memory threshold hands groups to another with their caches, and the outputs stay exact."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import pytest
 import torch
 
 from model.drift import speculating_forward
-from model.headsplit import HeadSplitPipeline
+from model.head_blocks import HeadBlocks
+from model.headsplit import HeadSplitPipeline, MemoryWatch, blocks_of
+from model.timing import model_card
 from model.weights import TensorSource
-from planning.headsplit import LayerPlace
+from planning.headsplit import LayerPlace, head_card, place, profiled_devices
 
 IDS = [(i * 11) % 70 + 100 for i in range(14)]
 
@@ -98,3 +101,36 @@ def test_a_placement_must_hold_every_group_once(tiny_loaded, src):
     bad = [LayerPlace({"a": [0], "b": [0]}, "a", "a") for _ in range(cfg.n_layers)]
     with pytest.raises(ValueError, match="each of the 2 KV groups once"):
         HeadSplitPipeline.local(src, cfg, torch.float32, bad)
+
+
+def watch_for(pipe: HeadSplitPipeline, cfg, hot: str) -> MemoryWatch:
+    """A watch that finds `hot` past 85% as soon as it holds any cache, and re-places with the planner."""
+    total = sum(d.memory_bytes() for d in pipe.devices.values())
+    capacities = dict.fromkeys(pipe.devices, 10 * total)
+    capacities[hot] = int(pipe.devices[hot].memory_bytes() / 0.85) + 1
+    card = head_card(model_card(cfg, "tiny", torch.float32))
+
+    def replan(slots: int) -> list[LayerPlace]:
+        room = {name: int(0.85 * c) for name, c in capacities.items()}
+        return place(profiled_devices(None, room), card, [0.0] * cfg.n_layers, lambda a, b: 0.0, slots)
+
+    return MemoryWatch(capacities, replan, every=1)
+
+
+def test_a_device_past_its_memory_threshold_moves_groups_with_their_caches(tiny_loaded, src):
+    cfg = tiny_loaded.cfg
+    start = [LayerPlace({"a": list(range(cfg.n_kv_heads))}, "a", "a") for _ in range(cfg.n_layers)]
+    pipe = HeadSplitPipeline({"a": HeadBlocks(src, cfg, torch.float32, *blocks_of(start, "a")),
+                              "b": HeadBlocks(src, cfg, torch.float32, {}, [])}, start, cfg)
+    pipe.memory = watch_for(pipe, cfg, "a")
+    got = split_run(tiny_loaded, pipe, IDS, 6, 0.05)
+    # the first check after the prompt found a past 85%: groups moved to b with their caches, and every output
+    # since equals the model's (a cache left behind or misplaced would change them)
+    assert pipe.replacements == 1 and pipe.layers != start
+    moved = blocks_of(pipe.layers, "b")[0]
+    assert moved and all(len(pipe.devices["b"].sessions["s"][layer].k) == 1 for layer in moved)
+    assert all(pipe.devices["b"].sessions["s"][layer].length == len(IDS) for layer in moved)
+    for g, w in zip(got, exact_run(tiny_loaded, IDS, 6), strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="unknown devices"):
+        pipe.move_to([LayerPlace({"z": list(range(cfg.n_kv_heads))}, "z", "z") for _ in range(cfg.n_layers)])

@@ -1,6 +1,8 @@
 """HeadSplit blocks over real worker processes (workers/head_routes.py, workers/head_client.py): KV groups
 split across workers give exactly the in-process model's outputs (float32), with and without speculation at
-epsilon 0; the routes want the cluster token and refuse bad input without disturbing a session."""
+epsilon 0, gathered at a projection worker or by the controller; a worker past its memory threshold hands
+groups and their caches to another; the routes want the cluster token and refuse bad input without disturbing
+a session."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ import pytest
 import torch
 from model_fixtures import smollm2_folder
 from processes import start_worker
+from test_headsplit_exec import watch_for
 
 from model.config import ModelConfig
+from model.headsplit import HeadSplitPipeline, blocks_of
 from model.stack import LayerStack, TokenEnds
 from model.weights import TensorSource
 from planning.headsplit import LayerPlace
@@ -56,14 +60,15 @@ def workers(request, tmp_path):
         proc.stop()
 
 
-def spread(cfg: ModelConfig, names: list[str], speculate: bool) -> list[LayerPlace]:
-    """KV groups dealt over the workers (rotating per layer), FFN and projection rotating too."""
+def spread(cfg: ModelConfig, names: list[str], speculate: bool, one_proj: bool = False) -> list[LayerPlace]:
+    """KV groups dealt over the workers (rotating per layer), FFN and projection rotating too (with one_proj,
+    every layer gathers at the first worker: a step never goes back to the controller in between)."""
     out = []
     for layer in range(cfg.n_layers):
         groups: dict[str, list[int]] = {}
         for g in range(cfg.n_kv_heads):
             groups.setdefault(names[(g + layer) % len(names)], []).append(g)
-        out.append(LayerPlace(groups, names[layer % len(names)], names[(layer + 1) % len(names)],
+        out.append(LayerPlace(groups, names[0 if one_proj else layer % len(names)], names[(layer + 1) % len(names)],
                               speculate and layer > 0))
     return out
 
@@ -74,12 +79,51 @@ def test_tiny_over_two_workers(workers, tiny):
     folder = tiny
     cfg = ModelConfig.from_folder(folder)
     want = exact(folder, IDS, 5)
-    for speculate, eps in ((False, 0.05), (True, 0.0)):
-        pipe = remote_headsplit(urls, token, spread(cfg, list(urls), speculate), cfg, model=folder)
-        got, discarded = run(pipe, folder, IDS, 5, eps)
-        for g, w in zip(got, want, strict=True):
-            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
-        assert discarded == (len(IDS) - 5) * (cfg.n_layers - 1) * speculate
+    steps = len(IDS) - 5 + 1
+    for gathered in (False, True):  # the controller gathers every layer, or the projection workers do
+        for speculate, eps in ((False, 0.05), (True, 0.0)):
+            layers = spread(cfg, list(urls), speculate, one_proj=gathered)
+            pipe = remote_headsplit(urls, token, layers, cfg, model=folder, gathered=gathered)
+            got, discarded = run(pipe, folder, IDS, 5, eps)
+            pipe.close()
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+            assert discarded == (len(IDS) - 5) * (cfg.n_layers - 1) * speculate
+    # a projection device that changes every layer: the step goes back through the controller each time, and
+    # a layer after such a hand-over does not speculate
+    pipe = remote_headsplit(urls, token, spread(cfg, list(urls), True), cfg, model=folder)
+    got, discarded = run(pipe, folder, IDS, 5, 0.0)
+    pipe.close()
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert discarded == 0
+    # gathered at one worker with speculation kept: the same outputs and counts as the schedule in-process,
+    # and the controller sends one call per step
+    layers = spread(cfg, list(urls), True, one_proj=True)
+    local = HeadSplitPipeline.local(TensorSource(folder), cfg, torch.float32, layers)
+    pipe = remote_headsplit(urls, token, layers, cfg, model=folder)
+    for p in (local, pipe):
+        p.open("s", len(IDS), epsilon=1.0)
+    ends = TokenEnds.load(TensorSource(folder), cfg, torch.float32)
+    for p in range(5, len(IDS) + 1):
+        ids, pos = (IDS[:5], torch.arange(5)[None]) if p == 5 else ([IDS[p - 1]], torch.tensor([[p - 1]]))
+        start = 0 if p == 5 else p - 1
+        hidden = ends.embed_tokens(torch.tensor([ids]))
+        torch.testing.assert_close(pipe.forward("s", hidden, pos, start), local.forward("s", hidden, pos, start),
+                                   atol=1e-5, rtol=1e-5)
+    assert pipe.stats["s"] == local.stats["s"] and sum(local.stats["s"].kept) > 0
+    assert pipe.wire("s")["controller-w0"][1] == steps and pipe.wire("s")["w0-peers"][1] > 0
+    pipe.release("s")
+    pipe.close()
+    # w0 holds every block and passes 85% of its memory: groups move to w1 with their caches, over HTTP
+    start = [LayerPlace({"w0": list(range(cfg.n_kv_heads))}, "w0", "w0") for _ in range(cfg.n_layers)]
+    pipe = remote_headsplit(urls, token, start, cfg, model=folder)
+    pipe.memory = watch_for(pipe, cfg, "w0")
+    got, _ = run(pipe, folder, IDS, 5, 0.05)
+    assert pipe.replacements == 1 and blocks_of(pipe.layers, "w1")[0]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    pipe.close()
     # the cluster's token only; bad input is a clear 400 and the session goes on
     url = urls["w0"]
     assert httpx.post(url + "/heads/assign", json={"groups": {}}, timeout=30).status_code == 401
@@ -88,6 +132,14 @@ def test_tiny_over_two_workers(workers, tiny):
     bad = httpx.post(url + "/heads/sessions/s/attend", params={"layer": 0, "start": 0}, content=b"junk",
                      headers=auth)
     assert bad.status_code == 400 and "safetensors" in bad.json()["error"]["message"]
+    held = httpx.get(url + "/heads/memory", headers=auth).json()["used_bytes"]
+    for path, kw in (("/heads/reshape", {"headers": {**auth, "x-blocks": "{"}}),
+                     ("/heads/reshape", {"headers": {**auth, "x-blocks": '{"groups": {"0": [0]}}'}, "content": b"x"}),
+                     ("/heads/export", {"headers": auth, "json": {"groups": {"99": [0]}}}),
+                     ("/heads/placement", {"headers": auth, "json": [{"groups": {}, "proj": "w0", "ffn": "w0"}]})):
+        r = httpx.post(url + path, **kw)
+        assert r.status_code == 400, (path, r.text)
+    assert httpx.get(url + "/heads/memory", headers=auth).json()["used_bytes"] == held  # nothing changed
 
 
 @pytest.mark.slow
@@ -98,8 +150,9 @@ def test_smollm2_head_level_over_workers_equals_the_model(workers):
     cfg = ModelConfig.from_folder(folder)
     want = exact(folder, IDS, 5)
     for speculate, eps in ((False, 0.05), (True, 0.0)):  # head-level; every speculation discarded
-        pipe = remote_headsplit(urls, token, spread(cfg, list(urls), speculate), cfg)
+        pipe = remote_headsplit(urls, token, spread(cfg, list(urls), speculate, one_proj=speculate), cfg)
         got, discarded = run(pipe, folder, IDS, 5, eps)
+        pipe.close()
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
         assert discarded == (len(IDS) - 5) * (cfg.n_layers - 1) * speculate

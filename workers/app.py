@@ -27,6 +27,7 @@ from model.stage import CapacityError, SessionError
 from model.timing import CONTEXTS, TOKENS
 from workers.auth import bearer_ok
 from workers.client import NODELAY
+from workers.head_client import Reach
 from workers.head_routes import HeadHost, add_head_routes
 from workers.host import AssignmentError, NotAssignedError, StageHost, StepError
 from workers.probe import measure_link
@@ -182,7 +183,7 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
         return _error(400, f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}")
 
     auth = [Depends(require_token)]
-    add_head_routes(app, HeadHost(settings.model), auth)
+    add_head_routes(app, HeadHost(settings.model, lambda threads: Reach(settings.token, threads)), auth)
 
     @app.get("/health", dependencies=auth)
     async def health():

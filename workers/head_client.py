@@ -1,25 +1,27 @@
-"""The controller's side of HeadSplit over workers (issue 9, in progress): one proxy per worker with the device
-calls of model/headsplit.py's HeadBlocks, and a HeadSplitPipeline over them whose concurrent calls (a layer's
-group calls; at a speculating layer, those and the previous layer's FFN) go out at once.
+"""HeadSplit devices over HTTP: one proxy per worker with the device calls of model/headsplit.py's HeadBlocks
+(and `run`, the schedule from a layer on at its projection worker), and the pipeline the controller drives.
 
-For now the controller gathers each layer's partial outputs itself (it plays the projection device) and sends
-Z to the FFN device: two round trips per layer. Gathering at a projection worker that forwards Z on, without
-the controller in between, is the next step.
+The controller hands each step to the first layer's projection worker, which gathers the groups' partial
+outputs from its peers, sends Z to the FFN device and goes on to the next layer, calling the controller back
+only at the end or where the projection device changes (`gathered`). With `gathered=False` the controller
+plays every projection device itself: two round trips per layer (the comparison's "star" variant).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 
 import httpx
 import torch
 
 from model.config import ModelConfig
-from model.headsplit import HeadSplitPipeline, blocks_of
+from model.headsplit import HeadSplitPipeline, SpeculationStats, blocks_of
 from planning.headsplit import LayerPlace
 from workers.client import NODELAY, StageFailure, WorkerRef, _message
-from workers.wire import decode, encode
+from workers.wire import decode, decode_group_kv, encode, encode_group_kv
 
 OCTETS = {"content-type": "application/octet-stream"}
 
@@ -43,8 +45,11 @@ class RemoteHeads:
                                503 if r.status_code >= 500 else 502)
         return r
 
-    def assign(self, groups: dict[int, list[int]], ffns: list[int], dtype: str, model: str | None) -> dict:
-        body = {"model": model, "groups": {str(k): v for k, v in groups.items()}, "ffns": ffns, "dtype": dtype}
+    def assign(self, groups: dict[int, list[int]], ffns: list[int], dtype: str, model: str | None,
+               name: str | None = None, placement: list[dict] | None = None, peers: dict[str, str] | None = None
+               ) -> dict:
+        body = {"model": model, "groups": {str(k): v for k, v in groups.items()}, "ffns": ffns, "dtype": dtype,
+                "name": name, "placement": placement, "peers": peers or {}}
         return self._call("POST", "/heads/assign", json=body, timeout=300).json()
 
     def open(self, session: str, capacity: int, rows: int = 1) -> None:
@@ -76,20 +81,70 @@ class RemoteHeads:
         self._count(body, r)
         return decode(r.content, ("x",))["x"]
 
+    def memory_bytes(self) -> int:
+        return int(self._call("GET", "/heads/memory").json()["used_bytes"])
+
+    def export(self, groups: dict[int, list[int]]) -> dict:
+        r = self._call("POST", "/heads/export", json={"groups": {str(k): v for k, v in groups.items()}}, timeout=300)
+        return decode_group_kv(r.content)
+
+    def reshape(self, groups: dict[int, list[int]], ffns: list[int], incoming: dict) -> None:
+        blocks = json.dumps({"groups": {str(k): v for k, v in groups.items()}, "ffns": ffns})
+        self._call("POST", "/heads/reshape", content=encode_group_kv(incoming), timeout=300,
+                   headers={**OCTETS, "x-blocks": blocks})
+
+    def set_placement(self, layers: list[LayerPlace]) -> None:
+        self._call("POST", "/heads/placement", json=[asdict(lp) for lp in layers])
+
+    def run(self, session: str, first: int, x: torch.Tensor, positions: torch.Tensor, start: int,
+            mask: torch.Tensor | None, epsilon: float, stats: SpeculationStats, wire: dict[str, list[int]]
+            ) -> tuple[torch.Tensor, int]:
+        """Layers first.. at this projection worker -> (the last one's output, the next layer to run); its
+        speculation counts add to stats, and its traffic and its peers' to wire (link -> [bytes, requests])."""
+        body = encode({"x": x, "positions": positions, "mask": mask})
+        r = self._call("POST", f"/heads/sessions/{session}/run", content=body, headers=OCTETS,
+                       params={"layer": first, "start": start, "epsilon": repr(epsilon)})
+        self._count(body, r)
+        out = decode(r.content, ("x", "next", "kept", "discarded", "wire"))
+        for i, (k, d) in enumerate(zip(out["kept"].tolist(), out["discarded"].tolist(), strict=True)):
+            stats.kept[i] += k
+            stats.discarded[i] += d
+        for link, b, n in ((f"controller-{self.worker.name}", len(body) + len(r.content), 1),
+                           (f"{self.worker.name}-peers", *out["wire"].tolist())):
+            tally = wire.setdefault(link, [0, 0])
+            tally[0] += b
+            tally[1] += n
+        return out["x"], int(out["next"])
+
+
+class Reach:
+    """An HTTP client with the cluster's token and a thread pool, to drive HeadSplit devices on workers."""
+
+    def __init__(self, token: str, threads: int, timeout_s: float = 60.0):
+        self.http = httpx.Client(headers={"authorization": f"Bearer {token}"}, timeout=timeout_s,
+                                 transport=httpx.HTTPTransport(retries=1, socket_options=NODELAY))
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="heads")
+
+    def device(self, name: str, url: str) -> RemoteHeads:
+        return RemoteHeads(self.http, WorkerRef(url.rstrip("/"), name, 0, 0))
+
+    def fan_out(self, fns: list) -> list:
+        """Run the calls at once; their results in order."""
+        return list(self.pool.map(lambda fn: fn(), fns))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.http.close()
+
 
 def remote_headsplit(workers: dict[str, str], token: str, layers: list[LayerPlace], cfg: ModelConfig,
                      dtype: str = "float32", model: str | None = None, epsilon: float = 0.05,
-                     timeout_s: float = 60.0) -> HeadSplitPipeline:
-    """Assign each worker (name -> URL) its blocks of the placement and return the pipeline over them."""
-    http = httpx.Client(headers={"authorization": f"Bearer {token}"}, timeout=timeout_s,
-                        transport=httpx.HTTPTransport(retries=1, socket_options=NODELAY))
-    devices = {name: RemoteHeads(http, WorkerRef(url.rstrip("/"), name, 0, 0)) for name, url in workers.items()}
+                     timeout_s: float = 60.0, gathered: bool = True) -> HeadSplitPipeline:
+    """Assign each worker (name -> URL) its blocks of the placement, and with `gathered` the placement and its
+    peers' URLs, and return the pipeline over them."""
+    reach = Reach(token, len(workers) + 1, timeout_s)  # an FFN call beside every device's
+    devices = {name: reach.device(name, url) for name, url in workers.items()}
+    placement = [asdict(lp) for lp in layers] if gathered else None
     for name, device in devices.items():
-        device.assign(*blocks_of(layers, name), dtype, model)
-    pool = ThreadPoolExecutor(len(devices) + 1, thread_name_prefix="heads")  # an FFN call beside every device's
-
-    def close() -> None:
-        pool.shutdown(wait=False, cancel_futures=True)
-        http.close()
-
-    return HeadSplitPipeline(devices, layers, cfg, epsilon, lambda fns: list(pool.map(lambda fn: fn(), fns)), close)
+        device.assign(*blocks_of(layers, name), dtype, model, name, placement, workers if gathered else {})
+    return HeadSplitPipeline(devices, layers, cfg, epsilon, reach.fan_out, reach.close, gathered)

@@ -1,30 +1,45 @@
-"""HeadSplit blocks on a worker (issue 9, in progress): KV groups and FFN blocks of any layers, loaded alone
-(model/headsplit.py's HeadBlocks), and the calls HeadSplitPipeline makes on a device, over HTTP.
+"""HeadSplit blocks on a worker: KV groups and FFN blocks of any layers, loaded alone (model/headsplit.py's
+HeadBlocks), the calls HeadSplitPipeline makes on a device, and the schedule itself where this worker gathers.
 
-    POST   /heads/assign                   {"groups": {"LAYER": [GROUP, ...]}, "ffns": [LAYER], "dtype", "model"}
+    POST   /heads/assign    {"groups": {"LAYER": [GROUP, ...]}, "ffns": [LAYER], "dtype", "model",
+                             "name", "placement": [LayerPlace...], "peers": {NAME: URL}}
     POST   /heads/sessions/{sid}/open      {"capacity", "rows"}
     POST   /heads/sessions/{sid}/truncate  {"length"}
     DELETE /heads/sessions/{sid}
     POST   /heads/sessions/{sid}/attend?layer=L&start=S   safetensors {x, positions[, mask]} -> {out}
     POST   /heads/ffn?layer=L                              safetensors {z} -> {x}
+    POST   /heads/sessions/{sid}/run?layer=L&start=S&epsilon=E   safetensors {x, positions[, mask]}
+           -> {x, next, kept, discarded, wire}: layers L.. while this worker is their projection device, calling
+           its peers (named in the assignment, with this worker's own token) for their groups and FFNs
+    GET    /heads/memory                   -> {"used_bytes"}: blocks and caches
+    POST   /heads/export    {"groups": {"LAYER": [GROUP]}} -> safetensors SESSION/LAYER/GROUP/k|v of every session
+    POST   /heads/reshape   header X-Blocks {"groups", "ffns"}, safetensors of the arriving groups' caches
+    POST   /heads/placement [LayerPlace...]: the placement this worker's schedule follows from now on
 
-Tensor work runs inline on the event loop's thread, as the layer routes' does. Calls carry no step numbers
-yet: a retried attend rewrites the same slots, a retried ffn is stateless.
+Tensor work of attend and ffn runs inline on the event loop's thread, as the layer routes' does; a run waits on
+its peers, so it runs on a thread of its own and the loop stays free to answer them. Calls carry no step
+numbers yet: a retried attend rewrites the same slots, a retried ffn is stateless.
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
+
 import torch
 from fastapi import FastAPI, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from model.config import ModelConfig
-from model.headsplit import HeadBlocks
+from model.head_blocks import HeadBlocks
+from model.headsplit import HeadSplitPipeline, SpeculationStats, blocks_of, check_placement, devices_named
 from model.load import DTYPES
 from model.source import resolve_model
+from model.stage import SessionError
 from model.weights import TensorSource
+from planning.headsplit import LayerPlace
 from workers.host import NotAssignedError
-from workers.wire import WireError, decode, encode
+from workers.wire import WireError, decode, decode_group_kv, encode, encode_group_kv
 
 
 class Strict(BaseModel):
@@ -36,6 +51,19 @@ class HeadAssignBody(Strict):
     groups: dict[int, list[int]] = Field(default_factory=dict)
     ffns: list[int] = Field(default_factory=list)
     dtype: str = "float32"
+    name: str | None = Field(None, description="this worker's device name in the placement")
+    placement: list[dict] | None = Field(None, description="every layer's LayerPlace; with it, this worker "
+                                         "can run the schedule where it is the projection device")
+    peers: dict[str, str] = Field(default_factory=dict, description="the other devices' URLs by name")
+
+
+class HeadBlocksBody(Strict):
+    groups: dict[int, list[int]] = Field(default_factory=dict)
+    ffns: list[int] = Field(default_factory=list)
+
+
+class HeadGroupsBody(Strict):
+    groups: dict[int, list[int]]
 
 
 class HeadOpenBody(Strict):
@@ -48,31 +76,95 @@ class HeadTruncateBody(Strict):
 
 
 class HeadHost:
-    """The worker's HeadSplit blocks (no HTTP)."""
+    """The worker's HeadSplit blocks, and the schedule over them and its peers where it gathers. Peers are
+    reached through `connect(threads)` (workers/head_client.py's Reach, with this worker's token)."""
 
-    def __init__(self, default_model: str | None):
+    def __init__(self, default_model: str | None, connect):
         self.default_model = default_model
+        self.connect = connect
         self.blocks: HeadBlocks | None = None
+        self.pipeline: HeadSplitPipeline | None = None
+        self.name: str | None = None
 
-    def assign(self, model: str | None, groups: dict[int, list[int]], ffns: list[int], dtype: str) -> dict:
+    def assign(self, model: str | None, groups: dict[int, list[int]], ffns: list[int], dtype: str,
+               name: str | None = None, placement: list[dict] | None = None, peers: dict[str, str] | None = None
+               ) -> dict:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}")
         files = resolve_model(model if model is not None else self.default_model)
         cfg = ModelConfig.from_folder(files.folder)
+        self.check_blocks(cfg, groups, ffns)
+        layers = [LayerPlace(**lp) for lp in placement] if placement is not None else None
+        if layers is not None:
+            if name is None:
+                raise ValueError("a placement needs this worker's name in it")
+            if blocks_of(layers, name) != ({k: sorted(v) for k, v in groups.items() if v}, sorted(ffns)):
+                raise ValueError(f"the groups and FFNs assigned are not {name}'s blocks in the placement")
+            missing = devices_named(layers) - {name, *(peers or {})}
+            if missing:
+                raise ValueError(f"the placement names devices with no URL: {sorted(missing)}")
+        self.close()  # free the old blocks and connections first
+        self.blocks = HeadBlocks(TensorSource(files.folder), cfg, DTYPES[dtype], groups, ffns)
+        self.name = name
+        if layers is not None:
+            reach = self.connect(len(peers or {}) + 2)  # a thread per device, and the previous layer's FFN
+            devices = {peer: reach.device(peer, url) for peer, url in (peers or {}).items() if peer != name}
+            self.pipeline = HeadSplitPipeline({**devices, name: self.blocks}, layers, cfg, fan_out=reach.fan_out,
+                                              close=reach.close)
+        return {"groups": {str(k): v for k, v in groups.items()}, "ffns": ffns}
+
+    @staticmethod
+    def check_blocks(cfg: ModelConfig, groups: dict[int, list[int]], ffns: list[int]) -> None:
         for layer, gs in groups.items():
-            if not 0 <= layer < cfg.n_layers or not gs or not set(gs) <= set(range(cfg.n_kv_heads)) or \
-                    len(set(gs)) != len(gs):
+            if not 0 <= layer < cfg.n_layers or not set(gs) <= set(range(cfg.n_kv_heads)) or len(set(gs)) != len(gs):
                 raise ValueError(f"layer {layer}: {gs} is not a set of the model's {cfg.n_kv_heads} KV groups")
         if not set(ffns) <= set(range(cfg.n_layers)):
             raise ValueError(f"FFN layers {ffns} are outside the model's {cfg.n_layers} layers")
-        self.blocks = None  # free the old blocks first
-        self.blocks = HeadBlocks(TensorSource(files.folder), cfg, DTYPES[dtype], groups, ffns)
-        return {"groups": {str(k): v for k, v in groups.items()}, "ffns": ffns}
+
+    def set_placement(self, placement: list[dict]) -> None:
+        """The placement this worker's schedule follows (after a re-placement); its own blocks must match."""
+        if self.pipeline is None:
+            raise NotAssignedError("this worker was assigned no placement to run")
+        layers = [LayerPlace(**lp) for lp in placement]
+        check_placement(layers, self.pipeline.cfg)
+        if blocks_of(layers, self.name) != blocks_of_held(self.held()):
+            raise ValueError(f"the placement does not give {self.name} the blocks it holds")
+        unknown = devices_named(layers) - set(self.pipeline.devices)
+        if unknown:
+            raise ValueError(f"the placement names devices with no URL: {sorted(unknown)}")
+        self.pipeline.layers = layers
+
+    def close(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
+        self.blocks = self.pipeline = None
+
+    def run(self, session: str, first: int, x: torch.Tensor, positions: torch.Tensor, start: int,
+            mask: torch.Tensor | None, epsilon: float) -> dict[str, torch.Tensor]:
+        """Layers first.. while this worker gathers them; the peers' traffic it caused comes back in `wire`."""
+        if self.pipeline is None:
+            raise NotAssignedError("this worker was assigned no placement to run")
+        n = self.held().cfg.n_layers
+        if session not in self.held().sessions:  # a 404 before any peer is called
+            raise SessionError(f"no session {session!r} here")
+        stats = SpeculationStats([0] * n, [0] * n)
+        peers = [d for name, d in self.pipeline.devices.items() if name != self.name]
+        before = [(*d.payload, d.calls) for d in peers]
+        out, nxt = self.pipeline.run(session, first, x, positions, start, mask, epsilon, stats, self.name)
+        sent = sum(d.payload[0] + d.payload[1] - b[0] - b[1] for d, b in zip(peers, before, strict=True))
+        calls = sum(d.calls - b[2] for d, b in zip(peers, before, strict=True))
+        return {"x": out, "next": torch.tensor([nxt]), "kept": torch.tensor(stats.kept),
+                "discarded": torch.tensor(stats.discarded), "wire": torch.tensor([sent, calls])}
 
     def held(self) -> HeadBlocks:
         if self.blocks is None:
             raise NotAssignedError("this worker holds no HeadSplit blocks: assign them first")
         return self.blocks
+
+
+def blocks_of_held(blocks: HeadBlocks) -> tuple[dict[int, list[int]], list[int]]:
+    """What a device holds, in blocks_of's form."""
+    return {layer: block.groups for layer, (_, block) in sorted(blocks.attn.items())}, sorted(blocks.ffn)
 
 
 def _int(request: Request, name: str) -> int:
@@ -93,7 +185,35 @@ def add_head_routes(app: FastAPI, host: HeadHost, auth: list) -> None:
 
     @app.post("/heads/assign", dependencies=auth)
     async def assign(body: HeadAssignBody):
-        return host.assign(body.model, body.groups, body.ffns, body.dtype)
+        return host.assign(body.model, body.groups, body.ffns, body.dtype, body.name, body.placement, body.peers)
+
+    @app.get("/heads/memory", dependencies=auth)
+    async def memory():
+        return {"used_bytes": host.blocks.memory_bytes() if host.blocks is not None else 0}
+
+    @app.post("/heads/export", dependencies=auth)
+    async def export(body: HeadGroupsBody):
+        held = host.held()
+        for layer, gs in body.groups.items():
+            if layer not in held.attn or not set(gs) <= set(held.attn[layer][1].groups):
+                raise ValueError(f"layer {layer}: groups {gs} are not all held here")
+        return Response(encode_group_kv(held.export(body.groups)), media_type="application/octet-stream")
+
+    @app.post("/heads/reshape", dependencies=auth)
+    async def reshape(request: Request):
+        try:
+            blocks = HeadBlocksBody.model_validate_json(request.headers.get("x-blocks", ""))
+        except ValidationError as exc:
+            raise ValueError(f"header X-Blocks: {exc}") from exc
+        held = host.held()
+        host.check_blocks(held.cfg, blocks.groups, blocks.ffns)
+        held.reshape(blocks.groups, blocks.ffns, decode_group_kv(await request.body()))
+        return {"ok": True}
+
+    @app.post("/heads/placement", dependencies=auth)
+    async def placement(body: list[dict]):
+        host.set_placement(body)
+        return {"ok": True}
 
     @app.post("/heads/sessions/{sid}/open", dependencies=auth)
     async def open_session(sid: str, body: HeadOpenBody):
@@ -111,23 +231,43 @@ def add_head_routes(app: FastAPI, host: HeadHost, auth: list) -> None:
             host.blocks.release(sid)
         return {"ok": True}
 
-    @app.post("/heads/sessions/{sid}/attend", dependencies=auth)
-    async def attend(sid: str, request: Request):
-        blocks = host.held()
+    async def step_input(request: Request) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
+        # x [B, T, H], positions [B, T], start, mask [B, T, start + T] of an attend or run call, checked
+        cfg = host.held().cfg
         t = decode(await request.body(), ("x", "positions"), ("mask",))
-        x = _hidden(t["x"], "x", blocks.cfg.hidden_size)
+        x = _hidden(t["x"], "x", cfg.hidden_size)
         positions, mask = t["positions"], t.get("mask")
         if positions.dtype != torch.int64 or positions.shape != x.shape[:2]:
             raise WireError(f"positions must be int64 {list(x.shape[:2])}, got {positions.dtype} "
                             f"{list(positions.shape)}")
         if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < \
-                blocks.cfg.max_position_embeddings:
+                cfg.max_position_embeddings:
             raise WireError("positions are outside the model's context")
         start = _int(request, "start")
         if mask is not None and (mask.dtype != torch.bool or list(mask.shape) != [*x.shape[:2], start + x.shape[1]]):
             raise WireError(f"mask must be bool [B, T, start + T], got {mask.dtype} {list(mask.shape)}")
-        out = blocks.attend(sid, _int(request, "layer"), x, positions, start, mask)
+        return x, positions, start, mask
+
+    @app.post("/heads/sessions/{sid}/attend", dependencies=auth)
+    async def attend(sid: str, request: Request):
+        x, positions, start, mask = await step_input(request)
+        out = host.held().attend(sid, _int(request, "layer"), x, positions, start, mask)
         return Response(encode({"out": out}), media_type="application/octet-stream")
+
+    @app.post("/heads/sessions/{sid}/run", dependencies=auth)
+    async def run(sid: str, request: Request):
+        x, positions, start, mask = await step_input(request)
+        layer = _int(request, "layer")
+        if layer >= host.held().cfg.n_layers:
+            raise ValueError(f"layer {layer} is outside the model's {host.held().cfg.n_layers} layers")
+        try:
+            epsilon = float(request.query_params.get("epsilon", ""))
+        except ValueError:
+            epsilon = math.nan
+        if not epsilon >= 0:
+            raise ValueError("query parameter 'epsilon' must be a number >= 0")
+        out = await asyncio.to_thread(host.run, sid, layer, x, positions, start, mask, epsilon)
+        return Response(encode(out), media_type="application/octet-stream")
 
     @app.post("/heads/ffn", dependencies=auth)
     async def ffn(request: Request):

@@ -37,3 +37,32 @@ def decode(body: bytes, required: tuple[str, ...], optional: tuple[str, ...] = (
         if t.dtype not in ALLOWED_DTYPES:
             raise WireError(f"{name} has dtype {t.dtype}, not one of the allowed dtypes")
     return tensors
+
+
+def encode_group_kv(kv: dict) -> bytes:
+    """Moving KV groups' caches (session -> layer -> group -> (k, v)) as one message, named SESSION/LAYER/GROUP/k|v."""
+    return encode({f"{s}/{layer}/{g}/{kind}": t for s, layers in kv.items() for layer, groups in layers.items()
+                   for g, pair in groups.items() for kind, t in zip("kv", pair, strict=True)})
+
+
+def decode_group_kv(body: bytes) -> dict:
+    """The inverse of encode_group_kv, checked: names of that form, float tensors [1, 1, length, hd] in pairs."""
+    try:
+        tensors = st_load(body) if body else {}
+    except Exception as exc:
+        raise WireError(f"body is not a safetensors message: {exc}") from exc
+    out: dict = {}
+    for name, t in tensors.items():
+        parts = name.split("/")
+        if len(parts) != 4 or not parts[1].isdigit() or not parts[2].isdigit() or parts[3] not in "kv":
+            raise WireError(f"{name!r} is not SESSION/LAYER/GROUP/k or v")
+        if not t.is_floating_point() or t.dim() != 4 or t.shape[:2] != (1, 1):
+            raise WireError(f"{name} must be float [1, 1, length, head_dim], got {t.dtype} {list(t.shape)}")
+        out.setdefault(parts[0], {}).setdefault(int(parts[1]), {}).setdefault(int(parts[2]), {})[parts[3]] = t
+    for s, layers in out.items():
+        for layer, groups in layers.items():
+            for g, pair in groups.items():
+                if set(pair) != {"k", "v"} or pair["k"].shape != pair["v"].shape:
+                    raise WireError(f"session {s} layer {layer} group {g}: keys and values must come in equal pairs")
+                groups[g] = (pair["k"], pair["v"])
+    return out

@@ -1,0 +1,153 @@
+"""The HeadSplit blocks one device holds: KV groups of some layers (their q, k and v rows, their output
+projection columns, the layer's input norm, and each session's cache of those groups) and FFN blocks (the
+post-attention norm and the FFN), each loaded alone from the checkpoint. Groups can move to another device
+with their caches (`export`, then `reshape` on both devices).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model.blocks import FFN, AttentionBlock, RMSNorm, Rotary
+from model.config import ModelConfig
+from model.kv_cache import KVCache
+from model.packed import pack_linears
+from model.stack import causal_mask
+from model.stage import SessionError
+from model.weights import TensorSource, load_attention, load_ffn
+
+GroupKV = dict[str, dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]]  # session -> layer -> group -> (k, v)
+
+
+class HeadBlocks:
+    """The blocks one device holds, groups[l] of layer l's KV groups and the FFN of the layers in `ffns`, with
+    each session's caches of those groups. The device interface HeadSplitPipeline drives (a worker proxies the
+    same calls over HTTP)."""
+
+    def __init__(self, src: TensorSource, cfg: ModelConfig, dtype: torch.dtype, groups: dict[int, list[int]],
+                 ffns: list[int]):
+        self.src, self.cfg, self.dtype = src, cfg, dtype
+        self.rotary = Rotary(cfg, dtype)
+        self.attn: dict[int, tuple[RMSNorm, AttentionBlock]] = {}
+        self.ffn: dict[int, tuple[RMSNorm, FFN]] = {}
+        self.sessions: dict[str, dict[int, KVCache]] = {}  # session -> layer -> the cache of its groups here
+        self.capacity: dict[str, int] = {}  # session -> its slots
+        self.reshape(groups, ffns, {})
+
+    def _norm(self, name: str) -> RMSNorm:
+        norm = RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps, self.dtype)
+        norm.weight.copy_(self.src.get(name, self.dtype))
+        return norm
+
+    @torch.no_grad()
+    def reshape(self, groups: dict[int, list[int]], ffns: list[int], incoming: GroupKV) -> None:
+        """Hold exactly these groups and FFNs from now on: layers whose groups change are loaded again, and each
+        session's cache of such a layer is rebuilt from what it held of the groups that stay and from `incoming`
+        (every session's keys and values [1, 1, length, hd] of the groups that arrive)."""
+        groups = {layer: sorted(gs) for layer, gs in groups.items() if gs}
+        for layer in sorted(set(self.attn) | set(groups)):
+            before = self.attn[layer][1].groups if layer in self.attn else []
+            after = groups.get(layer, [])
+            if before == after:
+                continue
+            for session, caches in self.sessions.items():
+                kept = {g: self._group_kv(caches[layer], before.index(g)) for g in after if g in before}
+                moved = incoming.get(session, {}).get(layer, {})
+                missing = [g for g in after if g not in kept and g not in moved]
+                if missing:
+                    raise ValueError(f"session {session!r}: no keys and values for layer {layer}'s groups {missing}")
+                caches.pop(layer, None)
+                if after:
+                    caches[layer] = self._cache_of(session, [kept.get(g) or moved[g] for g in after])
+            self.attn.pop(layer, None)
+            if after:
+                block = AttentionBlock(self.cfg, after, self.dtype, with_o_bias=self.cfg.o_bias and 0 in after)
+                load_attention(block, self.src, self.cfg, layer, self.dtype)  # the bias is added once, by group 0
+                self.attn[layer] = (self._norm(f"model.layers.{layer}.input_layernorm.weight"), pack_linears(block))
+        for layer in set(self.ffn) - set(ffns):
+            del self.ffn[layer]
+        for layer in sorted(set(ffns) - set(self.ffn)):
+            ffn = FFN(self.cfg, self.dtype)
+            load_ffn(ffn, self.src, layer, self.dtype)
+            self.ffn[layer] = (self._norm(f"model.layers.{layer}.post_attention_layernorm.weight"), pack_linears(ffn))
+
+    @staticmethod
+    def _group_kv(cache: KVCache, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # the cached keys and values of the cache's index-th group: each [1, 1, length, hd]
+        n = cache.length
+        return cache.k[0][:, index:index + 1, :n].clone(), cache.v[0][:, index:index + 1, :n].clone()
+
+    def _cache_of(self, session: str, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> KVCache:
+        # a cache of len(kv) groups holding their keys and values (each [1, 1, length, hd])
+        length = kv[0][0].shape[2]
+        cache = KVCache(1, len(kv), self.cfg.head_dim, self.capacity[session], self.dtype, initial=length)
+        if length:
+            cache.k[0][:, :, :length] = torch.cat([k for k, _ in kv], dim=1)
+            cache.v[0][:, :, :length] = torch.cat([v for _, v in kv], dim=1)
+        cache.length = length
+        return cache
+
+    def export(self, groups: dict[int, list[int]]) -> GroupKV:
+        """Every session's keys and values of these groups (held here), to move them with the groups."""
+        out: GroupKV = {}
+        for session, caches in self.sessions.items():
+            for layer, gs in groups.items():
+                held = self.attn[layer][1].groups
+                out.setdefault(session, {})[layer] = {g: self._group_kv(caches[layer], held.index(g)) for g in gs}
+        return out
+
+    def open(self, session: str, capacity: int, rows: int = 1) -> None:
+        self.capacity[session] = capacity
+        self.sessions[session] = {layer: KVCache(1, block.n_kv, self.cfg.head_dim, capacity, self.dtype, rows=rows)
+                                  for layer, (_, block) in self.attn.items()}
+
+    def release(self, session: str) -> None:
+        self.sessions.pop(session, None)
+        self.capacity.pop(session, None)
+
+    def truncate(self, session: str, length: int) -> None:
+        for cache in self._caches(session).values():
+            cache.truncate(length)
+
+    def kv_bytes(self) -> int:
+        """Bytes of every session's caches here."""
+        return sum(c.nbytes for caches in self.sessions.values() for c in caches.values())
+
+    def memory_bytes(self) -> int:
+        """Bytes of the blocks' weights and the caches."""
+        modules = [m for pair in [*self.attn.values(), *self.ffn.values()] for m in pair]
+        return sum(p.nbytes for m in modules for p in m.parameters()) + self.kv_bytes()
+
+    def _caches(self, session: str) -> dict[int, KVCache]:
+        if session not in self.sessions:
+            raise SessionError(f"no session {session!r} here")
+        return self.sessions[session]
+
+    @torch.inference_mode()
+    def attend(self, session: str, layer: int, x: torch.Tensor, positions: torch.Tensor, start: int,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """x [B, T, H] (the layer's input) at positions [B, T], its keys and values cached at slots start.. ->
+        this device's partial attention output [B, T, H]. mask [B, T, start+T] (None: causal)."""
+        if layer not in self.attn:
+            raise ValueError(f"layer {layer} has no KV groups here")
+        cache = self._caches(session)[layer]
+        b, t, _ = x.shape
+        cache.check_write(start, t, b)
+        cache.ensure(start + t)
+        if mask is None and t > 1:
+            mask = causal_mask(start, t)
+        elif mask is not None and mask.dim() == 3:
+            mask = mask.unsqueeze(1)  # broadcast over heads
+        norm, block = self.attn[layer]
+        out = block(norm(x.to(self.dtype)), self.rotary(positions), cache, 0, start, mask)
+        cache.length = start + t
+        return out
+
+    @torch.inference_mode()
+    def feed_forward(self, layer: int, z: torch.Tensor) -> torch.Tensor:
+        """Z [B, T, H] -> the layer's output X [B, T, H]."""
+        if layer not in self.ffn:
+            raise ValueError(f"layer {layer}'s FFN is not here")
+        norm, ffn = self.ffn[layer]
+        z = z.to(self.dtype)
+        return z + ffn(norm(z))
