@@ -185,6 +185,8 @@ class HeadSplitPipeline:
             log.warning("a HeadSplit device passed %.0f%% of its memory and no placement fits: %s",
                         100 * watch.threshold, exc)
             return False
+        if layers == self.layers:  # nothing better to move to
+            return False
         self.move_to(layers)
         return True
 

@@ -58,7 +58,8 @@ class ServeSettings(BaseSettings):
     draft_k_max: int = Field(8, ge=1, le=32)
     speculative_drafter: str | None = Field(None, description="the plain `speculative` policy's drafter")
     headsplit: bool = Field(True, description="offer the `headsplit` policy (its blocks load at its first request)")
-    headsplit_epsilon: float = Field(0.05, ge=0, description="`headsplit`'s default speculation tolerance "
+    headsplit_epsilon: float = Field(0.05, ge=0, allow_inf_nan=False, description="`headsplit`'s default "
+                                     "speculation tolerance "
                                      "||Z - X|| / ||X||; it also picks the profiled acceptance the placement uses")
     headsplit_profile: str | None = Field(None, description="HeadSplit profile JSON (default: the shipped one for "
                                           "the served model, from `edgespec profile-headsplit`)")
