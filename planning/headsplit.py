@@ -20,10 +20,11 @@ stream of tokens the layers run one after another, so spreading the FFNs by load
 per layer and balance nothing; the load decides between devices the links do not separate, and memory spreads
 the blocks once a device is full. The projection device runs the step's schedule (model/headsplit.py), so it
 changes only when the links or memory say so. Then each layer's KV groups, one at a time, go to the device that
-keeps the layer's attention time (slowest device's groups plus its link to the projection device) least, where a
-speculating layer's attention must fit in the previous layer's FFN time (a layer that cannot is placed without
-speculation) and avoids the device computing that FFN. Link times are the measured round trips plus the
-profile's 15% margin.
+keeps the layer's attention time (slowest device's groups plus its round trip from and to the projection
+device) least; a speculating layer's groups avoid the device computing the previous FFN, and the speculation
+test is taken again with the attention time of the groups as placed (the overlap it gains is at most the
+previous FFN time: min(T_FFN, T_attn)); a layer that fails it is placed as a plain one. Link times are the
+measured round trips plus the profile's 15% margin.
 """
 
 from __future__ import annotations

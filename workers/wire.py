@@ -54,7 +54,7 @@ def decode_group_kv(body: bytes) -> dict:
     out: dict = {}
     for name, t in tensors.items():
         parts = name.split("/")
-        if len(parts) != 4 or not parts[1].isdigit() or not parts[2].isdigit() or parts[3] not in "kv":
+        if len(parts) != 4 or not parts[1].isdigit() or not parts[2].isdigit() or parts[3] not in ("k", "v"):
             raise WireError(f"{name!r} is not SESSION/LAYER/GROUP/k or v")
         if not t.is_floating_point() or t.dim() != 4 or t.shape[:2] != (1, 1):
             raise WireError(f"{name} must be float [1, 1, length, head_dim], got {t.dtype} {list(t.shape)}")
