@@ -41,7 +41,7 @@ from model.config import ModelConfig
 from model.source import resolve_model
 from model.stack import LayerStack, TokenEnds
 from model.timing import model_card
-from model.weights import TensorSource
+from model.weights import open_source
 from planning.headsplit import LayerPlace, head_card, place, profiled_alphas, profiled_devices, spread
 from workers.cluster import launch_local_workers, wait_healthy
 from workers.head_client import remote_headsplit
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     files = resolve_model(None)
     cfg = ModelConfig.from_folder(files.folder)
-    ends = TokenEnds.load(TensorSource(files.folder), cfg, torch.bfloat16)
+    ends = TokenEnds.load(open_source(files.folder), cfg, torch.bfloat16)
     from transformers import AutoTokenizer
 
     prompt = chat_ids(AutoTokenizer.from_pretrained(files.folder), [{"role": "user", "content": PROMPT}])
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         config.stop()
     if args.perplexity and placements and record:
-        src = TensorSource(files.folder)
+        src = open_source(files.folder)
         stack = LayerStack.load(src, cfg, 0, cfg.n_layers, torch.float32)
         ends32, rows = TokenEnds.load(src, cfg, torch.float32), heldout_rows(files, record, args.data)
         exact = held_out_perplexity(stack, ends32, rows, 0.0)["perplexity"]

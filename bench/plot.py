@@ -35,3 +35,31 @@ def plot_results(results: dict, path: Path) -> None:
         ("median decode tokens/s", names, [r["median_decode_tokens_per_s"] or 0 for _, r in rows]),
         ("median time to first token (ms)", names, [r["median_ttft_ms"] or 0 for _, r in rows]),
     ])
+
+
+def plot_versus(results: dict, path: Path) -> None:
+    """Median decode speed per configuration of `edgespec bench-peer`, llama.cpp's bar highlighted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["configurations"]
+    names = [f"{r['server']}\n{r['format']}" + ("" if r["server"] == r["policy"] else f"\n{r['policy']}")
+             for r in rows]
+    values = [r["median_decode_tokens_per_s"] or 0 for r in rows]
+    colors = ["tab:orange" if r["server"] == "llama.cpp" else "tab:blue" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(rows) + 2), 4.5))
+    ax.bar(names, values, color=colors)
+    for x, (v, r) in enumerate(zip(values, rows, strict=True)):
+        ratio = r.get("ratio_to_llama_cpp")
+        label = f"{v:.1f}" + (f"\n×{ratio:.2f}" if ratio and r["server"] != "llama.cpp" else "")
+        ax.annotate(label, (x, v), ha="center", va="bottom")
+    ax.set_ylabel("median decode tokens/s")
+    ax.set_ylim(0, max(values, default=1) * 1.25 or 1)
+    s, m = results["settings"], results["machine"]
+    ax.set_title(f"same GGUF, {s['prompts']} prompts, max {s['max_tokens']} new tokens, greedy\n{m['cpu_model']}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

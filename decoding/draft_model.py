@@ -17,11 +17,12 @@ from decoding.sampling import Sampler
 from decoding.types import SamplingParams
 from model.config import ModelConfig
 from model.kv_cache import KVCache
-from model.load import DTYPES, load_tokenizer
+from model.linear import weight_format
+from model.load import load_tokenizer
 from model.prefix import common_prefix
 from model.source import resolve_model
 from model.stack import LayerStack, TokenEnds
-from model.weights import TensorSource
+from model.weights import open_source
 
 
 def runs(layers: list[int]) -> list[tuple[int, int]]:
@@ -61,7 +62,7 @@ class DraftModel:
         cfg = ModelConfig.from_folder(files.folder)
         if target_tokenizer is not None:
             check_tokenizer(name, load_tokenizer(files), target_tokenizer)
-        src, torch_dtype = TensorSource(files.folder), DTYPES[dtype]
+        src, torch_dtype = open_source(files), weight_format(dtype)
         keep = list(range(cfg.n_layers)) if layers is None else layers
         if not keep or min(keep) < 0 or max(keep) >= cfg.n_layers:
             raise ValueError(f"draft {name!r}: layers {keep} are not within the model's {cfg.n_layers}")

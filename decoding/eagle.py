@@ -31,7 +31,7 @@ from decoding.types import SamplingParams
 from model.blocks import DecoderLayer, Rotary
 from model.config import ModelConfig
 from model.kv_cache import KVCache
-from model.packed import pack_linears
+from model.linear import pack_linears
 from model.stack import TokenEnds
 
 

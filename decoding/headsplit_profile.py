@@ -26,7 +26,7 @@ from model.drift import acceptance, drift, speculating_forward, time_blocks
 from model.source import resolve_model
 from model.stack import LayerStack, TokenEnds
 from model.timing import model_card
-from model.weights import TensorSource
+from model.weights import open_source
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PROFILES = Path(__file__).resolve().parents[1] / "config" / "profiles"
@@ -60,7 +60,7 @@ def profile(args: argparse.Namespace) -> dict:
     console = Console()
     files = resolve_model(args.model)
     cfg = ModelConfig.from_folder(files.folder)
-    src = TensorSource(files.folder)
+    src = open_source(files.folder)
     args.work.mkdir(parents=True, exist_ok=True)
     prompts = training_prompts(args.data)[:args.prompts + args.heldout]
     both = generate_answers(files.folder, prompts, args.work / "answers.jsonl", args.max_new_tokens, args.gen_batch)

@@ -25,7 +25,7 @@ from torch import nn
 from decoding.medusa_tree import Tree
 from decoding.target_fit import check_target, restricted_head, target_metadata
 from model.config import ModelConfig
-from model.packed import pack_linears
+from model.linear import pack_linears
 from model.stack import TokenEnds
 
 DEFAULT_TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0]]  # used when a file names none

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model.packed import pack_linears
+from model.linear import pack_linears
 from model.stack import TokenEnds
 
 SHIPPED = Path(__file__).parent / "trained"  # add-ons trained for the embedded model, in the repository
@@ -18,7 +18,7 @@ SHIPPED = Path(__file__).parent / "trained"  # add-ons trained for the embedded 
 def fingerprint(ends: TokenEnds) -> list[float]:
     """A few numbers that tell the target apart: sums of embedding rows spread over the vocabulary."""
     rows = torch.linspace(0, ends.cfg.vocab_size - 1, 16).long()
-    return [round(float(v), 3) for v in ends.embed.weight[rows].float().sum(dim=1)]
+    return [round(float(v), 3) for v in ends.embed.dense()[rows].float().sum(dim=1)]
 
 
 def target_metadata(ends: TokenEnds) -> dict[str, str]:

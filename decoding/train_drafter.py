@@ -35,7 +35,7 @@ from decoding.types import SamplingParams
 from model.config import ModelConfig
 from model.source import resolve_model
 from model.stack import TokenEnds
-from model.weights import TensorSource
+from model.weights import TensorSource, open_source
 
 
 class Example:
@@ -182,7 +182,7 @@ def distill_set(args: argparse.Namespace, rng: random.Random, console: Console) 
     """Generate (or reuse from --work) the target's answers and features; split off --holdout of the prompts."""
     files = resolve_model(args.model)
     cfg = ModelConfig.from_folder(files.folder)
-    src = TensorSource(files.folder)
+    src = open_source(files.folder)
     ends = TokenEnds.load(src, cfg, torch.float32)
     args.work.mkdir(parents=True, exist_ok=True)
     prompts = training_prompts(args.data)
@@ -216,7 +216,7 @@ def train(args: argparse.Namespace) -> dict:
     cfg, ends, vocab, train_set, test_set = data.cfg, data.ends, data.vocab, data.train_set, data.test_set
     net = FeatureNet(cfg, vocab)  # random start: measured better than starting from the target's last layer
     net.requires_grad_(True)
-    head = ends.lm_head.weight.detach()[vocab]  # [N, H]
+    head = ends.lm_head.dense().detach()[vocab]  # [N, H]
     groups = batches(train_set, args.batch_tokens, rng)
     total = args.epochs * len(groups)
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=args.weight_decay)

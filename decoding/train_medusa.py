@@ -157,7 +157,7 @@ def train(args: argparse.Namespace) -> dict:
     data: DistillSet = distill_set(args, rng, console)
     args.out = args.out or SHIPPED / "smollm2-135m-instruct-medusa.safetensors"
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    head = data.ends.lm_head.weight.detach()[data.vocab]  # [N, H], frozen
+    head = data.ends.lm_head.dense().detach()[data.vocab]  # [N, H], frozen
     if args.retree:
         net, record = load_net(args.out, data.cfg), json.loads(args.out.with_suffix(".json").read_text())
     else:

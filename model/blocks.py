@@ -17,6 +17,18 @@ from model.config import ModelConfig, rope_inv_freq
 from model.kv_cache import KVCache
 
 
+def kernels():
+    """The compiled float32 kernels (model/kernels): one call per op, each row in a fixed order."""
+    from model.linear import compiled
+
+    return compiled()
+
+
+def fused(width: int) -> bool:
+    # the kernels' vector loops take rows in multiples of 8 floats
+    return width % 8 == 0
+
+
 class RMSNorm(nn.Module):
     """RMS norm with its statistics in float32 (bf16 ones derail the model). In bf16 the normalised
     values are cast back before the weight multiplies them, as the reference does: the order of those
@@ -29,6 +41,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., H] -> [..., H]
+        if x.dtype == torch.float32 and fused(x.shape[-1]):
+            return kernels().rms_norm(x, self.weight, self.eps)
         # torch.rms_norm, not F.rms_norm: the functional wrapper's checks cost more than the math here
         if x.dtype == torch.float32:
             return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -39,14 +53,10 @@ class Rotary(nn.Module):
     """Rotary position embedding: cos/sin tables looked up by position id.
 
     Called with positions [B, T], it returns the function that rotates q or k [B, heads, T, hd] at those
-    positions. A decoding step pays one dispatch per tensor op, and on a small CPU those dominate once the
-    weights stream at memory speed, so for a few tokens the rotation is one matmul with a per-token matrix
-    M = diag(cos) + P diag(sin) (P the signed rotate-half permutation) instead of six elementwise ops. From
-    two tokens on the elementwise ops win (measured on SmolLM2, bf16, a pass of 2 / 5 / 16 tokens: 25.3 / 28.3
-    / 46.6 ms against 26.5 / 30.7 / 53.5 ms with matrices), so only a single token uses the matrix.
+    positions. Every pass size uses the same elementwise ops, so a position's rotated q and k are bitwise the
+    same alone or in a pass of many tokens (a matrix form for single tokens was faster in bf16 but rounded
+    differently from the elementwise form, which broke the exact policies in the served format).
     """
-
-    MATRIX_TOKENS = 1  # up to this many tokens per forward, rotate with matrices
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
@@ -55,28 +65,13 @@ class Rotary(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, hd]
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
-        hd, half = cfg.head_dim, cfg.head_dim // 2
-        # rotate_half(x) = x @ P: out[i] = -x[i + half] for i < half, x[i - half] for i >= half
-        perm = torch.zeros(hd, hd, dtype=dtype)
-        perm[torch.arange(half) + half, torch.arange(half)] = -1
-        perm[torch.arange(half), torch.arange(half) + half] = 1
-        self.register_buffer("perm", perm, persistent=False)
 
     def forward(self, positions: torch.Tensor):
         # positions [B, T] -> function x [B, heads, T, hd] -> rotated x [B, heads, T, hd]
-        b, t = positions.shape
-        cos, sin = self.cos[positions], self.sin[positions]  # [B, T, hd]
-        if b * t > self.MATRIX_TOKENS:
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
-            return lambda x: apply_rotary(x, cos, sin)
-        # [B, T, hd, hd] with x_row @ M = rotated x_row; in float32, where small matmuls are fast on CPU
-        # (3 us against 21 us in bf16) and the one rounding afterwards is no coarser than the reference's
-        mats = (torch.diag_embed(cos) + self.perm * sin.unsqueeze(-2)).float()
-        if b == 1 and t == 1:
-            m = mats[0, 0]
-            return lambda x: (x.float() @ m).to(x.dtype)
-        mats = mats.unsqueeze(1)  # [B, 1, T, hd, hd]
-        return lambda x: (x.float().unsqueeze(-2) @ mats).squeeze(-2).to(x.dtype)
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [B, 1, T, hd]
+        if cos.dtype == torch.float32 and fused(cos.shape[-1]):
+            return lambda x: kernels().rope(x, cos, sin)
+        return lambda x: apply_rotary(x, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -110,10 +105,34 @@ class AttentionBlock(nn.Module):
         qk = rope(qkv[:, : self.n_q + self.n_kv])  # q and k rotated together
         q, k, v = qk[:, : self.n_q], qk[:, self.n_q :], qkv[:, self.n_q + self.n_kv :]
         keys, values = cache.write(layer, start, k, v)  # [B, n_kv, S, hd]
-        # mask None means every cached slot is visible (one query token at the end of the cache).
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_q != self.n_kv)
+        attn = attend(q, keys, values, start, mask, self.n_q != self.n_kv)  # [B, n_q, T, hd]
         out = attn.reshape(b, 1, self.n_q * self.hd) if t == 1 else attn.transpose(1, 2).reshape(b, t, -1)
         return self.o(out)
+
+
+def causal_mask(start: int, t: int) -> torch.Tensor:
+    """Bool mask [T, start+T]: the query in slot start+i sees slots 0..start+i."""
+    slots = torch.arange(start + t)
+    return slots.unsqueeze(0) <= (start + torch.arange(t)).unsqueeze(1)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, mask, gqa: bool) -> torch.Tensor:
+    """Attention of queries q [B, n_q, T, hd] at slots start.. over keys, values [B, n_kv, start+T, hd].
+
+    mask: bool [T, start+T], [B or 1, T, start+T] or [B or 1, 1, T, start+T] of visible slots, or None
+    (causal by slot). In float32 each query row attends in its own fixed order over exactly the slots it
+    sees (model/kernels/ops.cpp): the same arithmetic as when that position is decoded alone. One SDPA call
+    over all rows with a mask splits and sums the softmax differently by pass length (and, measured here,
+    by a row's place in a batch), so a verification pass of K tokens rounded differently from K single-token
+    steps and flipped near-ties. bf16 and fp16 keep that one call: they are not exact across pass shapes.
+    """
+    if mask is not None:
+        mask = mask.view(-1, 1, *mask.shape[-2:])
+    if q.dtype == torch.float32 and fused(q.shape[-1]):
+        return kernels().attention(q, keys, values, start, mask)
+    if mask is None and q.shape[2] > 1:
+        mask = causal_mask(start, q.shape[2])
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
 
 
 class FFN(nn.Module):
@@ -128,7 +147,10 @@ class FFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [B, T, H] -> [B, T, H]
-        gate, up = self.gate_up(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up(x)
+        if gate_up.dtype == torch.float32:
+            return self.down(kernels().silu_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down(F.silu(gate) * up)
 
 

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 import torch
 
-from model.blocks import FFN, AttentionBlock
+from model.blocks import FFN, AttentionBlock, causal_mask
 from model.kv_cache import KVCache
-from model.packed import pack_linears
-from model.stack import LayerStack, causal_mask
+from model.linear import pack_linears
+from model.stack import LayerStack
 from model.timing import median_ms
 
 

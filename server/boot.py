@@ -15,13 +15,14 @@ from decoding.medusa_heads import MedusaModel
 from decoding.target_fit import SHIPPED
 from model.config import ModelConfig
 from model.headsplit import HeadSplitPipeline, MemoryWatch
-from model.load import DTYPES, LoadedModel, load_local, load_with_pipeline
+from model.linear import weight_format
+from model.load import LoadedModel, load_local, load_with_pipeline
 from model.prefix import PrefixCache
 from model.runner import ModelRunner
 from model.source import ModelFiles, resolve_model
 from model.thread import ModelThread
 from model.timing import model_card
-from model.weights import TensorSource
+from model.weights import open_source
 from planning.headsplit import head_card, place, profiled_alphas, profiled_devices
 from planning.plan import Plan, PlanOptions
 from planning.profile import ClusterProfile
@@ -121,16 +122,16 @@ def headsplit_runner(settings: ServeSettings, loaded: LoadedModel, cluster: Clus
         return None
 
     def build() -> ModelRunner:
-        cfg, dtype = loaded.cfg, DTYPES[settings.dtype]
+        cfg, dtype = loaded.cfg, weight_format(settings.dtype)
         record = load_profile(loaded.files.name, Path(settings.headsplit_profile) if settings.headsplit_profile
                               else None)
-        card = head_card(model_card(cfg, loaded.files.name, dtype))
+        card = head_card(model_card(cfg, loaded.files.name, dtype, loaded.files.gguf is not None))
         context = min(settings.plan_context, cfg.max_position_embeddings)
         alphas = profiled_alphas(record, cfg.n_layers, settings.headsplit_epsilon)
         if cluster is None:
             layers = place(profiled_devices(record, {"local": 2**62}, context), card, alphas, lambda a, b: 0.0,
                            context)
-            pipe = HeadSplitPipeline.local(TensorSource(loaded.files.folder), cfg, dtype, layers,
+            pipe = HeadSplitPipeline.local(open_source(loaded.files), cfg, dtype, layers,
                                            settings.headsplit_epsilon)
         else:
             urls = {m.name: m.url for m in cluster.members.values() if m.up}

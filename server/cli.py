@@ -1,4 +1,4 @@
-"""`edgespec` command line: serve, worker, profile, plan, bench."""
+"""`edgespec` command line: serve, worker, profile, plan, bench, bench-peer."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from pathlib import Path
 
 from planning.cli import add_plan_parser
 
+# model/linear.py's weight formats (the CLI parses arguments without importing torch)
+FORMATS = ["auto", "q4_1", "q8_0", "float32", "bfloat16", "float16"]
+
 
 def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model through the OpenAI-compatible API")
@@ -19,7 +22,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--port", type=int)
     p.add_argument("--api-key")
     p.add_argument("--policy", help="default decoding policy")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--weights", "--dtype", dest="dtype", choices=FORMATS,
+                   help="weight format (default auto: a GGUF's own quantization, float32 for a folder)")
     p.add_argument("--threads", type=int)
     p.add_argument("--kv-cache-gib", type=float)
     p.add_argument("--log-level")
@@ -67,7 +71,7 @@ def _profile_parser(sub) -> None:
     where.add_argument("--cluster", help="TOML file naming running workers")
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--model", help="Hugging Face folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--weights", "--dtype", dest="dtype", default="auto", choices=FORMATS)
     p.add_argument("--worker-cpus", help="CPU sets of the local workers, e.g. '0;1'")
     p.add_argument("--worker-threads", type=int, default=0)
     p.add_argument("--tokens", help="comma-separated tokens-per-pass points (default 1,2,4,...,512)")
@@ -104,6 +108,25 @@ def _bench_parser(sub) -> None:
     p.add_argument("--model", help="model for the transformers baseline (default: the embedded one)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--out", required=True, help="folder for results.json and plots")
+
+
+def _bench_peer_parser(sub) -> None:
+    p = sub.add_parser("bench-peer", help="edgespec against llama.cpp's server on the same GGUF, one at a time")
+    p.add_argument("--prompts", required=True, help="JSONL file (fields turns, Instruction, instruction or prompt)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--limit", type=int, help="use the first N prompts only")
+    p.add_argument("--formats", default="auto",
+                   help="comma-separated edgespec weight formats, each passed as `serve --weights FORMAT` "
+                        "('default': no --weights)")
+    p.add_argument("--policies", default="naive,speculative", help="comma-separated edgespec policies")
+    p.add_argument("--edgespec-args", default="",
+                   help="more `edgespec serve` arguments, one string: --edgespec-args='--threads 2'")
+    p.add_argument("--llama-python", help="llama-cpp-python's interpreter (default: $EDGESPEC_LLAMA_PYTHON, "
+                                          "else /root/llamacpp-venv/bin/python, made by `make peer-env`)")
+    p.add_argument("--llama-threads", type=int, default=2, help="llama.cpp's --n_threads")
+    p.add_argument("--llama-ctx", type=int, default=2048, help="llama.cpp's --n_ctx")
+    p.add_argument("--ready-timeout-s", type=float, default=600, help="how long a server may take to start")
+    p.add_argument("--out", required=True, help="folder for versus.json, versus.png and the servers' logs")
 
 
 def _distill_arguments(p: argparse.ArgumentParser) -> None:
@@ -244,6 +267,12 @@ def bench(args: argparse.Namespace) -> None:
     run_bench(args)
 
 
+def bench_peer(args: argparse.Namespace) -> None:
+    from bench.versus import run_versus
+
+    run_versus(args)
+
+
 def train_drafter(args: argparse.Namespace) -> None:
     from decoding.train_drafter import train
 
@@ -281,12 +310,13 @@ def main(argv: list[str] | None = None) -> None:
     _profile_parser(sub)
     add_plan_parser(sub)
     _bench_parser(sub)
+    _bench_peer_parser(sub)
     _train_parsers(sub)
     _headsplit_parser(sub)
     args = parser.parse_args(argv)
     try:
         commands = {"serve": serve, "worker": worker, "profile": profile, "plan": plan, "bench": bench,
-                    "train-drafter": train_drafter, "train-medusa": train_medusa,
+                    "bench-peer": bench_peer, "train-drafter": train_drafter, "train-medusa": train_medusa,
                     "profile-headsplit": profile_headsplit, "compare-headsplit": compare_headsplit}
         commands[args.command](args)
     except (FileNotFoundError, ValueError) as exc:

@@ -19,7 +19,9 @@ class ServeSettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' on /v1 routes")
     policy: str = Field("naive", description="default decoding policy")
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    dtype: Literal["auto", "q4_1", "q8_0", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weight format (`--weights`; see model/linear.py): auto keeps a GGUF's own "
+        "quantization; q4_1 / q8_0 quantize at load; float32 / bfloat16 / float16 dequantize")
     threads: int = Field(0, ge=0, description="torch threads for the model; 0: all cores")
     kv_cache_gib: float = Field(2.0, gt=0, description="memory bound for all sessions' KV caches")
     max_request_bytes: int = Field(4 * 2**20, gt=0)

@@ -15,7 +15,7 @@ import torch
 from model.config import ModelConfig
 from model.kv_cache import KVCache
 from model.stack import LayerStack, TokenEnds
-from model.weights import TensorSource
+from model.weights import open_source
 
 TINY_CONFIG = {
     "hidden_size": 64,
@@ -61,16 +61,21 @@ def make_tiny_model(folder: Path | str, seed: int = 0, **overrides) -> Path:
 
 
 def smollm2_folder() -> Path:
-    """The SmolLM2-135M-Instruct safetensors folder (converted once from the packaged GGUF; offline)."""
+    """The SmolLM2-135M-Instruct cache folder (config and tokenizer of the packaged GGUF, which holds its weights)."""
     from model.source import resolve_model
 
     return resolve_model(None).folder
 
 
 def load_reference(folder: Path | str):
-    """transformers' model for `folder` in float32, in eval mode."""
+    """transformers' model for `folder` in float32, in eval mode (a GGUF's cache folder: from its GGUF file)."""
     from transformers import AutoModelForCausalLM
 
+    from model.source import resolve_model
+
+    gguf = resolve_model(str(folder)).gguf
+    if gguf is not None:
+        return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
@@ -125,9 +130,9 @@ class Blocks:
 
 
 def load_blocks(folder: Path | str, dtype: torch.dtype = torch.float32) -> Blocks:
-    """Our block model for `folder`, loaded through TensorSource and ModelConfig."""
+    """Our block model for `folder`, loaded through open_source and ModelConfig."""
     cfg = ModelConfig.from_folder(Path(folder))
-    src = TensorSource(Path(folder))
+    src = open_source(Path(folder))
     return Blocks(cfg, TokenEnds.load(src, cfg, dtype), LayerStack.load(src, cfg, 0, cfg.n_layers, dtype))
 
 
@@ -136,7 +141,7 @@ def make_feature_drafter(folder: Path | str, out: Path, seed: int = 0, every: in
     from decoding.eagle import FeatureNet
 
     cfg = ModelConfig.from_folder(Path(folder))
-    ends = TokenEnds.load(TensorSource(Path(folder)), cfg, torch.float32)
+    ends = TokenEnds.load(open_source(Path(folder)), cfg, torch.float32)
     torch.manual_seed(seed)
     net = FeatureNet(cfg, torch.arange(0, cfg.vocab_size, every))
     net.save(out, ends, {"random": True, "seed": seed})
@@ -150,7 +155,7 @@ def make_medusa_heads(folder: Path | str, out: Path, vocab: list[int], tree: lis
     from decoding.medusa_heads import MedusaNet
 
     cfg = ModelConfig.from_folder(Path(folder))
-    ends = TokenEnds.load(TensorSource(Path(folder)), cfg, torch.float32)
+    ends = TokenEnds.load(open_source(Path(folder)), cfg, torch.float32)
     torch.manual_seed(seed)
     net = MedusaNet(cfg, n_heads, torch.tensor(sorted(vocab)))
     with torch.no_grad():

@@ -23,7 +23,7 @@ from model.load import load_local
 from model.source import resolve_model
 from model.stack import TokenEnds
 from model.thread import ModelThread
-from model.weights import TensorSource
+from model.weights import open_source
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def target(tmp_path_factory):
 
 def ends_of(folder, dtype=torch.float32) -> TokenEnds:
     cfg = ModelConfig.from_folder(folder)
-    return TokenEnds.load(TensorSource(folder), cfg, dtype)
+    return TokenEnds.load(open_source(folder), cfg, dtype)
 
 
 def reference_drafts(model: FeatureDraftModel, f: torch.Tensor, tokens: list[int], first: int, k: int) -> list[int]:
@@ -48,7 +48,7 @@ def reference_drafts(model: FeatureDraftModel, f: torch.Tensor, tokens: list[int
         t = len(ids)
         positions = torch.arange(first + 1, first + 1 + t).unsqueeze(0)
         out = ends.norm(net.block(torch.stack(g).unsqueeze(0), ends.embed(torch.tensor([ids])), positions))
-        token = int(net.vocab[(out[0, -1] @ ends.lm_head.weight[net.vocab].T).argmax()])
+        token = int(net.vocab[(out[0, -1] @ ends.lm_head.dense()[net.vocab].T).argmax()])
         drafts.append(token)
         g.append(out[0, -1])
         ids.append(token)

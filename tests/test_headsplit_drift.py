@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from model.blocks import causal_mask
 from model.drift import acceptance, drift, speculating_forward, time_blocks
-from model.stack import causal_mask
 
 
 def test_drift_is_the_relative_change_the_ffn_makes(tiny_loaded):

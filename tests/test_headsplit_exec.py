@@ -12,7 +12,7 @@ from model.drift import speculating_forward
 from model.head_blocks import HeadBlocks
 from model.headsplit import HeadSplitPipeline, MemoryWatch, blocks_of
 from model.timing import model_card
-from model.weights import TensorSource
+from model.weights import open_source
 from planning.headsplit import LayerPlace, head_card, place, profiled_devices
 
 IDS = [(i * 11) % 70 + 100 for i in range(14)]
@@ -51,7 +51,7 @@ def split_run(loaded, pipe: HeadSplitPipeline, ids: list[int], prefill: int, eps
 
 @pytest.fixture(scope="module")
 def src(tiny):
-    return TensorSource(tiny)
+    return open_source(tiny)
 
 
 @pytest.mark.parametrize("where", ["2 devices", "3 devices"])

@@ -18,7 +18,7 @@ from test_headsplit_exec import watch_for
 from model.config import ModelConfig
 from model.headsplit import HeadSplitPipeline, blocks_of
 from model.stack import LayerStack, TokenEnds
-from model.weights import TensorSource
+from model.weights import open_source
 from planning.headsplit import LayerPlace
 from workers.head_client import remote_headsplit
 
@@ -27,7 +27,7 @@ IDS = [(i * 13) % 300 + 400 for i in range(12)]
 
 def exact(folder, ids: list[int], prefill: int) -> list[torch.Tensor]:
     cfg = ModelConfig.from_folder(folder)
-    src = TensorSource(folder)
+    src = open_source(folder)
     stack, ends = LayerStack.load(src, cfg, 0, cfg.n_layers, torch.float32), TokenEnds.load(src, cfg, torch.float32)
     cache = stack.new_cache(len(ids))
     outs = [stack(ends.embed_tokens(torch.tensor([ids[:prefill]])), torch.arange(prefill)[None], cache, 0)]
@@ -39,7 +39,7 @@ def exact(folder, ids: list[int], prefill: int) -> list[torch.Tensor]:
 def run(pipe, folder, ids: list[int], prefill: int, epsilon: float) -> tuple[list[torch.Tensor], int]:
     """The outputs of a prefill then one token at a time, and how many speculations were discarded."""
     cfg = ModelConfig.from_folder(folder)
-    ends = TokenEnds.load(TensorSource(folder), cfg, torch.float32)
+    ends = TokenEnds.load(open_source(folder), cfg, torch.float32)
     pipe.open("s", len(ids), epsilon=epsilon)
     try:
         outs = [pipe.forward("s", ends.embed_tokens(torch.tensor([ids[:prefill]])), torch.arange(prefill)[None], 0)]
@@ -100,11 +100,11 @@ def test_tiny_over_two_workers(workers, tiny):
     # gathered at one worker with speculation kept: the same outputs and counts as the schedule in-process,
     # and the controller sends one call per step
     layers = spread(cfg, list(urls), True, one_proj=True)
-    local = HeadSplitPipeline.local(TensorSource(folder), cfg, torch.float32, layers)
+    local = HeadSplitPipeline.local(open_source(folder), cfg, torch.float32, layers)
     pipe = remote_headsplit(urls, token, layers, cfg, model=folder)
     for p in (local, pipe):
         p.open("s", len(IDS), epsilon=1.0)
-    ends = TokenEnds.load(TensorSource(folder), cfg, torch.float32)
+    ends = TokenEnds.load(open_source(folder), cfg, torch.float32)
     for p in range(5, len(IDS) + 1):
         ids, pos = (IDS[:5], torch.arange(5)[None]) if p == 5 else ([IDS[p - 1]], torch.tensor([[p - 1]]))
         start = 0 if p == 5 else p - 1

@@ -13,14 +13,14 @@ from model.config import ModelConfig
 from model.prefix import PrefixCache, common_prefix
 from model.stack import LayerStack
 from model.stage import CapacityError, LocalStage, Pipeline
-from model.weights import TensorSource
+from model.weights import open_source
 
 PROMPT = [(7 * i + 3) % 500 + 10 for i in range(37)]  # 37 tokens: no cut size below divides it
 
 
 def stages(folder, bounds: list[int], budget: int = 2**30) -> Pipeline:
     cfg = ModelConfig.from_folder(folder)
-    src = TensorSource(folder)
+    src = open_source(folder)
     return Pipeline([LocalStage(LayerStack.load(src, cfg, a, b, torch.float32), budget)
                      for a, b in zip([0, *bounds], [*bounds, cfg.n_layers], strict=True)])
 

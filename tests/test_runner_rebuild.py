@@ -12,12 +12,12 @@ from model.config import ModelConfig
 from model.runner import SessionLostError
 from model.stack import LayerStack
 from model.stage import LocalStage, Pipeline
-from model.weights import TensorSource
+from model.weights import open_source
 
 
 def split_pipeline(folder, cut: int) -> Pipeline:
     cfg = ModelConfig.from_folder(folder)
-    src = TensorSource(folder)
+    src = open_source(folder)
     return Pipeline([LocalStage(LayerStack.load(src, cfg, 0, cut, torch.float32), 2**30),
                      LocalStage(LayerStack.load(src, cfg, cut, cfg.n_layers, torch.float32), 2**30)])
 

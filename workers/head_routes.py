@@ -33,10 +33,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from model.config import ModelConfig
 from model.head_blocks import HeadBlocks
 from model.headsplit import HeadSplitPipeline, SpeculationStats, blocks_of, check_placement, devices_named
-from model.load import DTYPES
+from model.linear import weight_format
 from model.source import resolve_model
 from model.stage import SessionError
-from model.weights import TensorSource
+from model.weights import open_source
 from planning.headsplit import LayerPlace
 from workers.host import NotAssignedError
 from workers.wire import WireError, decode, decode_group_kv, encode, encode_group_kv
@@ -89,8 +89,7 @@ class HeadHost:
     def assign(self, model: str | None, groups: dict[int, list[int]], ffns: list[int], dtype: str,
                name: str | None = None, placement: list[dict] | None = None, peers: dict[str, str] | None = None
                ) -> dict:
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}")
+        fmt = weight_format(dtype)
         files = resolve_model(model if model is not None else self.default_model)
         cfg = ModelConfig.from_folder(files.folder)
         self.check_blocks(cfg, groups, ffns)
@@ -104,7 +103,7 @@ class HeadHost:
             if missing:
                 raise ValueError(f"the placement names devices with no URL: {sorted(missing)}")
         self.close()  # free the old blocks and connections first
-        self.blocks = HeadBlocks(TensorSource(files.folder), cfg, DTYPES[dtype], groups, ffns)
+        self.blocks = HeadBlocks(open_source(files), cfg, fmt, groups, ffns)
         self.name = name
         if layers is not None:
             reach = self.connect(len(peers or {}) + 2)  # a thread per device, and the previous layer's FFN

@@ -16,12 +16,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 from model.config import ModelConfig
-from model.load import DTYPES
+from model.linear import bytes_per_param, linear_bytes, weight_format
 from model.source import resolve_model
 from model.stack import LayerStack
 from model.stage import LocalStage
 from model.timing import PROFILE_LAYERS, time_layers
-from model.weights import TensorSource
+from model.weights import open_source
 from workers.settings import WorkerSettings
 from workers.wire import WireError, decode, encode
 
@@ -73,14 +73,12 @@ class StageHost:
 
     def assign(self, model: str | None, first: int, last: int, dtype: str) -> dict:
         """Load layers [first, last) of `model` (reading only their tensors); drops every session."""
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}")
+        fmt = weight_format(dtype)
         files = resolve_model(model if model is not None else self.settings.model)
         cfg = ModelConfig.from_folder(files.folder)
         if not 0 <= first < last <= cfg.n_layers:
             raise ValueError(f"layer range [{first}, {last}) is outside the model's {cfg.n_layers} layers")
-        torch_dtype = DTYPES[dtype]
-        weight_bytes = (last - first) * cfg.layer_param_count() * torch.finfo(torch_dtype).bits // 8
+        weight_bytes = int((last - first) * cfg.layer_param_count() * bytes_per_param(fmt, files.gguf is not None))
         budget = int(self.settings.memory_budget_gib * 2**30)
         if weight_bytes >= budget:
             raise MemoryError(f"layers [{first}, {last}) need {weight_bytes / 2**30:.2f} GiB of weights but the "
@@ -88,7 +86,8 @@ class StageHost:
         self.stage = None  # free the old layers before loading new ones
         self.steps.clear()
         self.last_output.clear()
-        stack = LayerStack.load(TensorSource(files.folder), cfg, first, last, torch_dtype)
+        stack = LayerStack.load(open_source(files), cfg, first, last, fmt)
+        weight_bytes = linear_bytes(stack)  # what the tensors really hold
         self.stage = LocalStage(stack, budget - weight_bytes)
         self.cfg, self.weight_bytes = cfg, weight_bytes
         self.assignment = Assignment(model, first, last, dtype)
@@ -96,11 +95,10 @@ class StageHost:
 
     def profile(self, model: str | None, dtype: str, tokens: list[int], contexts: list[int], reps: int) -> dict:
         """Time per decoder layer on this device (a few layers loaded for the purpose, then freed), and memory."""
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}")
+        fmt = weight_format(dtype)
         files = resolve_model(model if model is not None else self.settings.model)
         cfg = ModelConfig.from_folder(files.folder)
-        stack = LayerStack.load(TensorSource(files.folder), cfg, 0, min(PROFILE_LAYERS, cfg.n_layers), DTYPES[dtype])
+        stack = LayerStack.load(open_source(files), cfg, 0, min(PROFILE_LAYERS, cfg.n_layers), fmt)
         curve = time_layers(stack, tokens, contexts, reps)
         return {"name": self.name, "layer_ms": asdict(curve), "memory": self.info()["memory"]}
 

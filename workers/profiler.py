@@ -19,11 +19,11 @@ from pathlib import Path
 import httpx
 
 from model.config import ModelConfig
-from model.load import DTYPES
+from model.linear import weight_format
 from model.source import ModelFiles
 from model.stack import LayerStack, TokenEnds
 from model.timing import CONTEXTS, PROFILE_LAYERS, TOKENS, model_card, profile_points, time_ends, time_layers
-from model.weights import TensorSource
+from model.weights import open_source
 from planning.profile import ClusterProfile, Curve, DeviceProfile, LinkProfile
 from workers.host import resident_bytes, total_memory_bytes
 from workers.probe import measure_link
@@ -58,7 +58,7 @@ def profile_controller(files: ModelFiles, dtype: str, options: ProfileOptions,
                        step: Callable[[], None] | None = None) -> DeviceProfile:
     """This process's layer, embedding and head times (tensor work: call it on the model thread)."""
     cfg = ModelConfig.from_folder(files.folder)
-    src, torch_dtype = TensorSource(files.folder), DTYPES[dtype]
+    src, torch_dtype = open_source(files), weight_format(dtype)
     stack = LayerStack.load(src, cfg, 0, min(PROFILE_LAYERS, cfg.n_layers), torch_dtype)
     layer_ms = time_layers(stack, options.tokens, options.contexts, options.reps, step)
     del stack
@@ -119,7 +119,7 @@ def _check(r: httpx.Response, d: Device) -> None:
 def assemble(files: ModelFiles, dtype: str, controller: DeviceProfile, workers: list[DeviceProfile],
              links: list[LinkProfile], options: ProfileOptions) -> ClusterProfile:
     cfg = ModelConfig.from_folder(files.folder)
-    card = model_card(cfg, Path(files.folder).name, DTYPES[dtype])
+    card = model_card(cfg, Path(files.folder).name, dtype, files.gguf is not None)
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     return ClusterProfile(card, dtype, controller, workers, links, options.margin, created,
                           f"measured on {platform.node()} ({platform.machine()})")

@@ -1,0 +1,202 @@
+"""Reads a GGUF file's tensors in the file's own quantization, by Hugging Face names, memory-mapped.
+
+A stage asks for the matrices of its layers only and gets their blocks (model/quant.py) without a
+dequantized copy: the 135M default holds 210 Q4_1 matrices, the Q8_0 embedding (tied with the head) and
+61 F32 norms. llama.cpp's converter permutes the rows of q and k for its rotary layout; they are permuted
+back here (whole rows, so blocks stay intact), as transformers' GGUF loader does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from model.quant import Matrix, q4_from_gguf, q4_from_q4k, q8_from_gguf, quantize_q8, take_cols
+
+_LAYER = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor ('blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight')."""
+    base, _, kind = gguf_name.rpartition(".")
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if m and m.group(2) in _LAYER:
+        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.{kind}"
+    return f"{_TOP[base]}.{kind}" if base in _TOP else None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    kind: str  # GGML type name: Q4_1, Q8_0, F32, ...
+    shape: tuple[int, ...]  # rows first (numpy order), as GGUFReader reports `data.shape`
+    offset: int  # absolute, in the file
+    nbytes: int
+
+
+# GGUF metadata value types whose size is fixed: type id -> struct format
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def read_index(path: Path) -> tuple[dict[str, TensorInfo], int]:
+    """The tensor index of a GGUF file (names, types, shapes, offsets) and its alignment, without building the
+    metadata's Python objects: gguf's GGUFReader turns the tokenizer's 100k strings into arrays, which cost
+    3.5 s and 160 MB of resident memory for the 135M default; its tokenizer is read by transformers instead."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with open(path, "rb") as f:
+        def unpack(fmt: str):
+            size = struct.calcsize("<" + fmt)
+            return struct.unpack("<" + fmt, f.read(size))[0]
+
+        def string() -> str:
+            return f.read(unpack("Q")).decode("utf-8", errors="replace")
+
+        def skip(kind: int) -> object:
+            if kind in _SCALARS:
+                return unpack(_SCALARS[kind])
+            if kind == 8:
+                return string()
+            if kind == 9:  # array: element type, count, elements
+                sub, n = unpack("I"), unpack("Q")
+                if sub in _SCALARS:
+                    f.seek(n * struct.calcsize("<" + _SCALARS[sub]), 1)
+                else:
+                    for _ in range(n):
+                        skip(sub)
+                return None
+            raise ValueError(f"{path.name}: unknown GGUF metadata type {kind}")
+
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path.name} is not a GGUF file")
+        unpack("I")  # version
+        n_tensors, n_kv = unpack("Q"), unpack("Q")
+        alignment = 32
+        for _ in range(n_kv):
+            key = string()
+            value = skip(unpack("I"))
+            if key == "general.alignment":
+                alignment = int(value)
+        raw = []
+        for _ in range(n_tensors):
+            name = string()
+            dims = [unpack("Q") for _ in range(unpack("I"))]
+            kind, offset = GGMLQuantizationType(unpack("I")), unpack("Q")
+            raw.append((name, dims, kind, offset))
+        start = (f.tell() + alignment - 1) // alignment * alignment
+    index = {}
+    for name, dims, kind, offset in raw:
+        block, size = GGML_QUANT_SIZES[kind]
+        row_bytes = dims[0] // block * size  # GGUF lists the fastest dimension first
+        shape = tuple(reversed(dims)) if kind.name == "F32" else (*reversed(dims[1:]), row_bytes)  # else in bytes
+        nbytes = row_bytes * int(np.prod(dims[1:], dtype=np.int64))
+        index[name] = TensorInfo(name, kind.name, shape, start + offset, nbytes)
+    return index, alignment
+
+
+class GGUFSource:
+    """The tensors of a GGUF file by Hugging Face name: `matrix` in their own blocks, `get` dequantized."""
+
+    def __init__(self, path: Path, n_heads: int, n_kv_heads: int):
+        self.path = Path(path)
+        index, _ = read_index(self.path)
+        self._tensors = {n: t for t in index.values() if (n := hf_name(t.name))}
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")  # only what is read is paged in
+        self._heads = {"q_proj": n_heads, "k_proj": n_kv_heads}
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def kind(self, name: str) -> str:
+        return self._tensor(name).kind
+
+    def _tensor(self, name: str):
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise KeyError(f"tensor {name!r} is not in {self.path.name}") from None
+
+    def _raw_rows(self, name: str) -> np.ndarray:
+        # [N, bytes per row] (quantized) or [N, K] / [N] (float), rows in Hugging Face order
+        t = self._tensor(name)
+        data = self._map[t.offset:t.offset + t.nbytes]
+        data = (data.view(np.float32) if t.kind == "F32" else data).reshape(t.shape)
+        proj = name.split(".")[-2]
+        if proj in self._heads and data.ndim == 2:
+            n, h = data.shape[0], self._heads[proj]
+            perm = np.arange(n).reshape(h, n // h // 2, 2).swapaxes(1, 2).reshape(n)
+            data = data[perm]
+        return data
+
+    def matrix(self, name: str, rows: Sequence[tuple[int, int]] | None = None,
+               cols: Sequence[tuple[int, int]] | None = None) -> Matrix:
+        """The matrix `name` [N, K] in the file's own blocks (Q4, Q8) or as float32, optionally only some rows
+        or whole-block columns. Q6_K / Q5_x come back as Q8 (their values need more than 4 bits)."""
+        raw = self._raw_rows(name)
+        if rows is not None:
+            raw = np.concatenate([raw[lo:hi] for lo, hi in rows])
+        kind = self.kind(name)
+        if kind in ("Q4_0", "Q4_1"):
+            w = q4_from_gguf(raw, kind)
+        elif kind == "Q4_K":
+            w = q4_from_q4k(raw)
+        elif kind == "Q8_0":
+            w = q8_from_gguf(raw)
+        else:
+            w = self._dequantized(raw, kind)
+            if kind not in ("F32", "F16", "BF16"):
+                w = quantize_q8(w)
+        self._drop_pages(self._tensor(name))
+        return w if cols is None else take_cols(w, cols)
+
+    def _drop_pages(self, t) -> None:
+        # Every tensor is copied into the kernels' layout, so its pages of the mapped file are not needed again:
+        # dropping them keeps them out of the process's resident memory (about 100 MB of a 135M model's peak).
+        mapped = getattr(self._map, "_mmap", None)
+        if mapped is None or not hasattr(mapped, "madvise"):
+            return
+        lo = t.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        with contextlib.suppress(OSError, ValueError):  # a platform without it keeps the pages: no harm
+            mapped.madvise(mmap.MADV_DONTNEED, lo, t.offset + t.nbytes - lo)
+
+    def _dequantized(self, raw: np.ndarray, kind: str) -> torch.Tensor:
+        # raw rows: float32 for F32, bytes otherwise -> float32 [N, K] (or [N] for a norm)
+        if kind == "F32":
+            return torch.from_numpy(np.array(raw, dtype=np.float32))
+        if kind == "F16":
+            return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16).astype(np.float32))
+        if kind == "BF16":
+            bits = np.ascontiguousarray(raw).view(np.uint16).astype(np.uint32) << 16
+            return torch.from_numpy(bits.view(np.float32))
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        return torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).astype(np.float32))
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor dequantized to `dtype` (norms, and the float reference formats)."""
+        w = self.matrix(name) if len(self._tensor(name).shape) == 2 else self._dequantized(self._raw_rows(name), "F32")
+        return (w if isinstance(w, torch.Tensor) else w.dequantize()).to(dtype)
+
+    def rows(self, name: str, ranges, dtype: torch.dtype) -> torch.Tensor:
+        w = self.matrix(name, rows=ranges)
+        return (w if isinstance(w, torch.Tensor) else w.dequantize()).to(dtype)
+
+    def cols(self, name: str, ranges, dtype: torch.dtype) -> torch.Tensor:
+        w = take_cols(self.matrix(name), ranges)
+        return (w if isinstance(w, torch.Tensor) else w.dequantize()).to(dtype)
+
+

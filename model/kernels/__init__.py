@@ -1,0 +1,63 @@
+"""The CPU kernels, compiled once per machine and CPU feature set, then cached: `quant.cpp` (quantized and
+dense matmuls), `ops.cpp` (norm, rotary, attention, SwiGLU), `bind.cpp` (the Python module).
+
+`load()` builds the extension with the flags this CPU supports (AVX2 + FMA on x86 where present, the
+portable C++ loops elsewhere, aarch64 included) into the edgespec cache folder, and returns the module.
+`python -m model.kernels` builds it ahead of time (the README's install commands run it), so a server's
+first start does not pay the 20-40 s of compiling.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+HERE = Path(__file__).parent
+SOURCES = [HERE / "quant.cpp", HERE / "ops.cpp", HERE / "bind.cpp"]
+HEADERS = [HERE / "common.h"]
+NAME = "edgespec_kernels"
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it does not exist)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def compile_flags() -> list[str]:
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math"]  # -fopenmp: else at::parallel_for runs serially
+    have = cpu_flags()
+    if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= have:
+        flags += ["-mavx2", "-mfma", "-mf16c"]
+    return flags
+
+
+@functools.cache
+def load():
+    """The compiled kernel module (built on first use, then loaded from the cache)."""
+    from torch.utils.cpp_extension import load as build
+
+    from model.source import cache_root
+
+    flags = compile_flags()
+    import torch
+
+    code = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    key = hashlib.sha256(code + " ".join([*flags, NAME, torch.__version__]).encode()).hexdigest()[:12]
+    folder = cache_root() / "kernels" / key
+    folder.mkdir(parents=True, exist_ok=True)
+    if not any(folder.glob("*.so")):
+        log.warning("compiling the CPU kernels once (%s) into %s; this takes 20-90 s", " ".join(flags), folder)
+    os.environ.setdefault("MAX_JOBS", "2")
+    return build(name=f"{NAME}_{key}", sources=[str(p) for p in SOURCES], extra_cflags=flags,
+                 extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)

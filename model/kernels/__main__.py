@@ -1,0 +1,5 @@
+"""`python -m model.kernels`: compile the CPU kernels now (the install commands run this)."""
+
+from model.kernels import load
+
+print(f"CPU kernels ready ({'AVX2' if load().simd() else 'portable'} path)")

@@ -1,0 +1,59 @@
+// Shared by the kernels: includes, the SIMD switch, and the one fixed reduction of 8 float lanes.
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ES_AVX2 1
+#endif
+
+// ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)): the order the _mm256 reduction below uses
+inline float reduce8(const float* a) {
+  float t0 = a[0] + a[4], t1 = a[1] + a[5], t2 = a[2] + a[6], t3 = a[3] + a[7];
+  return (t0 + t2) + (t1 + t3);
+}
+
+#ifdef ES_AVX2
+inline float reduce8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // t0..t3
+  __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));                                  // t0+t2, t1+t3
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+#endif
+
+// <a, b> over n floats (n % 8 == 0): lane j sums elements j, j + 8, ... with fma, then reduce8
+inline float dot8(const float* a, const float* b, int64_t n) {
+#ifdef ES_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t k = 0; k < n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
+  return reduce8(acc);
+#else
+  float acc[8] = {};
+  for (int64_t k = 0; k < n; k += 8)
+    for (int lane = 0; lane < 8; ++lane) acc[lane] = std::fma(a[k + lane], b[k + lane], acc[lane]);
+  return reduce8(acc);
+#endif
+}
+
+// y += p * x over n floats (elementwise: every lane is one element, so no order to fix beyond the caller's)
+inline void axpy(float* y, const float* x, float p, int64_t n) {
+#ifdef ES_AVX2
+  const __m256 pv = _mm256_set1_ps(p);
+  for (int64_t k = 0; k < n; k += 8)
+    _mm256_storeu_ps(y + k, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + k), _mm256_loadu_ps(y + k)));
+#else
+  for (int64_t k = 0; k < n; ++k) y[k] = std::fma(p, x[k], y[k]);
+#endif
+}
+
+torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor qw, torch::Tensor d, torch::Tensor m);
+torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor qw, torch::Tensor d);
+torch::Tensor f32_matmul(torch::Tensor x, torch::Tensor w);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t start,
+                        c10::optional<torch::Tensor> mask);
+torch::Tensor silu_mul(torch::Tensor gate_up);

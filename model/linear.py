@@ -1,0 +1,228 @@
+"""The one seam for how a linear layer computes: a weight format picks its kernel here.
+
+Formats (`--weights`, and the workers' `dtype` field):
+- `auto`: the source's own form. A GGUF's Q4_0 / Q4_1 / Q4_K matrices run as Q4 blocks, Q8_0 as Q8 blocks,
+  Q6_K / Q5_x at 8 bits (their values do not fit 4-bit blocks), F32 / F16 / BF16 as dense float32; a Hugging
+  Face folder's matrices run dense in float32. Activations, norms and the KV cache are float32.
+- `q4_1` / `q8_0`: every layer matrix quantized at load (from a GGUF's blocks, or a folder's floats) to Q4 or
+  Q8 blocks; the LM head stays at 8 bits in both (a 4-bit head cost top-1 agreement: 0.82-0.88 measured).
+- `float32`, `bfloat16`, `float16`: everything dequantized to that dtype (the reference formats).
+
+Kernels: Q4, Q8 and dense float32 run the compiled row-invariant kernels of `model/kernels` (llama.cpp's
+integer dot products of 8-bit activations, AVX2 where the CPU has it, portable C++ loops elsewhere), so a
+position's output does not depend on the rows in its pass: that is what makes the exact policies exact in
+the default format. bfloat16 runs oneDNN's packed kernel where the CPU supports it (about 1.45x F.linear on
+AVX-512 machines; it refuses to pack without AVX-512 or AVX-NE-CONVERT), else F.linear; neither is
+row-invariant, so in bfloat16 the exact policies are exact only up to rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.quant import Q4, Q8, Matrix, as_q8, quantize_q4
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How a process holds and computes its weights."""
+
+    name: str
+    act: torch.dtype  # activations, norms and the KV cache
+    layers: str  # "source", "q4", "q8" or "dense": what the layers' matrices become
+    head: str  # the same for the LM head
+
+
+FORMATS = {
+    "auto": WeightFormat("auto", torch.float32, "source", "source"),
+    "q4_1": WeightFormat("q4_1", torch.float32, "q4", "q8"),
+    "q8_0": WeightFormat("q8_0", torch.float32, "q8", "q8"),
+    "float32": WeightFormat("float32", torch.float32, "dense", "dense"),
+    "bfloat16": WeightFormat("bfloat16", torch.bfloat16, "dense", "dense"),
+    "float16": WeightFormat("float16", torch.float16, "dense", "dense"),
+}
+
+
+def as_format(fmt: WeightFormat | torch.dtype | str) -> WeightFormat:
+    """A format from a format, its name, or a torch dtype (the dense format of that dtype)."""
+    if isinstance(fmt, WeightFormat):
+        return fmt
+    if isinstance(fmt, torch.dtype):
+        return weight_format(str(fmt).removeprefix("torch."))
+    return weight_format(fmt)
+
+
+def weight_format(name: str) -> WeightFormat:
+    """The format named `name`; ValueError naming the valid ones."""
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown weight format {name!r}; valid: {', '.join(FORMATS)}") from None
+
+
+@functools.cache
+def compiled():
+    """The module of compiled kernels (built once per machine: model/kernels)."""
+    from model.kernels import load
+
+    return load()
+
+
+@functools.cache
+def onednn_bf16() -> bool:
+    """Whether oneDNN packs bf16 weights on this CPU (it needs AVX-512 or AVX-NE-CONVERT): tried once."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
+
+
+class _Kernel(nn.Module):
+    """Base of the compiled-kernel linears: x [..., K] -> [..., N] float32, bias added after."""
+
+    def __init__(self, n: int, k: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = k, n
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous(), persistent=False)
+
+    def _mm(self, x2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = self._mm(x.reshape(-1, self.in_features).float().contiguous())  # [M, N]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features)
+
+    def dense(self) -> torch.Tensor:
+        """The weight as floats [N, K] (training and analysis code, not the serving path)."""
+        raise NotImplementedError
+
+
+class Q4Linear(_Kernel):
+    def __init__(self, w: Q4, bias=None):
+        super().__init__(*w.shape, bias)
+        self.register_buffer("qs", w.qs, persistent=False)
+        self.register_buffer("d", w.d, persistent=False)
+        self.register_buffer("m", w.m, persistent=False)
+
+    def _mm(self, x2):
+        return compiled().q4_matmul(x2, self.qs, self.d, self.m)
+
+    def dense(self):
+        return Q4(self.qs, self.d, self.m).dequantize()
+
+
+class Q8Linear(_Kernel):
+    def __init__(self, w: Q8, bias=None):
+        super().__init__(*w.shape, bias)
+        self.register_buffer("qs", w.qs, persistent=False)
+        self.register_buffer("d", w.d, persistent=False)
+
+    def _mm(self, x2):
+        return compiled().q8_matmul(x2, self.qs, self.d)
+
+    def dense(self):
+        return Q8(self.qs, self.d).dequantize()
+
+
+class F32Linear(_Kernel):
+    def __init__(self, w: torch.Tensor, bias=None):
+        super().__init__(*w.shape, bias)
+        self.register_buffer("weight", w.float().contiguous(), persistent=False)
+
+    def _mm(self, x2):
+        return compiled().f32_matmul(x2, self.weight)
+
+    def dense(self):
+        return self.weight
+
+
+class DenseLinear(nn.Module):
+    """bf16 / fp16 weights: oneDNN's packed bf16 kernel where the CPU has it, else F.linear."""
+
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        w = w.to(dtype)
+        self.packed = dtype == torch.bfloat16 and onednn_bf16()
+        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(w, 1) if self.packed else w,
+                             persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.to(dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [..., in] -> [..., out]
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def dense(self) -> torch.Tensor:
+        if not self.packed:
+            return self.weight
+        return self(torch.eye(self.in_features, dtype=self.weight.dtype)).T.contiguous()  # [N, K]
+
+
+def bytes_per_param(fmt: WeightFormat, from_gguf: bool) -> float:
+    """Bytes a layer matrix's parameter takes in `fmt`, before loading (the planner's and a worker's budget
+    check): Q4 blocks hold 16 bytes of nibbles and two float32 per 32 (0.75), Q8 32 + 4 (1.125). `auto` on a GGUF
+    counts Q4 (the common download); after loading, workers report the bytes their tensors really hold."""
+    kind = fmt.layers if fmt.layers != "source" else ("q4" if from_gguf else "dense")
+    return {"q4": 0.75, "q8": 1.125}.get(kind, torch.finfo(fmt.act).bits / 8)
+
+
+def make_linear(w: Matrix, bias: torch.Tensor | None, fmt: WeightFormat, role: str = "layers") -> nn.Module:
+    """The linear layer for matrix `w` [N, K] (as the source holds it) in format `fmt`; role "layers" or "head"."""
+    want = fmt.layers if role == "layers" else fmt.head
+    if want == "dense" and fmt.act != torch.float32:
+        return DenseLinear(w if isinstance(w, torch.Tensor) else w.dequantize(), bias, fmt.act)
+    k = w.shape[1]
+    if k % 32:  # blocks need K in multiples of 32; the dense kernel needs 8
+        want = "dense"
+    if want == "source":
+        want = "q4" if isinstance(w, Q4) else "q8" if isinstance(w, Q8) else "dense"
+    if want == "q4":
+        return Q4Linear(w if isinstance(w, Q4) else quantize_q4(w.dequantize() if isinstance(w, Q8) else w), bias)
+    if want == "q8":
+        return Q8Linear(as_q8(w), bias)
+    dense = w if isinstance(w, torch.Tensor) else w.dequantize()
+    if k % 8:
+        return DenseLinear(dense, bias, torch.float32)
+    return F32Linear(dense, bias)
+
+
+def head_matrix(w: Matrix, fmt: WeightFormat) -> Matrix:
+    """What an embedding table shared with the head is held as: Q8 when the head runs at 8 bits."""
+    if fmt.head == "q8" or (fmt.head == "source" and not isinstance(w, torch.Tensor)):
+        return as_q8(w)
+    return w if isinstance(w, torch.Tensor) else w.dequantize()
+
+
+
+
+def linear_bytes(module: nn.Module) -> int:
+    """Bytes of the weights under `module`, as held (packed or quantized), counted from the tensors."""
+    seen, total = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if t is not None and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.nbytes
+    return total
+
+
+def pack_linears(module: nn.Module) -> nn.Module:
+    """Replace every bf16 nn.Linear under `module` (a drafter's layers) by a DenseLinear, in place."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16:
+            setattr(module, name, DenseLinear(child.weight.detach(), child.bias, torch.bfloat16))
+        else:
+            pack_linears(child)
+    return module

@@ -1,0 +1,114 @@
+"""Exact in the served format: a position's logits are bitwise the same whatever pass computes them.
+
+Alone (one token per pass), inside a verification pass of up to 16 tokens, in the whole sequence at once,
+in a batch of rows, and after a prefix taken from another session's cache. `torch.equal`, not a tolerance:
+any rounding that depends on the pass's shape (a kernel that blocks its reduction by the number of rows,
+an attention call over a masked, longer row, a rotary form chosen by pass size) fails these tests.
+The fast cases run the tiny model quantized at load (Q4 and Q8 blocks, the kernels of the default format);
+the slow one runs the real default model in its default format, `auto` (Q4_1 layers, Q8_0 head).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_fixtures import make_tiny_model, smollm2_folder
+
+from model.config import ModelConfig
+from model.linear import weight_format
+from model.stack import LayerStack, TokenEnds
+from model.weights import open_source
+
+
+def load(folder, fmt: str):
+    cfg = ModelConfig.from_folder(folder)
+    src = open_source(folder)
+    return cfg, LayerStack.load(src, cfg, 0, cfg.n_layers, weight_format(fmt)), TokenEnds.load(src, cfg,
+                                                                                                weight_format(fmt))
+
+
+def logits(stack, ends, cache, ids: list[list[int]], start: int) -> torch.Tensor:
+    # ids [B, T] at slots start.. -> logits [B, T, V]
+    x = ends.embed_tokens(torch.tensor(ids))
+    positions = torch.arange(start, start + len(ids[0])).expand(len(ids), -1)
+    return ends.logits(stack(x, positions, cache, start))
+
+
+def check_every_shape(stack, ends, seq: list[int], prompt: int) -> None:
+    n = len(seq)
+    cache = stack.new_cache(n + 1)
+    alone = [logits(stack, ends, cache, [seq[:prompt]], 0)[0, -1]]
+    for p in range(prompt, n - 1):  # one token per pass, as naive decoding computes them
+        alone.append(logits(stack, ends, cache, [[seq[p]]], p)[0, 0])
+    alone = torch.stack(alone)  # [n - prompt, V]: the logits after positions prompt-1 .. n-2
+
+    whole = logits(stack, ends, stack.new_cache(n), [seq[:-1]], 0)[0, prompt - 1:]
+    assert torch.equal(whole, alone), "the whole sequence in one pass differs from one token per pass"
+
+    for k in (2, 5, 16):  # verification passes: the prompt, then passes of k tokens
+        cache = stack.new_cache(n + 1)
+        got = [logits(stack, ends, cache, [seq[:prompt]], 0)[0, -1:]]
+        for a in range(prompt, n - 1, k):
+            got.append(logits(stack, ends, cache, [seq[a:min(a + k, n - 1)]], a)[0])
+        assert torch.equal(torch.cat(got), alone), f"passes of {k} tokens differ from one token per pass"
+
+    rows = stack.new_cache(n, rows=3)  # a batch of three rows of the same tokens
+    batch = logits(stack, ends, rows, [seq[:-1]] * 3, 0)[:, prompt - 1:]
+    assert all(torch.equal(batch[r], alone) for r in range(3)), "a row of a batch differs from the row alone"
+
+    cold = stack.new_cache(n + 1)
+    logits(stack, ends, cold, [seq[:prompt + 3]], 0)
+    warm = cold.clone_prefix(prompt + 3, n + 1)  # a prefix from another session's cache (prefix reuse)
+    after = logits(stack, ends, warm, [seq[prompt + 3:-1]], prompt + 3)[0]
+    assert torch.equal(after, alone[4:]), "logits after a reused prefix differ from a cold run's"
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    # dims in whole 32-element blocks, so the layers really run as Q4 / Q8 blocks
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-q"), hidden_size=64, intermediate_size=128, vocab_size=320)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "float32"])
+def test_tiny_logits_are_bitwise_the_same_in_every_pass_shape(tiny_folder, fmt):
+    cfg, stack, ends = load(tiny_folder, fmt)
+    assert fmt == "float32" or type(stack.layers[0].ffn.gate_up).__name__ == {"q4_1": "Q4Linear",
+                                                                               "q8_0": "Q8Linear"}[fmt]
+    seq = [(i * 37) % cfg.vocab_size for i in range(40)]
+    check_every_shape(stack, ends, seq, prompt=7)
+
+
+def test_a_tree_pass_gives_each_node_its_path_logits(tiny_folder):
+    """A Medusa-style tree (two branches after the prompt, in scratch slots) gives each node the logits that
+    decoding its own path gives, bitwise."""
+    cfg, stack, ends = load(tiny_folder, "q4_1")
+    prompt = [(i * 11) % cfg.vocab_size for i in range(9)]
+    a, b, a2 = 5, 17, 29  # nodes: a (depth 1), b (depth 1), a2 (child of a, depth 2)
+    cache = stack.new_cache(16)
+    logits(stack, ends, cache, [prompt], 0)
+    n = len(prompt)
+    mask = torch.zeros(1, 3, n + 3, dtype=torch.bool)
+    mask[:, :, :n] = True
+    mask[0, 0, n], mask[0, 1, n + 1], mask[0, 2, n], mask[0, 2, n + 2] = True, True, True, True
+    x = ends.embed_tokens(torch.tensor([[a, b, a2]]))
+    tree = ends.logits(stack(x, torch.tensor([[n, n, n + 1]]), cache, n, mask))[0]
+    for path, got in (([a], tree[0]), ([b], tree[1]), ([a, a2], tree[2])):
+        alone = stack.new_cache(16)
+        logits(stack, ends, alone, [prompt], 0)
+        for i, t in enumerate(path):
+            want = logits(stack, ends, alone, [[t]], n + i)[0, 0]
+        assert torch.equal(got, want), f"tree node {path} differs from decoding its path"
+
+
+@pytest.mark.slow
+def test_default_model_logits_are_bitwise_the_same_in_every_pass_shape():
+    folder = smollm2_folder()
+    _, stack, ends = load(folder, "auto")
+    assert type(stack.layers[0].attn.qkv).__name__ == "Q4Linear" and type(ends.lm_head).__name__ == "Q8Linear"
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Name three rivers in Europe."}],
+                                     add_generation_prompt=True, return_dict=False)
+    seq = list(prompt) + [(i * 101) % 20000 + 300 for i in range(24)]
+    check_every_shape(stack, ends, seq, prompt=len(prompt))
