@@ -124,8 +124,8 @@ def quantize_q8(w: torch.Tensor) -> Q8:
 
 
 def as_q8(w: Matrix) -> Q8:
-    """A matrix at 8 bits: Q8 as is, Q4 exactly (its q d + m needs more than 8 bits only in rare blocks,
-    so this requantizes its dequantized values), dense by Q8_0 quantization."""
+    """A matrix at 8 bits: Q8 as is; Q4 and dense matrices by Q8_0 quantization of their values (from Q4 blocks
+    that is a second rounding: `edgespec eval-formats` measures q8_0 of the Q4_1 GGUF below Q4_1 itself)."""
     if isinstance(w, Q8):
         return w
     return quantize_q8(w.dequantize() if isinstance(w, Q4) else w)

@@ -1,4 +1,4 @@
-"""`edgespec` command line: serve, worker, profile, plan, bench, bench-peer."""
+"""`edgespec` command line: serve, worker, profile, plan, bench, bench-peer, eval-formats, ..."""
 
 from __future__ import annotations
 
@@ -108,6 +108,16 @@ def _bench_parser(sub) -> None:
     p.add_argument("--model", help="model for the transformers baseline (default: the embedded one)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--out", required=True, help="folder for results.json and plots")
+
+
+def _eval_formats_parser(sub) -> None:
+    p = sub.add_parser("eval-formats", help="held-out perplexity of each weight format against float32")
+    p.add_argument("--model", help="Hugging Face folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--formats", default="auto,q4_1,q8_0,bfloat16,float32", help="comma-separated weight formats")
+    p.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data/prompts/"
+                                         "alpaca_seed_tasks.jsonl"), help="self-instruct seed tasks (JSONL)")
+    p.add_argument("--tasks", type=int, default=40, help="the last N tasks are the held-out text")
+    p.add_argument("--out", required=True)
 
 
 def _bench_peer_parser(sub) -> None:
@@ -267,6 +277,12 @@ def bench(args: argparse.Namespace) -> None:
     run_bench(args)
 
 
+def eval_formats(args: argparse.Namespace) -> None:
+    from bench.formats import run
+
+    run(args)
+
+
 def bench_peer(args: argparse.Namespace) -> None:
     from bench.versus import run_versus
 
@@ -311,12 +327,14 @@ def main(argv: list[str] | None = None) -> None:
     add_plan_parser(sub)
     _bench_parser(sub)
     _bench_peer_parser(sub)
+    _eval_formats_parser(sub)
     _train_parsers(sub)
     _headsplit_parser(sub)
     args = parser.parse_args(argv)
     try:
         commands = {"serve": serve, "worker": worker, "profile": profile, "plan": plan, "bench": bench,
-                    "bench-peer": bench_peer, "train-drafter": train_drafter, "train-medusa": train_medusa,
+                    "bench-peer": bench_peer, "eval-formats": eval_formats,
+                    "train-drafter": train_drafter, "train-medusa": train_medusa,
                     "profile-headsplit": profile_headsplit, "compare-headsplit": compare_headsplit}
         commands[args.command](args)
     except (FileNotFoundError, ValueError) as exc:

@@ -32,11 +32,11 @@ def _log_tail(path: Path, chars: int = 6000) -> str:
 
 @pytest.fixture(scope="session")
 def server_url(tmp_path_factory):
-    """Base URL (no trailing slash) of a real server: SmolLM2 in float32, API key `test-key`."""
+    """Base URL (no trailing slash) of a real server: SmolLM2 in its default format (the GGUF's Q4_1 layers and
+    Q8_0 head, what `edgespec serve` serves), API key `test-key`."""
     port = _free_port()
     log_path = tmp_path_factory.mktemp("server") / "serve.log"
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--dtype", "float32",
-           "--api-key", API_KEY]
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--api-key", API_KEY]
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

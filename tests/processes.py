@@ -73,7 +73,7 @@ def start_worker(tmp: Path, token: str, model: str | None, name: str, port: int 
 
 def start_server(tmp: Path, name: str, *extra: str, env: dict | None = None) -> tuple[Proc, str]:
     port = free_port()
-    proc = Proc(["serve", "--port", str(port), "--dtype", "float32", "--log-level", "warning", *extra],
+    proc = Proc(["serve", "--port", str(port), "--log-level", "warning", *extra],
                 tmp / f"{name}.log", env)
     url = f"http://127.0.0.1:{port}"
     proc.wait_healthy(url)

@@ -342,7 +342,7 @@ def test_server_undisturbed_after_errors(client, greedy_chat):
 
 
 def test_medusa_with_the_shipped_heads_gives_naive_tokens(client, server_url):
-    # SmolLM2 in float32 with decoding/trained's heads, through the SDK, streamed and not
+    # SmolLM2 in its default format with decoding/trained's heads, through the SDK, streamed and not
     naive = chat(client, max_tokens=48)
     medusa = chat(client, max_tokens=48, extra_body={"decoding": "medusa"})
     assert medusa.choices[0].message.content == naive.choices[0].message.content

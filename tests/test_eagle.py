@@ -94,7 +94,7 @@ def test_weights_for_another_model_are_refused(target, tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    model = load_local(resolve_model(None), "float32", 1.0, ModelThread(1))  # bf16 batches round differently
+    model = load_local(resolve_model(None), "auto", 1.0, ModelThread(1))  # the default format, as served
     yield model
     model.runner.close()
 

@@ -1,6 +1,7 @@
 """The `headsplit` policy through the HTTP API: greedy output equals naive's, in-process (the session's
-SmolLM2 float32 server) and over 2 real worker processes where layers speculate and every speculation is
-discarded at epsilon 0; streamed; bad options are clear 400s; the response reports the speculation counts."""
+SmolLM2 server, default format) and over 2 real worker processes where layers speculate and every
+speculation is discarded at epsilon 0; streamed; bad options are clear 400s; the response reports the
+speculation counts."""
 
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ def test_requests_outline_cannot_serve_fall_back(tiny_loaded, question):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    model = load_local(resolve_model(None), "float32", 1.0, ModelThread(2))
+    model = load_local(resolve_model(None), "auto", 1.0, ModelThread(2))  # the default format, as served
     yield model
     model.runner.close()
 

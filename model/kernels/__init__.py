@@ -2,7 +2,7 @@
 dense matmuls), `ops.cpp` (norm, rotary, attention, SwiGLU), `bind.cpp` (the Python module).
 
 `load()` builds the extension with the flags this CPU supports (AVX2 + FMA on x86 where present, the
-portable C++ loops elsewhere, aarch64 included) into the edgespec cache folder, and returns the module.
+portable C++ loops elsewhere, aarch64 included) into `model/kernels/build/`, and returns the module.
 `python -m model.kernels` builds it ahead of time (the README's install commands run it), so a server's
 first start does not pay the 20-40 s of compiling.
 """
@@ -34,28 +34,43 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def compile_flags() -> list[str]:
+def compile_flags(simd: bool = True) -> list[str]:
+    """The compiler flags for this CPU; simd=False gives the portable build (what an aarch64 board runs)."""
     flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math"]  # -fopenmp: else at::parallel_for runs serially
     have = cpu_flags()
-    if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= have:
+    if simd and platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= have:
         flags += ["-mavx2", "-mfma", "-mf16c"]
     return flags
 
 
+def build_folder(key: str) -> Path:
+    """Where the build for `key` lives: beside the sources, like an extension built at install (so a process
+    with another HOME or EDGESPEC_CACHE, a test's or a worker's, finds it), else the user cache when the
+    package folder is read-only."""
+    folder = HERE / "build" / key
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+    except OSError:
+        from model.source import cache_root
+
+        folder = cache_root() / "kernels" / key
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+
 @functools.cache
-def load():
-    """The compiled kernel module (built on first use, then loaded from the cache)."""
+def load(simd: bool = True):
+    """The compiled kernel module (built on first use, then loaded from the cache). simd=False: the portable
+    build, which gives the same results bit for bit (tests compare them)."""
     from torch.utils.cpp_extension import load as build
 
-    from model.source import cache_root
-
-    flags = compile_flags()
+    flags = compile_flags(simd)
     import torch
 
     code = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
     key = hashlib.sha256(code + " ".join([*flags, NAME, torch.__version__]).encode()).hexdigest()[:12]
-    folder = cache_root() / "kernels" / key
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = build_folder(key)
     if not any(folder.glob("*.so")):
         log.warning("compiling the CPU kernels once (%s) into %s; this takes 20-90 s", " ".join(flags), folder)
     os.environ.setdefault("MAX_JOBS", "2")

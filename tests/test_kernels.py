@@ -1,0 +1,70 @@
+"""The compiled kernels (model/kernels): against plain torch math, row-invariant, and the portable build equal to
+the SIMD one bit for bit (what makes a worker on an aarch64 board compute what an x86 controller computes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.kernels import load
+from model.quant import quantize_q4, quantize_q8
+
+N, K = 96, 256
+
+
+def inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g)
+    x = torch.randn(9, K, generator=g)
+    return w, x, quantize_q4(w), quantize_q8(w)
+
+
+def matmuls(mod, w, x, q4, q8) -> dict[str, torch.Tensor]:
+    return {"q4": mod.q4_matmul(x, q4.qs, q4.d, q4.m), "q8": mod.q8_matmul(x, q8.qs, q8.d),
+            "f32": mod.f32_matmul(x, w)}
+
+
+def test_matmuls_match_the_dequantized_weights():
+    w, x, q4, q8 = inputs()
+    got = matmuls(load(), w, x, q4, q8)
+    for name, dense in (("q4", q4.dequantize()), ("q8", q8.dequantize()), ("f32", w)):
+        ref = x @ dense.T
+        # 8-bit activations cost about 0.5% (llama.cpp's Q8_1 scheme); float32 only rounding
+        assert ((got[name] - ref).norm() / ref.norm()).item() < (1e-6 if name == "f32" else 1e-2), name
+
+
+def test_every_output_is_independent_of_the_rows_beside_it():
+    w, x, q4, q8 = inputs(1)
+    mod = load()
+    full = matmuls(mod, w, x, q4, q8)
+    for r in range(x.shape[0]):
+        one = matmuls(mod, w, x[r:r + 1].contiguous(), q4, q8)
+        assert all(torch.equal(one[k][0], full[k][r]) for k in full)
+
+
+def test_attention_and_norm_match_torch():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(2, 4, 5, 64, generator=g), torch.randn(2, 2, 12, 64, generator=g), torch.randn(
+        2, 2, 12, 64, generator=g)
+    start = 7  # 5 queries at slots 7..11
+    mod = load()
+    causal = torch.arange(12)[None] <= (start + torch.arange(5))[:, None]  # [T, S]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal, enable_gqa=True)
+    torch.testing.assert_close(mod.attention(q, k, v, start, None), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mod.attention(q, k, v, start, causal[None, None]), ref, atol=1e-5, rtol=1e-5)
+    x, w = torch.randn(3, 64, generator=g), torch.randn(64, generator=g)
+    torch.testing.assert_close(mod.rms_norm(x, w, 1e-5), torch.rms_norm(x, (64,), w, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_portable_build_gives_the_same_bits():
+    simd, portable = load(), load(simd=False)
+    if not simd.simd():
+        pytest.skip("this CPU has no AVX2: the default build is the portable one")
+    assert not portable.simd()
+    w, x, q4, q8 = inputs(3)
+    a, b = matmuls(simd, w, x, q4, q8), matmuls(portable, w, x, q4, q8)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    q, keys = torch.randn(1, 4, 3, 64), torch.randn(1, 2, 9, 64)
+    assert torch.equal(simd.attention(q, keys, keys, 6, None), portable.attention(q, keys, keys, 6, None))
+    assert torch.equal(simd.rms_norm(x, w[0], 1e-5), portable.rms_norm(x, w[0], 1e-5))
