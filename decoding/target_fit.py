@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model.linear import pack_linears
 from model.stack import TokenEnds
 
 SHIPPED = Path(__file__).parent / "trained"  # add-ons trained for the embedded model, in the repository
@@ -18,7 +17,7 @@ SHIPPED = Path(__file__).parent / "trained"  # add-ons trained for the embedded 
 def fingerprint(ends: TokenEnds) -> list[float]:
     """A few numbers that tell the target apart: sums of embedding rows spread over the vocabulary."""
     rows = torch.linspace(0, ends.cfg.vocab_size - 1, 16).long()
-    return [round(float(v), 3) for v in ends.embed.dense()[rows].float().sum(dim=1)]
+    return [round(float(v), 3) for v in ends.embed(rows).float().sum(dim=1)]
 
 
 def target_metadata(ends: TokenEnds) -> dict[str, str]:
@@ -45,11 +44,7 @@ def check_target(what: str, path: Path, ends: TokenEnds) -> dict[str, str]:
 
 
 def restricted_head(ends: TokenEnds, vocab: torch.Tensor) -> nn.Module:
-    """The served model's head restricted to the ids `vocab` [N]: hidden [..., H] -> logits [..., N]. Its rows
-    come out of the head itself (the identity through it gives W^T exactly), whether it is tied, separate or
-    packed for oneDNN."""
-    head = nn.Linear(ends.cfg.hidden_size, len(vocab), bias=False, dtype=ends.dtype)
-    with torch.no_grad():
-        eye = torch.eye(ends.cfg.hidden_size, dtype=ends.dtype)
-        head.weight.copy_(ends.lm_head(eye)[:, vocab].T)  # [H, V] -> [N, H]
-    return pack_linears(nn.Sequential(head))
+    """The served model's head restricted to the ids `vocab` [N]: hidden [..., H] -> logits [..., N], in the
+    head's own format (8-bit blocks for the default model): only those rows are taken, not a dequantized copy
+    of the whole head (113 MB of float32 for SmolLM2 at start-up, twice: the feature drafter and Medusa)."""
+    return ends.lm_head.rows(vocab)

@@ -107,6 +107,11 @@ class _Kernel(nn.Module):
         """The weight as floats [N, K] (training and analysis code, not the serving path)."""
         raise NotImplementedError
 
+    def rows(self, ids: torch.Tensor) -> nn.Module:
+        """The same kind of linear over the output rows `ids` only (a drafter's head restricted to its
+        vocabulary computes exactly as the served head does there)."""
+        raise NotImplementedError
+
 
 class Q4Linear(_Kernel):
     def __init__(self, w: Q4, bias=None):
@@ -121,6 +126,9 @@ class Q4Linear(_Kernel):
     def dense(self):
         return Q4(self.qs, self.d, self.m).dequantize()
 
+    def rows(self, ids):
+        return Q4Linear(Q4(self.qs[ids], self.d[ids], self.m[ids]), None if self.bias is None else self.bias[ids])
+
 
 class Q8Linear(_Kernel):
     def __init__(self, w: Q8, bias=None):
@@ -134,6 +142,9 @@ class Q8Linear(_Kernel):
     def dense(self):
         return Q8(self.qs, self.d).dequantize()
 
+    def rows(self, ids):
+        return Q8Linear(Q8(self.qs[ids], self.d[ids]), None if self.bias is None else self.bias[ids])
+
 
 class F32Linear(_Kernel):
     def __init__(self, w: torch.Tensor, bias=None):
@@ -145,6 +156,9 @@ class F32Linear(_Kernel):
 
     def dense(self):
         return self.weight
+
+    def rows(self, ids):
+        return F32Linear(self.weight[ids], None if self.bias is None else self.bias[ids])
 
 
 class DenseLinear(nn.Module):
@@ -169,6 +183,10 @@ class DenseLinear(nn.Module):
         if not self.packed:
             return self.weight
         return self(torch.eye(self.in_features, dtype=self.weight.dtype)).T.contiguous()  # [N, K]
+
+    def rows(self, ids: torch.Tensor) -> nn.Module:
+        w = self.dense()[ids]
+        return DenseLinear(w, None if self.bias is None else self.bias[ids], w.dtype)
 
 
 def bytes_per_param(fmt: WeightFormat, from_gguf: bool) -> float:
