@@ -128,6 +128,8 @@ def summarise(records: list[dict], peak_rss: dict[tuple[str, str, str], int | No
         groups.setdefault((r["server"], r["format"], r["policy"]), []).append(r)
     llama_tokens = {r["prompt"]: r["tokens"] for r in records if r["server"] == LLAMA}
     llama_text = {r["prompt"]: r.get("text") for r in records if r["server"] == LLAMA}
+    naive_text = {(r["format"], r["prompt"]): r.get("text") for r in records
+                  if r["server"] != LLAMA and r["policy"] == "naive"}
     rows = []
     for (server, fmt, policy), runs in groups.items():
         rss = peak_rss.get((server, fmt, policy))
@@ -145,6 +147,9 @@ def summarise(records: list[dict], peak_rss: dict[tuple[str, str, str], int | No
             # greedy decoding of the same weights: differences come from the arithmetic (or a wrong format)
             "same_text_as_llama_cpp": None if server == LLAMA or not llama_tokens else
             sum(r.get("text") is not None and r.get("text") == llama_text.get(r["prompt"]) for r in runs),
+            # exact policies: the same greedy text as naive in the same format (deliverable of issue 17)
+            "same_text_as_naive": None if server == LLAMA or (fmt, runs[0]["prompt"]) not in naive_text else
+            sum(r.get("text") == naive_text.get((fmt, r["prompt"])) for r in runs),
         }
         rows.append(row)
     base = next((row["median_decode_tokens_per_s"] for row in rows if row["server"] == LLAMA), None)
