@@ -64,9 +64,9 @@ class TensorSource:
 def open_source(files):
     """The tensor source of a ModelFiles (or a model folder): its GGUF file when it came from one, else its
     safetensors."""
-    if not hasattr(files, "gguf"):
-        from model.source import resolve_model
+    from model.source import ModelFiles, resolve_model
 
+    if not isinstance(files, ModelFiles):
         files = resolve_model(str(files))
     if files.gguf is not None:
         from model.gguf_source import GGUFSource

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -74,5 +75,7 @@ def load(simd: bool = True):
     if not any(folder.glob("*.so")):
         log.warning("compiling the CPU kernels once (%s) into %s; this takes 20-90 s", " ".join(flags), folder)
     os.environ.setdefault("MAX_JOBS", "2")
+    # the `ninja` package's binary sits beside this interpreter, which need not be on PATH (a venv not activated)
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     return build(name=f"{NAME}_{key}", sources=[str(p) for p in SOURCES], extra_cflags=flags,
                  extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
