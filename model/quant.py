@@ -70,13 +70,6 @@ def _fields(w: Q4 | Q8) -> dict[str, torch.Tensor]:
     return {"qs": w.qs, "d": w.d} | ({"m": w.m} if isinstance(w, Q4) else {})
 
 
-def take_rows(w: Matrix, ranges: Sequence[tuple[int, int]]) -> Matrix:
-    """Rows [lo, hi) of each range, concatenated."""
-    if isinstance(w, torch.Tensor):
-        return torch.cat([w[lo:hi] for lo, hi in ranges])
-    return type(w)(**{k: torch.cat([v[lo:hi] for lo, hi in ranges]).contiguous() for k, v in _fields(w).items()})
-
-
 def take_cols(w: Matrix, ranges: Sequence[tuple[int, int]]) -> Matrix:
     """Columns [lo, hi) of each range, concatenated; quantized matrices only in whole blocks."""
     if isinstance(w, torch.Tensor):
