@@ -114,8 +114,10 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
         if service.cluster is None:
             return {"status": "ok", "model": service.model_id}
         cluster = service.cluster
-        workers = await cluster_health([w.url for w in cluster.pipeline.workers], cluster.config.token)
-        for w, ref in zip(workers, cluster.pipeline.workers, strict=True):
+        # the list as it is now: a re-plan may replace the pipeline's workers while their health is awaited
+        refs = list(cluster.pipeline.workers)
+        workers = await cluster_health([w.url for w in refs], cluster.config.token)
+        for w, ref in zip(workers, refs, strict=True):
             w.update(name=ref.name, layers=[ref.first, ref.last])
         ok = all(w.get("status") == "ok" and w.get("assigned") for w in workers)
         body = {"status": "ok" if ok else "degraded", "model": service.model_id, "workers": workers}
