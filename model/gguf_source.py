@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model.quant import Matrix, q4_from_gguf, q4_from_q4k, q8_from_gguf, quantize_q8, take_cols
+from model.quant import Matrix, dequantized, q4_from_gguf, q4_from_q4k, q8_from_gguf, quantize_q8, take_cols
 
 _LAYER = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -189,14 +189,12 @@ class GGUFSource:
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """The tensor dequantized to `dtype` (norms, and the float reference formats)."""
         w = self.matrix(name) if len(self._tensor(name).shape) == 2 else self._dequantized(self._raw_rows(name), "F32")
-        return (w if isinstance(w, torch.Tensor) else w.dequantize()).to(dtype)
+        return dequantized(w).to(dtype)
 
     def rows(self, name: str, ranges, dtype: torch.dtype) -> torch.Tensor:
-        w = self.matrix(name, rows=ranges)
-        return (w if isinstance(w, torch.Tensor) else w.dequantize()).to(dtype)
+        return dequantized(self.matrix(name, rows=ranges)).to(dtype)
 
     def cols(self, name: str, ranges, dtype: torch.dtype) -> torch.Tensor:
-        w = take_cols(self.matrix(name), ranges)
-        return (w if isinstance(w, torch.Tensor) else w.dequantize()).to(dtype)
+        return dequantized(self.matrix(name, cols=ranges)).to(dtype)
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.quant import Q4, Q8, Matrix, as_q8, quantize_q4
+from model.quant import Q4, Q8, Matrix, as_q8, dequantized, quantize_q4
 
 
 @dataclass(frozen=True)
@@ -201,17 +201,17 @@ def make_linear(w: Matrix, bias: torch.Tensor | None, fmt: WeightFormat, role: s
     """The linear layer for matrix `w` [N, K] (as the source holds it) in format `fmt`; role "layers" or "head"."""
     want = fmt.layers if role == "layers" else fmt.head
     if want == "dense" and fmt.act != torch.float32:
-        return DenseLinear(w if isinstance(w, torch.Tensor) else w.dequantize(), bias, fmt.act)
+        return DenseLinear(dequantized(w), bias, fmt.act)
     k = w.shape[1]
     if k % 32:  # blocks need K in multiples of 32; the dense kernel needs 8
         want = "dense"
     if want == "source":
         want = "q4" if isinstance(w, Q4) else "q8" if isinstance(w, Q8) else "dense"
     if want == "q4":
-        return Q4Linear(w if isinstance(w, Q4) else quantize_q4(w.dequantize() if isinstance(w, Q8) else w), bias)
+        return Q4Linear(w if isinstance(w, Q4) else quantize_q4(dequantized(w)), bias)
     if want == "q8":
         return Q8Linear(as_q8(w), bias)
-    dense = w if isinstance(w, torch.Tensor) else w.dequantize()
+    dense = dequantized(w)
     if k % 8:
         return DenseLinear(dense, bias, torch.float32)
     return F32Linear(dense, bias)
@@ -221,9 +221,7 @@ def head_matrix(w: Matrix, fmt: WeightFormat) -> Matrix:
     """What an embedding table shared with the head is held as: Q8 when the head runs at 8 bits."""
     if fmt.head == "q8" or (fmt.head == "source" and not isinstance(w, torch.Tensor)):
         return as_q8(w)
-    return w if isinstance(w, torch.Tensor) else w.dequantize()
-
-
+    return dequantized(w)
 
 
 def linear_bytes(module: nn.Module) -> int:

@@ -66,6 +66,11 @@ class Q8:
 Matrix = Q4 | Q8 | torch.Tensor
 
 
+def dequantized(w: Matrix) -> torch.Tensor:
+    """The matrix as float32 values (a dense one as it is)."""
+    return w if isinstance(w, torch.Tensor) else w.dequantize()
+
+
 def _fields(w: Q4 | Q8) -> dict[str, torch.Tensor]:
     return {"qs": w.qs, "d": w.d} | ({"m": w.m} if isinstance(w, Q4) else {})
 
@@ -87,7 +92,7 @@ def cat_rows(ws: Sequence[Matrix]) -> Matrix:
     if len(kinds) != 1:  # mixed formats (a GGUF may keep v at more bits): the finer one for all
         ws = [as_q8(w) if not isinstance(w, torch.Tensor) else w for w in ws]
         if len({type(w) for w in ws}) != 1:
-            ws = [w if isinstance(w, torch.Tensor) else w.dequantize() for w in ws]
+            ws = [dequantized(w) for w in ws]
     first = ws[0]
     if isinstance(first, torch.Tensor):
         return torch.cat(list(ws))
