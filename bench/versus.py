@@ -19,6 +19,7 @@ DIR/versus_requests.jsonl (every request, with its text), DIR/versus.png and DIR
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -237,9 +238,14 @@ def run_versus(args) -> dict:
                            lambda port, fmt=fmt: edgespec_argv(fmt, port, extra), "/health"))
     records: list[dict] = []
     peak_rss: dict[tuple[str, str, str], int | None] = {}
-    with Progress(console=console) as progress:
+    live: list[tuple] = []  # (setup, label, process, client, model) of the servers that started
+    # Every server is up at once and the prompts go round them in turn, one request at a time: the machine
+    # is shared and its speed drifts by 20% between minutes, which one server after another turned into
+    # differences between configurations (a naive run measured 77 and then 64 tokens/s with the same code).
+    with Progress(console=console) as progress, contextlib.ExitStack() as stack:
         task = progress.add_task("bench-peer", total=len(prompts) * len(setups))
-        for server, fmt, policy, decoding, fields, argv, ready in setups:
+        for setup in setups:
+            server, fmt, policy, decoding, fields, argv, ready = setup
             port = free_port()
             label = " ".join(dict.fromkeys((server, fmt, policy)))  # llama.cpp's policy is its name
             info = results["servers"][label] = {"server": server, "format": fmt, "policy": policy,
@@ -247,27 +253,39 @@ def run_versus(args) -> dict:
             progress.update(task, description=f"{label}: starting")
             log = out / "logs" / (label.replace(" ", "-").replace(":", "_").replace("/", "_") + ".log")
             proc = ServerProcess(label, info["argv"], port, log, ready, cwd=REPO)
-            done: list[dict] = []
+            stack.callback(proc.stop)
             try:
                 proc.wait_ready(args.ready_timeout_s)
-                with httpx.Client(base_url=proc.url, timeout=600) as client:
-                    model = info["model"] = client.get("/v1/models").json()["data"][0]["id"]
-                    # first requests pay one-off costs; a prompt of its own, so no measured prompt is cached
-                    stream_chat(client, model, WARMUP_PROMPT, WARMUP_TOKENS, decoding, fields)
-                    progress.update(task, description=label)
-                    for i, prompt in enumerate(prompts):
-                        r = stream_chat(client, model, prompt, args.max_tokens, decoding, fields)
-                        done.append({"server": server, "format": fmt, "policy": policy, "prompt": i, **r})
-                        progress.advance(task)
-                info["load_average_at_end"] = _load()  # over 1 minute: this server's own cores plus any else
-                rss = peak_rss[(server, fmt, policy)] = proc.peak_rss_bytes()
-                info["peak_rss_mib"] = round(rss / 2**20, 1) if rss is not None else None
-                records += done
+                client = stack.enter_context(httpx.Client(base_url=proc.url, timeout=600))
+                model = info["model"] = client.get("/v1/models").json()["data"][0]["id"]
+                # first requests pay one-off costs; a prompt of its own, so no measured prompt is cached
+                stream_chat(client, model, WARMUP_PROMPT, WARMUP_TOKENS, decoding, fields)
+                live.append((setup, label, proc, client, model))
             except (RuntimeError, TimeoutError, httpx.HTTPError, KeyError, ValueError) as exc:
                 info["error"] = _short_error(exc)
                 console.print(f"[red]{label} failed, left out of the results:[/red] {exc}")
-            finally:
                 proc.stop()
+        done: dict[str, list[dict]] = {label: [] for _, label, *_ in live}
+        for i, prompt in enumerate(prompts):
+            for (server, fmt, policy, decoding, fields, *_), label, _proc, client, model in live:
+                if "error" in results["servers"][label]:
+                    continue
+                progress.update(task, description=f"prompt {i + 1}: {label}")
+                try:
+                    r = stream_chat(client, model, prompt, args.max_tokens, decoding, fields)
+                    done[label].append({"server": server, "format": fmt, "policy": policy, "prompt": i, **r})
+                except (RuntimeError, httpx.HTTPError, KeyError, ValueError) as exc:
+                    results["servers"][label]["error"] = _short_error(exc)
+                    console.print(f"[red]{label} failed, left out of the results:[/red] {exc}")
+                progress.advance(task)
+        for (server, fmt, policy, *_), label, proc, *_ in live:
+            info = results["servers"][label]
+            if "error" in info:
+                continue
+            info["load_average_at_end"] = _load()
+            rss = peak_rss[(server, fmt, policy)] = proc.peak_rss_bytes()
+            info["peak_rss_mib"] = round(rss / 2**20, 1) if rss is not None else None
+            records += done[label]
     results["configurations"] = summarise(records, peak_rss)
     notes = list(NOTES)
     if any(r["token_count"] != "usage" for r in records):
@@ -293,11 +311,11 @@ def _cell(value, digits: int = 1) -> str:
 def print_table(console: Console, results: dict) -> None:
     s, m = results["settings"], results["machine"]
     table = Table(title=f"{s['prompts']} prompts, max {s['max_tokens']} tokens, greedy; {m['cpu_model']}")
-    for col in ("server", "format", "policy", "decode tok/s", "TTFT ms", "RSS MiB", "tokens", "same tokens",
-                "same text", "× llama.cpp"):
+    for col in ("server", "format", "policy", "decode tok/s", "TTFT ms", "RSS MiB", "tokens", "tokens = llama.cpp",
+                "text = llama.cpp", "text = naive", "× llama.cpp"):
         table.add_column(col)
     for row in results["configurations"]:
-        same = [row[k] for k in ("same_tokens_as_llama_cpp", "same_text_as_llama_cpp")]
+        same = [row[k] for k in ("same_tokens_as_llama_cpp", "same_text_as_llama_cpp", "same_text_as_naive")]
         table.add_row(row["server"], row["format"], row["policy"], _cell(row["median_decode_tokens_per_s"]),
                       _cell(row["median_ttft_ms"], 0), _cell(row["peak_rss_mib"], 0), _cell(row["median_tokens"], 0),
                       *("" if n is None else f"{n}/{row['prompts']}" for n in same),

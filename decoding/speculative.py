@@ -9,7 +9,8 @@ import time
 
 import torch
 
-from decoding.drafters import LookupFirst, NgramDrafter
+from decoding.draft_cost import DraftCosts, DraftLength, PassCosts, prior_costs
+from decoding.drafters import NgramDrafter
 from decoding.sampling import Sampler
 from decoding.stats import StepStats, push_run
 from decoding.text import TextStream
@@ -18,37 +19,27 @@ from decoding.verify import verify
 from model.runner import ModelRunner
 
 
-class AdaptiveK:
-    """Draft length from the running acceptance: longer while drafts are kept, shorter while rejected."""
-
-    def __init__(self, k: int, k_min: int, k_max: int, fixed: bool):
-        self.k, self.k_min, self.k_max, self.fixed = k, k_min, k_max, fixed
-
-    def update(self, proposed: int, accepted: int) -> None:
-        if self.fixed or proposed == 0:
-            return
-        if accepted == proposed:
-            self.k = min(self.k + 1, self.k_max)
-        elif accepted < proposed // 2:
-            self.k = max(self.k - 1, self.k_min)
-
-
 class SpeculativePolicy:
     name = "speculative"
     options = frozenset({"drafter", "k"})
 
-    def __init__(self, models: dict | None = None, default: str | None = None, k: int = 4, k_min: int = 1,
+    def __init__(self, models: dict | None = None, default: str | None = None, k: int = 4, k_min: int = 0,
                  k_max: int = 8):
         """models: DraftModels or FeatureDraftModels by drafter name (draft checkpoints, layer-skipping
         self-drafts, trained feature drafters); default: the drafter of the plain `speculative` policy (the
         first model's behind n-gram lookup, NAME+ngram: the best measured on open chat and on copying alike;
-        without models, n-gram lookup)."""
+        without models, n-gram lookup). k: the draft length before any pass was timed; then each step
+        chooses it in k_min..k_max by measured cost (decoding/draft_cost.py)."""
         self.k, self.k_min, self.k_max = k, k_min, k_max
-        self.drafters = {"ngram": lambda params, capacity: NgramDrafter()}
+        self.passes, self.draft_costs = PassCosts(), DraftCosts()
+        # a drafter name -> the drafters a request asks in turn, first with drafts wins
+        self.drafters = {"ngram": lambda params, capacity: [NgramDrafter()]}
         for name, m in (models or {}).items():
-            self.drafters[name] = m.drafter
-            # the model's drafts, except where the output is copying from earlier text
-            self.drafters[f"{name}+ngram"] = lambda params, capacity, m=m: LookupFirst(m.drafter(params, capacity))
+            self.drafters[name] = lambda params, capacity, m=m: [m.drafter(params, capacity)]
+            # n-gram lookup where the output is copying from earlier text (the last 3 tokens occurred before),
+            # else the model's drafts
+            self.drafters[f"{name}+ngram"] = lambda params, capacity, m=m: [NgramDrafter(max_n=3, min_n=3),
+                                                                            m.drafter(params, capacity)]
         self.default = default or (f"{next(iter(models))}+ngram" if models else "ngram")
         if self.default not in self.drafters:
             raise ValueError(f"unknown default drafter {self.default!r}; available: {', '.join(self.drafters)}")
@@ -69,14 +60,16 @@ class SpeculativePolicy:
         # Built on the model thread: a drafter allocates tensors, and one parallel op on the event loop's thread
         # gives the process a second OpenMP team that then competes with the model thread's for the cores
         # (measured: naive decoding fell from 39 to 23 tokens/s for the rest of the process's life).
-        drafter = await model.call(self.drafters[options.get("drafter", self.default)], request.sampling, capacity)
-        on_thread = getattr(drafter, "on_model_thread", False)
-        observe = getattr(drafter, "observe", None)  # a feature drafter reads the target's hidden states
-        k = AdaptiveK(options.get("k", self.k), self.k_min, max(self.k_max, options.get("k", 0)), "k" in options)
+        name = options.get("drafter", self.default)
+        chain = await model.call(self.drafters[name], request.sampling, capacity)
+        observe = next((d.observe for d in chain if hasattr(d, "observe")), None)  # reads the target's features
+        seeded = request.sampling.seed is not None and not request.sampling.greedy
+        costs = prior_costs() if seeded else (self.passes, self.draft_costs)  # seeded: the same K every time
+        length = DraftLength(*costs, self.k, self.k_min, max(self.k_max, options.get("k", 0)), options.get("k"))
         sampler = await model.call(Sampler, request.sampling, model.cfg.vocab_size)
         text = TextStream(tokenizer, request.stop, request.stop_token_ids, request.max_tokens)
         stats = StepStats(self.name)
-        stats.drafter = drafter.name
+        stats.drafter = name
         prompt = request.prompt_ids
         session = await model.open(capacity, prompt=prompt)
         stats.cached_prompt_tokens = session.length
@@ -98,15 +91,9 @@ class SpeculativePolicy:
                 yield event
                 if event.finish_reason:
                     return
-                t0 = time.perf_counter()
                 # the verification adds one token of its own, and its 1 + K slots must fit the cache
                 budget = min(request.max_tokens - len(text.ids), session.capacity - session.length) - 1
-                drafts, q = [], None
-                if budget > 0 and on_thread:  # a model drafter's tensor work
-                    drafts, q = await model.call(drafter.propose, tokens, min(k.k, budget))
-                elif budget > 0:
-                    drafts, q = drafter.propose(tokens, min(k.k, budget))
-                stats.drafter_s += time.perf_counter() - t0
+                drafter, drafts, q = await self._draft(chain, length, tokens, budget, model, stats)
 
                 start = session.length
 
@@ -118,13 +105,36 @@ class SpeculativePolicy:
                            for j, t in enumerate(verdict.tokens)]
                     return verdict, lps
 
+                t0 = time.perf_counter()
                 verdict, lps = await model.forward(session, torch.tensor([[emitted[-1], *drafts]]), then=check,
                                                    features=observe is not None)
+                self.passes.observe(1 + len(drafts), time.perf_counter() - t0)
                 if verdict.accepted < len(drafts):  # roll back the rejected drafts on every stage
                     await model.truncate(session, start + 1 + verdict.accepted)
                 stats.proposed += len(drafts)
                 stats.accepted += verdict.accepted
-                k.update(len(drafts), verdict.accepted)
+                for d in chain:  # a drafter not asked drafted nothing this step
+                    length.update(d.name, len(drafts) if d is drafter else 0, verdict.accepted)
                 step = list(zip(verdict.tokens, lps, strict=True))
         finally:
             await model.release(session)
+
+    async def _draft(self, chain: list, length: DraftLength, tokens: list[int], budget: int, model: ModelRunner,
+                     stats: StepStats):
+        """Ask the chain's drafters in turn for as many tokens as pays for each (possibly none): -> (the drafter
+        whose drafts they are or None, drafts, their distributions [K, V] or None)."""
+        for drafter in chain:
+            k = length.choose(drafter.name, budget) if budget > 0 else 0
+            if k == 0:
+                continue
+            t0 = time.perf_counter()
+            if getattr(drafter, "on_model_thread", False):  # a model drafter's tensor work
+                drafts, q = await model.call(drafter.propose, tokens, k)
+            else:
+                drafts, q = drafter.propose(tokens, k)
+            seconds = time.perf_counter() - t0
+            stats.drafter_s += seconds
+            self.draft_costs.observe(drafter.name, k, seconds)
+            if drafts:
+                return drafter, drafts, q
+        return None, [], None

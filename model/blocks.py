@@ -15,12 +15,11 @@ from torch import nn
 
 from model.config import ModelConfig, rope_inv_freq
 from model.kv_cache import KVCache
+from model.linear import Kernel, compiled
 
 
 def kernels():
     """The compiled float32 kernels (model/kernels): one call per op, each row in a fixed order."""
-    from model.linear import compiled
-
     return compiled()
 
 
@@ -66,12 +65,22 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor):
-        # positions [B, T] -> function x [B, heads, T, hd] -> rotated x [B, heads, T, hd]
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [B, 1, T, hd]
-        if cos.dtype == torch.float32 and fused(cos.shape[-1]):
-            return lambda x: kernels().rope(x, cos, sin)
-        return lambda x: apply_rotary(x, cos, sin)
+    def forward(self, positions: torch.Tensor) -> Rope:
+        # positions [B, T] -> the rotation at those positions
+        return Rope(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))  # [B, 1, T, hd] each
+
+
+class Rope:
+    """The rotary tables cos, sin [B, 1, T, hd] of one pass; called on x [B, heads, T, hd] it rotates x (the
+    fused blocks read cos and sin themselves)."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self.cos, self.sin = cos, sin
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cos.dtype == torch.float32 and fused(self.cos.shape[-1]):
+            return kernels().rope(x, self.cos, self.sin)
+        return apply_rotary(x, self.cos, self.sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -95,8 +104,17 @@ class AttentionBlock(nn.Module):
         self.o = nn.Linear(self.n_q * self.hd, cfg.hidden_size, bias=with_o_bias, dtype=dtype)
         self.requires_grad_(False)
 
-    def forward(self, x: torch.Tensor, rope, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
+    @property
+    def compiled(self) -> bool:
+        """Whether both projections are compiled kernels: then the block runs as one call (layer.cpp)."""
+        return isinstance(self.qkv, Kernel) and isinstance(self.o, Kernel) and fused(self.hd)
+
+    def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
         # x [B, T, H] (already normed) -> partial attention output [B, T, H]
+        if self.compiled:
+            return kernels().attention_block(x.float(), self.qkv.kernel, self.o.kernel, self.n_q, self.n_kv,
+                                             rope.cos, rope.sin, *cache.storage(layer, start), start,
+                                             _heads_mask(mask))
         b, t, _ = x.shape
         heads = self.n_q + 2 * self.n_kv
         qkv = self.qkv(x)  # [B, T, heads * hd]
@@ -116,6 +134,11 @@ def causal_mask(start: int, t: int) -> torch.Tensor:
     return slots.unsqueeze(0) <= (start + torch.arange(t)).unsqueeze(1)
 
 
+def _heads_mask(mask):
+    # [T, S], [B or 1, T, S] or [B or 1, 1, T, S] -> [B or 1, 1, T, S] (None stays None: causal)
+    return None if mask is None else mask.view(-1, 1, *mask.shape[-2:])
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, mask, gqa: bool) -> torch.Tensor:
     """Attention of queries q [B, n_q, T, hd] at slots start.. over keys, values [B, n_kv, start+T, hd].
 
@@ -126,8 +149,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
     by a row's place in a batch), so a verification pass of K tokens rounded differently from K single-token
     steps and flipped near-ties. bf16 and fp16 keep that one call: they are not exact across pass shapes.
     """
-    if mask is not None:
-        mask = mask.view(-1, 1, *mask.shape[-2:])
+    mask = _heads_mask(mask)
     if q.dtype == torch.float32 and fused(q.shape[-1]):
         return kernels().attention(q, keys, values, start, mask)
     if mask is None and q.shape[2] > 1:
@@ -145,8 +167,14 @@ class FFN(nn.Module):
         self.down = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
         self.requires_grad_(False)
 
+    @property
+    def compiled(self) -> bool:
+        return isinstance(self.gate_up, Kernel) and isinstance(self.down, Kernel)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [B, T, H] -> [B, T, H]
+        if self.compiled:
+            return kernels().ffn_block(x.float(), self.gate_up.kernel, self.down.kernel)
         gate_up = self.gate_up(x)
         if gate_up.dtype == torch.float32:
             return self.down(kernels().silu_mul(gate_up))
@@ -164,8 +192,15 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.ffn = FFN(cfg, dtype)
 
-    def forward(self, x, rope, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
+    def forward(self, x, rope: Rope, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
         # x [B, T, H] -> [B, T, H]
+        attn, ffn = self.attn, self.ffn
+        if attn.compiled and ffn.compiled and fused(x.shape[-1]):
+            # one call: the same kernels in the same order as the blocks below, without ~20 dispatches
+            return kernels().decoder_layer(x.float(), self.input_norm.weight, self.post_norm.weight,
+                                           self.input_norm.eps, attn.qkv.kernel, attn.o.kernel,
+                                           ffn.gate_up.kernel, ffn.down.kernel, attn.n_q, attn.n_kv, rope.cos,
+                                           rope.sin, *cache.storage(layer, start), start, _heads_mask(mask))
         x = x + self.attn(self.input_norm(x), rope, cache, layer, start, mask)
         return x + self.ffn(self.post_norm(x))
 

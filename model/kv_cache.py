@@ -109,6 +109,16 @@ class KVCache:
             values = torch.cat([pv.expand(shape), values], dim=2)
         return keys, values
 
+    def storage(self, layer: int, start: int):
+        """What a compiled attention call writes and reads for `layer` (model/kernels/layer.cpp): own k, v
+        [rows, n_kv, allocated - P, hd], the slot `start` maps to in them, and the shared prefix's k, v
+        [1, n_kv, P, hd] (None without one) with P. Reading the prefix in place spares write()'s per-step
+        concatenation."""
+        pk = pv = None
+        if self.prefix is not None:
+            pk, pv = self.prefix.read(layer, self.prefix_len)
+        return self.k[layer], self.v[layer], start - self.prefix_len, pk, pv, self.prefix_len
+
     def read(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of row 0 for slots [0, n) of `layer`: [1, n_kv, n, hd]."""
         if n <= self.prefix_len:

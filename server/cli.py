@@ -49,9 +49,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--draft-model", action="append", dest="draft_models",
                    help="a drafter for `speculative`: PATH or NAME=PATH sharing the tokenizer (repeatable)")
     p.add_argument("--layerskip", help="offer the `layerskip` self-draft keeping these layers, e.g. '0-11,28-29'")
-    p.add_argument("--draft-k", type=int, help="speculative draft length to start from (default 4; adapts)")
-    p.add_argument("--draft-k-min", type=int, help="shortest adaptive draft length (default 1)")
-    p.add_argument("--draft-k-max", type=int, help="longest adaptive draft length (default 8)")
+    p.add_argument("--draft-k", type=int,
+                   help="speculative draft length before a pass was timed (default 4; then chosen by cost)")
+    p.add_argument("--draft-k-min", type=int,
+                   help="shortest chosen draft length (default 0: a plain step where drafting does not pay)")
+    p.add_argument("--draft-k-max", type=int, help="longest chosen draft length (default 8)")
     p.add_argument("--eagle", help="trained feature drafter `eagle`: a file from train-drafter, 'auto' (default: "
                                    "the shipped one, when trained for the served model) or 'off'")
     p.add_argument("--medusa", help="Medusa heads for the `medusa` policy: a file from train-medusa, 'auto' (default: "

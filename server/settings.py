@@ -18,7 +18,8 @@ class ServeSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' on /v1 routes")
-    policy: str = Field("naive", description="default decoding policy")
+    policy: str = Field("speculative", description="default decoding policy: the fastest exact one measured "
+                        "(README, 'Speed against llama.cpp')")
     dtype: Literal["auto", "q4_1", "q8_0", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weight format (`--weights`; see model/linear.py): auto keeps a GGUF's own "
         "quantization; q4_1 / q8_0 quantize at load; float32 / bfloat16 / float16 dequantize")
@@ -54,9 +55,10 @@ class ServeSettings(BaseSettings):
                        "a file, 'auto' (the shipped one, when it was trained for the served model) or 'off'")
     medusa: str = Field("auto", description="Medusa heads for `medusa` (from `edgespec train-medusa`): a file, "
                         "'auto' (the shipped ones, when trained for the served model) or 'off'")
-    draft_k: int = Field(4, ge=1, le=32, description="speculative draft length to start from; it adapts per "
-                         "request to the acceptance, within draft_k_min..draft_k_max (a request's `k` fixes it)")
-    draft_k_min: int = Field(1, ge=1, le=32)
+    draft_k: int = Field(4, ge=0, le=32, description="speculative draft length before any pass was timed; then "
+                         "each step picks the length, within draft_k_min..draft_k_max, with the most expected "
+                         "tokens per second (decoding/draft_cost.py; 0: a plain step; a request's `k` fixes it)")
+    draft_k_min: int = Field(0, ge=0, le=32)
     draft_k_max: int = Field(8, ge=1, le=32)
     speculative_drafter: str | None = Field(None, description="the plain `speculative` policy's drafter")
     headsplit: bool = Field(True, description="offer the `headsplit` policy (its blocks load at its first request)")

@@ -10,6 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from server.settings import ServeSettings
+
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -90,7 +92,7 @@ def test_sse_framing_chat(http):
     assert len({c["created"] for c in chunks}) == 1
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-1]["decoding"]["policy"] == "naive"
+    assert chunks[-1]["decoding"]["policy"] == ServeSettings.model_fields["policy"].default
     assert all("usage" not in c for c in chunks)  # only with stream_options.include_usage
 
     whole = http.post("/v1/chat/completions", json=chat_body()).json()
@@ -152,7 +154,8 @@ def test_unknown_route_is_an_error_object(http):
 
 
 def test_metrics(http):
-    before = metric(http, "edgespec_generated_tokens_total", 'policy="naive"')
+    default = f'policy="{ServeSettings.model_fields["policy"].default}"'
+    before = metric(http, "edgespec_generated_tokens_total", default)
     ok_before = metric(http, "edgespec_requests_total", 'route="/v1/chat/completions",status="200"')
     r = http.post("/v1/chat/completions", json=chat_body(max_tokens=4))
     assert r.status_code == 200
@@ -162,7 +165,7 @@ def test_metrics(http):
     for name in ("edgespec_generated_tokens", "edgespec_requests_in_flight", "edgespec_prompt_tokens",
                  "edgespec_time_to_first_token_seconds", "edgespec_kv_cache_bytes"):
         assert name in m.text
-    assert metric(http, "edgespec_generated_tokens_total", 'policy="naive"') == before + 4
+    assert metric(http, "edgespec_generated_tokens_total", default) == before + 4
     assert metric(http, "edgespec_requests_total", 'route="/v1/chat/completions",status="200"') == ok_before + 1
     # /metrics needs no key
     assert httpx.get(str(http.base_url) + "/metrics").status_code == 200

@@ -6,12 +6,15 @@ import httpx
 import openai
 import pytest
 
+from server.settings import ServeSettings
+
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 CONTEXT = 8192
 RIVERS = [{"role": "user", "content": "Name three rivers."}]
 FRANCE = "The capital of France is"
+DEFAULT_POLICY = ServeSettings.model_fields["policy"].default  # what a request without `decoding` gets
 
 
 def chat(client, messages=RIVERS, **kw):
@@ -75,12 +78,10 @@ def test_chat_non_streamed(greedy_chat):
     assert 0 < u.completion_tokens <= 16
     assert u.completion_tokens == u.total_tokens - u.prompt_tokens
     decoding = r.model_extra["decoding"]
-    assert decoding["policy"] == "naive"
-    assert decoding["tokens_per_step"] in (None, 1.0)
+    assert decoding["policy"] == DEFAULT_POLICY
     for key in ("steps", "acceptance_rate", "ttft_ms", "decode_tokens_per_s", "wire_bytes_per_token",
                 "wire_requests_per_token"):
         assert key in decoding
-    assert decoding["steps"] == u.completion_tokens - 1  # naive: one step per token after the first
 
 
 def test_chat_streamed_matches_non_streamed(client, greedy_chat):
@@ -96,7 +97,7 @@ def test_chat_streamed_matches_non_streamed(client, greedy_chat):
     assert chunks[-1].choices[0].finish_reason == greedy_chat.choices[0].finish_reason
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert text == greedy_chat.choices[0].message.content
-    assert chunks[-1].model_extra["decoding"]["policy"] == "naive"
+    assert chunks[-1].model_extra["decoding"]["policy"] == DEFAULT_POLICY
 
 
 def test_chat_streamed_include_usage(client, greedy_chat):
@@ -109,7 +110,7 @@ def test_chat_streamed_include_usage(client, greedy_chat):
     assert all(c.usage is None for c in content)
     assert content[-1].choices[0].finish_reason is not None
     assert "".join(c.choices[0].delta.content or "" for c in content) == greedy_chat.choices[0].message.content
-    assert last.model_extra["decoding"]["policy"] == "naive"
+    assert last.model_extra["decoding"]["policy"] == DEFAULT_POLICY
 
 
 def test_chat_max_tokens_length(client):
@@ -181,8 +182,10 @@ def test_chat_logprobs_streamed(client):
 @pytest.mark.parametrize("decoding", ["naive", {"policy": "naive"}])
 def test_decoding_field(client, greedy_chat, decoding):
     r = chat(client, extra_body={"decoding": decoding})
-    assert r.model_extra["decoding"]["policy"] == "naive"
-    assert r.choices[0].message.content == greedy_chat.choices[0].message.content
+    stats = r.model_extra["decoding"]
+    assert stats["policy"] == "naive" and stats["tokens_per_step"] in (None, 1.0)
+    assert stats["steps"] == r.usage.completion_tokens - 1  # one step per token after the first
+    assert r.choices[0].message.content == greedy_chat.choices[0].message.content  # the default is exact
 
 
 # text completions
@@ -199,7 +202,7 @@ def test_completion_non_streamed_and_streamed(client):
     assert r.usage.completion_tokens == 8
     assert r.usage.prompt_tokens > 0
     assert r.usage.total_tokens == r.usage.prompt_tokens + 8
-    assert r.model_extra["decoding"]["policy"] == "naive"
+    assert r.model_extra["decoding"]["policy"] == DEFAULT_POLICY
 
     chunks = list(client.completions.create(model=MODEL, prompt=FRANCE, temperature=0, max_tokens=8, stream=True,
                                             stream_options={"include_usage": True}))

@@ -62,6 +62,23 @@ def check_every_shape(stack, ends, seq: list[int], prompt: int) -> None:
     after = logits(stack, ends, warm, [seq[prompt + 3:-1]], prompt + 3)[0]
     assert torch.equal(after, alone[4:]), "logits after a reused prefix differ from a cold run's"
 
+    forked = cold.fork(prompt + 3, rows=2, capacity=n + 1)  # rows reading the prefix in place (tree, outline)
+    both = logits(stack, ends, forked, [seq[prompt + 3:-1]] * 2, prompt + 3)
+    assert all(torch.equal(both[r], alone[4:]) for r in range(2)), "logits over a forked prefix differ"
+
+
+def test_a_layer_in_one_call_gives_the_bits_of_its_blocks(tiny_folder):
+    """A HeadSplit device runs a layer as blocks (attention of some KV groups, then the FFN elsewhere): the
+    whole-layer call must compute what the blocks compute, bit for bit."""
+    cfg, stack, _ = load(tiny_folder, "q4_1")
+    layer = stack.layers[0]
+    x = torch.randn(2, 5, cfg.hidden_size)
+    rope = stack.rotary(torch.arange(5).expand(2, -1))
+    whole = layer(x, rope, stack.new_cache(8, rows=2), 0, 0, None)
+    cache = stack.new_cache(8, rows=2)
+    z = x + layer.attn(layer.input_norm(x), rope, cache, 0, 0, None)
+    assert torch.equal(whole, z + layer.ffn(layer.post_norm(z)))
+
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from decoding.draft_cost import PROBE_EVERY, DraftCosts, DraftLength, PassCosts
 from decoding.drafters import NgramDrafter
 from decoding.naive import NaivePolicy
 from decoding.speculative import SpeculativePolicy
@@ -99,3 +100,50 @@ def test_ngram_index_equals_a_scan_as_the_sequence_grows(seq, k):
     drafter = NgramDrafter()
     for end in range(1, len(seq) + 1):  # one drafter over a growing sequence, as in a generation
         assert drafter.propose(seq[:end], k)[0] == scan(seq[:end], k)
+
+
+def test_greedy_equals_naive_with_the_draft_length_chosen_by_cost(tiny_loaded):
+    policy = SpeculativePolicy()  # one policy: its measured pass costs carry from request to request
+    for prompt in PROMPTS * 2:
+        assert run(policy, tiny_loaded, prompt)[0] == run(NaivePolicy(), tiny_loaded, prompt)[0]
+    assert 1 in policy.passes.seconds  # plain steps were timed, the baseline every K is weighed against
+
+
+def cost_model(seconds: dict[int, float], draft_s: float = 0.0):
+    passes, drafts = PassCosts(), DraftCosts()
+    for t, s in seconds.items():
+        passes.observe(t, s)
+    drafts.observe("d", 1, draft_s)
+    return DraftLength(passes, drafts, k_start=4, k_min=0, k_max=8)
+
+
+def test_no_draft_where_a_longer_pass_costs_more_than_the_drafts_bring():
+    steep = {1: 1.0, 2: 1.9, 5: 3.0}  # a CPU whose cost grows with the rows of a pass
+    length = cost_model(steep)
+    for _ in range(20):  # a drafter kept 1 draft in 4
+        length.update("d", 4, 1)
+    assert length.best("d", 8) == 0
+    assert length.choose("d", 8) == 0
+    for _ in range(PROBE_EVERY):  # steps that drafted nothing
+        length.update("d", 0, 0)
+    assert length.choose("d", 8) == 1  # then one probe re-measures the acceptance
+
+
+def test_long_drafts_where_passes_are_flat_and_drafts_are_kept():
+    length = cost_model({1: 1.0, 9: 1.1})
+    for _ in range(20):
+        length.update("d", 8, 8)
+    assert length.choose("d", 8) == 8 and length.choose("d", 3) == 3  # bounded by the budget
+    assert cost_model({1: 1.0, 9: 1.1}, draft_s=10.0).best("d", 8) == 0  # unless drafting itself is dear
+
+
+def test_a_request_k_is_used_as_given_and_the_first_steps_measure():
+    passes, drafts = PassCosts(), DraftCosts()
+    assert DraftLength(passes, drafts, 4, 0, 8, fixed=2).choose("d", 8) == 2
+    fresh = DraftLength(passes, drafts, 4, 0, 8)
+    assert fresh.choose("d", 8) == 4  # nothing timed yet
+    passes.observe(5, 2.0)
+    assert fresh.choose("d", 8) == 0  # then a plain step, timed as the baseline
+    passes.observe(1, 1.0)
+    assert passes.get(3) == 1.5 and passes.get(7) == 2.0 + 2 * 0.3  # interpolated, then extrapolated
+

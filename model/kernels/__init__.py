@@ -1,5 +1,6 @@
 """The CPU kernels, compiled once per machine and CPU feature set, then cached: `quant.cpp` (quantized and
-dense matmuls), `ops.cpp` (norm, rotary, attention, SwiGLU), `bind.cpp` (the Python module).
+dense matmuls), `ops.cpp` (norm, rotary, attention, SwiGLU), `layer.cpp` (an attention block, an FFN, a decoder layer in
+one call each), `bind.cpp` (the Python module).
 
 `load()` builds the extension with the flags this CPU supports (AVX2 + FMA on x86 where present, the
 portable C++ loops elsewhere, aarch64 included) into `model/kernels/build/`, and returns the module.
@@ -19,7 +20,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = [HERE / "quant.cpp", HERE / "ops.cpp", HERE / "bind.cpp"]
+SOURCES = [HERE / "quant.cpp", HERE / "ops.cpp", HERE / "layer.cpp", HERE / "bind.cpp"]
 HEADERS = [HERE / "common.h"]
 NAME = "edgespec_kernels"
 

@@ -1,4 +1,4 @@
-// The Python module of the kernels (quant.cpp: matmuls; ops.cpp: the other per-token ops).
+// The Python module of the kernels (quant.cpp: matmuls; ops.cpp: the other per-token ops; layer.cpp: blocks).
 #include "common.h"
 
 bool simd() {
@@ -17,5 +17,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("rope", &rope, "rotate-half rotary of x [B, heads, T, hd] by cos, sin [B, 1, T, hd]");
   mod.def("attention", &attention, "per-row attention over the slots each query row sees");
   mod.def("silu_mul", &silu_mul, "silu(gate) * up of gate_up [..., 2I] -> [..., I]");
+  // module_local: the portable build, loaded beside this one in a test, registers its own Linear
+  pybind11::class_<Linear>(mod, "Linear", pybind11::module_local(), "a weight in a compiled format: 0 q4, 1 q8, 2 f32")
+      .def(pybind11::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>>())
+      .def("__call__", &Linear::operator(), "x [M, K] float -> [M, N]");
+  mod.def("attention_block", &attention_block, "a layer's attention (or some of its KV groups) in one call");
+  mod.def("ffn_block", &ffn_block, "SwiGLU FFN in one call");
+  mod.def("decoder_layer", &decoder_layer, "a whole decoder layer in one call");
   mod.def("simd", &simd, "whether the AVX2 path was compiled in");
 }

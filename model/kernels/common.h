@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define ES_AVX2 1
@@ -57,3 +58,34 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t start,
                         c10::optional<torch::Tensor> mask);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+
+// The keys and values one attention call reads: own k, v [B or 1, n_kv, S_own, hd] hold slots P.. and, when
+// P > 0, prefix_k, prefix_v [1, n_kv, >= P, hd] hold slots [0, P) shared by every row (a forked session's
+// parent: read in place, not concatenated per step).
+struct Keys {
+  torch::Tensor k, v;
+  int64_t P = 0;
+  torch::Tensor prefix_k, prefix_v;
+};
+torch::Tensor attend_keys(torch::Tensor q, const Keys& keys, int64_t start, c10::optional<torch::Tensor> mask);
+
+// One linear layer in a compiled format (layer.cpp), built once per weight and called per pass.
+struct Linear {
+  int64_t kind;  // 0 q4, 1 q8, 2 float32
+  torch::Tensor a, b, c;
+  c10::optional<torch::Tensor> bias;
+  Linear(int64_t kind, torch::Tensor a, torch::Tensor b, torch::Tensor c, c10::optional<torch::Tensor> bias);
+  torch::Tensor operator()(const torch::Tensor& x) const;
+};
+torch::Tensor attention_block(torch::Tensor x, const Linear& qkv, const Linear& o, int64_t n_q, int64_t n_kv,
+                              torch::Tensor cos, torch::Tensor sin, torch::Tensor own_k, torch::Tensor own_v,
+                              int64_t lo, c10::optional<torch::Tensor> prefix_k,
+                              c10::optional<torch::Tensor> prefix_v, int64_t P, int64_t start,
+                              c10::optional<torch::Tensor> mask);
+torch::Tensor ffn_block(torch::Tensor x, const Linear& gate_up, const Linear& down);
+torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor norm1, torch::Tensor norm2, double eps, const Linear& qkv,
+                            const Linear& o, const Linear& gate_up, const Linear& down, int64_t n_q, int64_t n_kv,
+                            torch::Tensor cos, torch::Tensor sin, torch::Tensor own_k, torch::Tensor own_v,
+                            int64_t lo, c10::optional<torch::Tensor> prefix_k,
+                            c10::optional<torch::Tensor> prefix_v, int64_t P, int64_t start,
+                            c10::optional<torch::Tensor> mask);

@@ -56,23 +56,34 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   return out;
 }
 
-// q [B, n_q, T, hd] at slots start..start+T; keys, values [B, n_kv, S, hd] (last dim contiguous, S >= start+T);
-// mask: bool [Bm, 1, T, S] (Bm 1 or B) of the slots each query row sees, or none (slots 0..start+i, causal).
-// Each (row, head, query) attends over its visible slots in slot order: scores <q, k> / sqrt(hd), a softmax
-// with its max and sum taken in that order, then the sum of p v in that order. -> [B, n_q, T, hd]
-torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t start,
-                        c10::optional<torch::Tensor> mask) {
+// q [B, n_q, T, hd] at slots start..start+T over keys (see Keys in common.h); mask: bool [Bm, 1, T, S] (Bm 1
+// or B) of the slots each query row sees, or none (slots 0..start+i, causal). Each (row, head, query) attends
+// over its visible slots in slot order: scores <q, k> / sqrt(hd), a softmax with its max and sum taken in
+// that order, then the sum of p v in that order. -> [B, n_q, T, hd]
+torch::Tensor attend_keys(torch::Tensor q, const Keys& keys, int64_t start, c10::optional<torch::Tensor> mask) {
   check_float(q, "q");
-  check_float(keys, "keys");
-  check_float(values, "values");
+  check_float(keys.k, "keys");
+  check_float(keys.v, "values");
   q = q.contiguous();
-  const int64_t B = q.size(0), nq = q.size(1), T = q.size(2), hd = q.size(3), nkv = keys.size(1);
+  const int64_t B = q.size(0), nq = q.size(1), T = q.size(2), hd = q.size(3), nkv = keys.k.size(1);
+  const int64_t P = keys.P;
   TORCH_CHECK(hd % 8 == 0 && nq % nkv == 0, "attention needs head_dim % 8 == 0 and whole query groups");
-  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "keys and values need a contiguous last dim");
-  TORCH_CHECK(keys.size(0) == B || keys.size(0) == 1, "keys must have B rows or one");
+  TORCH_CHECK(keys.k.stride(3) == 1 && keys.v.stride(3) == 1, "keys and values need a contiguous last dim");
+  TORCH_CHECK(keys.k.size(0) == B || keys.k.size(0) == 1, "keys must have B rows or one");
+  const float *pk = nullptr, *pv = nullptr;
+  int64_t pkh = 0, pks = 0, pvh = 0, pvs = 0;
+  if (P > 0) {
+    check_float(keys.prefix_k, "prefix keys");
+    check_float(keys.prefix_v, "prefix values");
+    TORCH_CHECK(keys.prefix_k.size(2) >= P && keys.prefix_k.stride(3) == 1 && keys.prefix_v.stride(3) == 1,
+                "the prefix keys must hold P slots with a contiguous last dim");
+    pk = keys.prefix_k.data_ptr<float>(), pv = keys.prefix_v.data_ptr<float>();
+    pkh = keys.prefix_k.stride(1), pks = keys.prefix_k.stride(2);
+    pvh = keys.prefix_v.stride(1), pvs = keys.prefix_v.stride(2);
+  }
   torch::Tensor m;
   const bool* mp = nullptr;
-  int64_t mrows = 0, S = keys.size(2);
+  int64_t mrows = 0, S = P + keys.k.size(2);
   if (mask.has_value()) {
     m = mask->to(torch::kBool).contiguous();
     TORCH_CHECK(m.dim() == 4 && m.size(2) == T && m.size(3) <= S, "mask must be [B or 1, 1, T, <= S]");
@@ -83,10 +94,10 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
     TORCH_CHECK(start + T <= S, "keys hold ", S, " slots, the pass needs ", start + T);
   }
   auto out = torch::empty_like(q);
-  const float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
+  const float *qp = q.data_ptr<float>(), *kp = keys.k.data_ptr<float>(), *vp = keys.v.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t kb = keys.size(0) == 1 ? 0 : keys.stride(0), kh = keys.stride(1), ks = keys.stride(2);
-  const int64_t vb = values.size(0) == 1 ? 0 : values.stride(0), vh = values.stride(1), vs = values.stride(2);
+  const int64_t kb = keys.k.size(0) == 1 ? 0 : keys.k.stride(0), kh = keys.k.stride(1), ks = keys.k.stride(2);
+  const int64_t vb = keys.v.size(0) == 1 ? 0 : keys.v.stride(0), vh = keys.v.stride(1), vs = keys.v.stride(2);
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
   at::parallel_for(0, B * nq * T, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> scores(S);
@@ -101,13 +112,16 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
       } else {
         for (int64_t j = 0; j <= start + t; ++j) slots[n++] = j;
       }
+      // slot j's key: the shared prefix's row 0 below P, this row's own storage from P on
+      auto key = [&](int64_t j) { return j < P ? pk + g * pkh + j * pks : kp + b * kb + g * kh + (j - P) * ks; };
+      auto value = [&](int64_t j) { return j < P ? pv + g * pvh + j * pvs : vp + b * vb + g * vh + (j - P) * vs; };
       const float* qr = qp + ((b * nq + h) * T + t) * hd;
       float* o = op + ((b * nq + h) * T + t) * hd;
       std::fill(o, o + hd, 0.f);
       if (n == 0) continue;
       float mx = -INFINITY;
       for (int64_t j = 0; j < n; ++j) {
-        scores[j] = dot8(qr, kp + b * kb + g * kh + slots[j] * ks, hd) * scale;
+        scores[j] = dot8(qr, key(slots[j]), hd) * scale;
         mx = std::max(mx, scores[j]);
       }
       float sum = 0.f;
@@ -115,12 +129,18 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
         scores[j] = std::exp(scores[j] - mx);
         sum += scores[j];
       }
-      for (int64_t j = 0; j < n; ++j) axpy(o, vp + b * vb + g * vh + slots[j] * vs, scores[j], hd);
+      for (int64_t j = 0; j < n; ++j) axpy(o, value(slots[j]), scores[j], hd);
       const float inv = 1.f / sum;
       for (int64_t i = 0; i < hd; ++i) o[i] *= inv;
     }
   });
   return out;
+}
+
+// keys, values [B or 1, n_kv, S, hd] (last dim contiguous, S >= start+T): attend_keys without a shared prefix
+torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t start,
+                        c10::optional<torch::Tensor> mask) {
+  return attend_keys(q, Keys{keys, values, 0}, start, mask);
 }
 
 // gate_up [..., 2I] -> silu(gate) * up [..., I], silu(g) = g / (1 + exp(-g))
