@@ -18,11 +18,6 @@ from model.kv_cache import KVCache
 from model.linear import Kernel, compiled
 
 
-def kernels():
-    """The compiled float32 kernels (model/kernels): one call per op, each row in a fixed order."""
-    return compiled()
-
-
 def fused(width: int) -> bool:
     # the kernels' vector loops take rows in multiples of 8 floats
     return width % 8 == 0
@@ -41,7 +36,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., H] -> [..., H]
         if x.dtype == torch.float32 and fused(x.shape[-1]):
-            return kernels().rms_norm(x, self.weight, self.eps)
+            return compiled().rms_norm(x, self.weight, self.eps)
         # torch.rms_norm, not F.rms_norm: the functional wrapper's checks cost more than the math here
         if x.dtype == torch.float32:
             return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -79,7 +74,7 @@ class Rope:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.cos.dtype == torch.float32 and fused(self.cos.shape[-1]):
-            return kernels().rope(x, self.cos, self.sin)
+            return compiled().rope(x, self.cos, self.sin)
         return apply_rotary(x, self.cos, self.sin)
 
 
@@ -112,7 +107,7 @@ class AttentionBlock(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
         # x [B, T, H] (already normed) -> partial attention output [B, T, H]
         if self.compiled:
-            return kernels().attention_block(x.float(), self.qkv.kernel, self.o.kernel, self.n_q, self.n_kv,
+            return compiled().attention_block(x.float(), self.qkv.kernel, self.o.kernel, self.n_q, self.n_kv,
                                              rope.cos, rope.sin, *cache.storage(layer, start), start,
                                              _heads_mask(mask))
         b, t, _ = x.shape
@@ -151,7 +146,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
     """
     mask = _heads_mask(mask)
     if q.dtype == torch.float32 and fused(q.shape[-1]):
-        return kernels().attention(q, keys, values, start, mask)
+        return compiled().attention(q, keys, values, start, mask)
     if mask is None and q.shape[2] > 1:
         mask = causal_mask(start, q.shape[2])
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
@@ -174,10 +169,10 @@ class FFN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [B, T, H] -> [B, T, H]
         if self.compiled:
-            return kernels().ffn_block(x.float(), self.gate_up.kernel, self.down.kernel)
+            return compiled().ffn_block(x.float(), self.gate_up.kernel, self.down.kernel)
         gate_up = self.gate_up(x)
         if gate_up.dtype == torch.float32:
-            return self.down(kernels().silu_mul(gate_up))
+            return self.down(compiled().silu_mul(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down(F.silu(gate) * up)
 
@@ -197,7 +192,7 @@ class DecoderLayer(nn.Module):
         attn, ffn = self.attn, self.ffn
         if attn.compiled and ffn.compiled and fused(x.shape[-1]):
             # one call: the same kernels in the same order as the blocks below, without ~20 dispatches
-            return kernels().decoder_layer(x.float(), self.input_norm.weight, self.post_norm.weight,
+            return compiled().decoder_layer(x.float(), self.input_norm.weight, self.post_norm.weight,
                                            self.input_norm.eps, attn.qkv.kernel, attn.o.kernel,
                                            ffn.gate_up.kernel, ffn.down.kernel, attn.n_q, attn.n_kv, rope.cos,
                                            rope.sin, *cache.storage(layer, start), start, _heads_mask(mask))

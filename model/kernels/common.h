@@ -50,6 +50,16 @@ inline void axpy(float* y, const float* x, float p, int64_t n) {
 #endif
 }
 
+// rotate-half rotary of one head vector x [hd] by c, s [hd]: out = x c + rotate_half(x) s (rope's and the
+// attention block's one formula)
+inline void rotate(const float* x, const float* c, const float* s, int64_t hd, float* out) {
+  const int64_t half = hd / 2;
+  for (int64_t i = 0; i < hd; ++i) {
+    const float rot = i < half ? -x[i + half] : x[i - half];
+    out[i] = x[i] * c[i] + rot * s[i];
+  }
+}
+
 torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor qw, torch::Tensor d, torch::Tensor m);
 torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor qw, torch::Tensor d);
 torch::Tensor f32_matmul(torch::Tensor x, torch::Tensor w);

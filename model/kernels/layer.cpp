@@ -6,8 +6,6 @@
 // HeadSplit device calls it), and every output keeps its one fixed order whatever the pass shape.
 #include "common.h"
 
-#include <vector>
-
 // One linear layer in a compiled format: kind 0 = q4 (qs [N, K/2], d, m [N, K/32]), 1 = q8 (qs [N, K], d),
 // 2 = float32 (w [N, K]); bias [N] or none, added after the matmul.
 Linear::Linear(int64_t kind, torch::Tensor a, torch::Tensor b, torch::Tensor c, c10::optional<torch::Tensor> bias)
@@ -21,19 +19,6 @@ torch::Tensor Linear::operator()(const torch::Tensor& x) const {
   if (bias.has_value()) y.add_(*bias);
   return y;
 }
-
-namespace {
-
-// rotate-half rotary of one head vector: out = x cos + rotate_half(x) sin (the formula of ops.cpp's rope)
-void rotate(const float* x, const float* c, const float* s, int64_t hd, float* out) {
-  const int64_t half = hd / 2;
-  for (int64_t i = 0; i < hd; ++i) {
-    const float rot = i < half ? -x[i + half] : x[i - half];
-    out[i] = x[i] * c[i] + rot * s[i];
-  }
-}
-
-}  // namespace
 
 // x [B, T, H] float (already normed); qkv, o: the block's projections (n_q + 2 n_kv heads of hd out; n_q hd
 // in); cos, sin [Bc, 1, T, hd] (Bc 1 or B); own_k, own_v [B, n_kv, A, hd]: the cache's storage for this

@@ -38,7 +38,7 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   x = x.contiguous();
   cos = cos.expand({x.size(0), 1, x.size(2), x.size(3)}).contiguous();
   sin = sin.expand({x.size(0), 1, x.size(2), x.size(3)}).contiguous();
-  const int64_t B = x.size(0), heads = x.size(1), T = x.size(2), hd = x.size(3), half = hd / 2;
+  const int64_t B = x.size(0), heads = x.size(1), T = x.size(2), hd = x.size(3);
   auto out = torch::empty_like(x);
   const float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -47,11 +47,7 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
       for (int64_t t = 0; t < T; ++t) {
         const float* xr = xp + ((b * heads + h) * T + t) * hd;
         const float *c = cp + (b * T + t) * hd, *s = sp + (b * T + t) * hd;
-        float* o = op + ((b * heads + h) * T + t) * hd;
-        for (int64_t i = 0; i < hd; ++i) {
-          const float rot = i < half ? -xr[i + half] : xr[i - half];
-          o[i] = xr[i] * c[i] + rot * s[i];
-        }
+        rotate(xr, c, s, hd, op + ((b * heads + h) * T + t) * hd);
       }
   return out;
 }
