@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.quant import Q4, Q8, Matrix, as_q8, dequantized, quantize_q4
+from model.quant import Q4, Q8, Interleaved, Matrix, as_q8, dequantized, quantize_q4
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class Kernel(nn.Module):
     weight's handle in model/kernels (layer.cpp's Linear), which the fused blocks call without Python."""
 
     KIND = -1  # layer.cpp's Linear kind: 0 q4, 1 q8, 2 float32
-    TENSORS = ("qs", "d", "m")  # the buffers holding the weight, in the order the kernel takes them
+    TENSORS = ("words", "d", "m")  # the buffers holding the weight, in the order the kernel takes them
 
     def __init__(self, n: int, k: int, bias: torch.Tensor | None, *tensors: torch.Tensor):
         super().__init__()
@@ -99,7 +99,7 @@ class Kernel(nn.Module):
         for name, t in zip(self.TENSORS, tensors, strict=True):
             self.register_buffer(name, t.contiguous(), persistent=False)
         a, b, c = (*tensors, *[tensors[0]] * (3 - len(tensors)))  # unused operands: any tensor
-        self.kernel = compiled().Linear(self.KIND, a, b, c, self.bias)
+        self.kernel = compiled().Linear(self.KIND, a, b, c, self.bias, n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -119,31 +119,32 @@ class Kernel(nn.Module):
         return None if self.bias is None else self.bias[ids]
 
 
-class Q4Linear(Kernel):
+class Blocks(Kernel):
+    """Q4 or Q8 blocks, held interleaved as the kernels read them (model/quant.py's Interleaved)."""
+
+    def __init__(self, w: Q4 | Q8 | Interleaved, bias=None):
+        w = w if isinstance(w, Interleaved) else Interleaved.of(w)
+        super().__init__(*w.shape, bias, w.words, w.d, *([] if w.m is None else [w.m]))
+
+    def interleaved(self) -> Interleaved:
+        """The weight's tensors (shared, not copied)."""
+        return Interleaved(self.words, self.d, getattr(self, "m", None), self.out_features)
+
+    def dense(self):
+        return self.interleaved().dequantize()
+
+    def rows(self, ids):
+        w = self.interleaved().plain()
+        return type(self)(type(w)(*(t[ids] for t in vars(w).values())), self._bias_rows(ids))
+
+
+class Q4Linear(Blocks):
     KIND = 0
 
-    def __init__(self, w: Q4, bias=None):
-        super().__init__(*w.shape, bias, w.qs, w.d, w.m)
 
-    def dense(self):
-        return Q4(self.qs, self.d, self.m).dequantize()
-
-    def rows(self, ids):
-        return Q4Linear(Q4(self.qs[ids], self.d[ids], self.m[ids]), self._bias_rows(ids))
-
-
-class Q8Linear(Kernel):
+class Q8Linear(Blocks):
     KIND = 1
-    TENSORS = ("qs", "d")
-
-    def __init__(self, w: Q8, bias=None):
-        super().__init__(*w.shape, bias, w.qs, w.d)
-
-    def dense(self):
-        return Q8(self.qs, self.d).dequantize()
-
-    def rows(self, ids):
-        return Q8Linear(Q8(self.qs[ids], self.d[ids]), self._bias_rows(ids))
+    TENSORS = ("words", "d")
 
 
 class F32Linear(Kernel):

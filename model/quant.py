@@ -63,6 +63,63 @@ class Q8:
         return (q * self.d[ids][..., None]).reshape(*ids.shape, k)
 
 
+GROUP = 8  # weight rows per interleaved group (the kernels' layout)
+
+
+@dataclass(frozen=True)
+class Interleaved:
+    """A Q4 or Q8 matrix in the layout the kernels read (model/kernels/quant.cpp): rows in groups of 8 (zero
+    rows pad the last group) and, for each group and block, each row's 4-byte words side by side, so that one
+    32-byte load holds 4 elements of 8 rows. The bytes are the plain matrix's, moved, not re-encoded."""
+
+    words: torch.Tensor  # [G, K/32, W, 8] int32: W = 4 for Q4 (nibbles), 8 for Q8
+    d: torch.Tensor  # [G, K/32, 8] float32
+    m: torch.Tensor | None  # [G, K/32, 8] float32 for Q4, None for Q8
+    n: int  # rows of the matrix (the last group may hold fewer)
+
+    @classmethod
+    def of(cls, w: Q4 | Q8) -> Interleaved:
+        n, k = w.shape
+        g = -(-n // GROUP)
+
+        def grouped(t: torch.Tensor) -> torch.Tensor:
+            # [N, nb, ...] -> [G, nb, ..., 8]
+            t = torch.cat([t, t.new_zeros(g * GROUP - n, *t.shape[1:])])
+            return t.view(g, GROUP, *t.shape[1:]).movedim(1, -1).contiguous()
+
+        words = grouped(w.qs.contiguous().view(torch.int32).view(n, k // QK, -1))
+        return cls(words, grouped(w.d), grouped(w.m) if isinstance(w, Q4) else None, n)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.d.shape[1] * QK
+
+    def plain(self) -> Q4 | Q8:
+        """The matrix as Q4 / Q8 in rows (analysis, row selection; not the serving path)."""
+        n, k = self.shape
+
+        def ungrouped(t: torch.Tensor) -> torch.Tensor:
+            # [G, nb, ..., 8] -> [N, nb * ...]
+            t = t.movedim(-1, 1)
+            return t.reshape(t.shape[0] * GROUP, -1)[:n].contiguous()
+
+        qs = ungrouped(self.words)
+        if self.m is None:
+            return Q8(qs.view(torch.int8), ungrouped(self.d))
+        return Q4(qs.view(torch.uint8), ungrouped(self.d), ungrouped(self.m))
+
+    def dequantize(self) -> torch.Tensor:
+        return self.plain().dequantize()
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [...] as floats [..., K] without unpacking the rest (a tied embedding's lookup); Q8 only,
+        the same values as Q8.dequantize_rows."""
+        assert self.m is None, "row lookup is for Q8 tables"
+        from model.kernels import load  # compiled: the same lookup in torch ops took 100 us per token
+
+        return load().q8_rows(self.words, self.d, ids.reshape(-1)).view(*ids.shape, self.shape[1])
+
+
 Matrix = Q4 | Q8 | torch.Tensor
 
 

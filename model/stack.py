@@ -10,8 +10,8 @@ from torch import nn
 from model.blocks import DecoderLayer, RMSNorm, Rotary
 from model.config import ModelConfig
 from model.kv_cache import KVCache
-from model.linear import WeightFormat, as_format, head_matrix, make_linear
-from model.quant import Q8, Matrix
+from model.linear import Q8Linear, WeightFormat, as_format, head_matrix, make_linear
+from model.quant import Q8, Interleaved, Matrix
 from model.weights import load_layer
 
 
@@ -69,7 +69,8 @@ class LayerStack(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token embedding over a table [V, H] held as the source has it (a GGUF's Q8_0 blocks, or floats)."""
+    """Token embedding over a table [V, H] held as the source has it (a GGUF's Q8_0 blocks, or floats), or
+    as a tied Q8 head holds it (Interleaved: the head's own tensors)."""
 
     def __init__(self, table: Matrix, dtype: torch.dtype):
         super().__init__()
@@ -79,13 +80,13 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # ids [B, T] -> [B, T, H]; Q8 rows are d q in float32, exact
-        if isinstance(self.table, Q8):
+        if isinstance(self.table, Q8 | Interleaved):
             return self.table.dequantize_rows(ids).to(self.dtype)
         return F.embedding(ids, self.weight)
 
     def dense(self) -> torch.Tensor:
         """The table as floats [V, H] (training code)."""
-        return self.table.dequantize() if isinstance(self.table, Q8) else self.weight
+        return self.table.dequantize() if isinstance(self.table, Q8 | Interleaved) else self.weight
 
 
 class TokenEnds(nn.Module):
@@ -110,6 +111,8 @@ class TokenEnds(nn.Module):
         if isinstance(table, torch.Tensor):
             table = table.to(fmt.act).contiguous()
         head = make_linear(table if tied else src.matrix("lm_head.weight"), None, fmt, role="head")
+        if tied and isinstance(head, Q8Linear):
+            table = head.interleaved()  # one copy of the table: the head's layout serves lookups too
         ends = cls(cfg, fmt.act, Embedding(table, fmt.act), head)
         with torch.no_grad():
             ends.norm.weight.copy_(src.get("model.norm.weight", fmt.act))

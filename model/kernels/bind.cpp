@@ -10,8 +10,9 @@ bool simd() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("q4_matmul", &q4_matmul, "x [M, K] @ q4 weight [N, K]^T -> [M, N]");
-  mod.def("q8_matmul", &q8_matmul, "x [M, K] @ q8 weight [N, K]^T -> [M, N]");
+  mod.def("q4_matmul", &q4_matmul, "x [M, K] @ interleaved q4 weight [N, K]^T -> [M, N]");
+  mod.def("q8_matmul", &q8_matmul, "x [M, K] @ interleaved q8 weight [N, K]^T -> [M, N]");
+  mod.def("q8_rows", &q8_rows, "rows ids [n] of an interleaved q8 weight as floats [n, K]");
   mod.def("f32_matmul", &f32_matmul, "x [M, K] @ float weight [N, K]^T -> [M, N]");
   mod.def("rms_norm", &rms_norm, "RMS norm of the rows of x [..., H] times w [H]");
   mod.def("rope", &rope, "rotate-half rotary of x [B, heads, T, hd] by cos, sin [B, 1, T, hd]");
@@ -19,7 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("silu_mul", &silu_mul, "silu(gate) * up of gate_up [..., 2I] -> [..., I]");
   // module_local: the portable build, loaded beside this one in a test, registers its own Linear
   pybind11::class_<Linear>(mod, "Linear", pybind11::module_local(), "a weight in a compiled format: 0 q4, 1 q8, 2 f32")
-      .def(pybind11::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>>())
+      .def(pybind11::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t>())
       .def("__call__", &Linear::operator(), "x [M, K] float -> [M, N]");
   mod.def("attention_block", &attention_block, "a layer's attention (or some of its KV groups) in one call");
   mod.def("ffn_block", &ffn_block, "SwiGLU FFN in one call");

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -60,9 +61,10 @@ inline void rotate(const float* x, const float* c, const float* s, int64_t hd, f
   }
 }
 
-torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor qw, torch::Tensor d, torch::Tensor m);
-torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor qw, torch::Tensor d);
+torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, torch::Tensor m8, int64_t N);
+torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, int64_t N);
 torch::Tensor f32_matmul(torch::Tensor x, torch::Tensor w);
+torch::Tensor q8_rows(torch::Tensor pw, torch::Tensor d8, torch::Tensor ids);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t start,
@@ -84,7 +86,9 @@ struct Linear {
   int64_t kind;  // 0 q4, 1 q8, 2 float32
   torch::Tensor a, b, c;
   c10::optional<torch::Tensor> bias;
-  Linear(int64_t kind, torch::Tensor a, torch::Tensor b, torch::Tensor c, c10::optional<torch::Tensor> bias);
+  int64_t n;  // output rows
+  Linear(int64_t kind, torch::Tensor a, torch::Tensor b, torch::Tensor c, c10::optional<torch::Tensor> bias,
+         int64_t n);
   torch::Tensor operator()(const torch::Tensor& x) const;
 };
 torch::Tensor attention_block(torch::Tensor x, const Linear& qkv, const Linear& o, int64_t n_q, int64_t n_kv,

@@ -6,16 +6,17 @@
 // HeadSplit device calls it), and every output keeps its one fixed order whatever the pass shape.
 #include "common.h"
 
-// One linear layer in a compiled format: kind 0 = q4 (qs [N, K/2], d, m [N, K/32]), 1 = q8 (qs [N, K], d),
-// 2 = float32 (w [N, K]); bias [N] or none, added after the matmul.
-Linear::Linear(int64_t kind, torch::Tensor a, torch::Tensor b, torch::Tensor c, c10::optional<torch::Tensor> bias)
-    : kind(kind), a(a.contiguous()), b(b.contiguous()), c(c.contiguous()), bias(bias) {
+// One linear layer of n output rows in a compiled format: kind 0 = q4 (pw, d8, m8 interleaved as quant.cpp
+// says), 1 = q8 (pw, d8), 2 = float32 (w [n, K]); bias [n] or none, added after the matmul.
+Linear::Linear(int64_t kind, torch::Tensor a, torch::Tensor b, torch::Tensor c, c10::optional<torch::Tensor> bias,
+               int64_t n)
+    : kind(kind), a(a.contiguous()), b(b.contiguous()), c(c.contiguous()), bias(bias), n(n) {
   TORCH_CHECK(kind >= 0 && kind <= 2, "linear kind must be 0 (q4), 1 (q8) or 2 (float32)");
 }
 
 torch::Tensor Linear::operator()(const torch::Tensor& x) const {
   // x [M, K] float contiguous -> [M, N]
-  torch::Tensor y = kind == 0 ? q4_matmul(x, a, b, c) : kind == 1 ? q8_matmul(x, a, b) : f32_matmul(x, a);
+  torch::Tensor y = kind == 0 ? q4_matmul(x, a, b, c, n) : kind == 1 ? q8_matmul(x, a, b, n) : f32_matmul(x, a);
   if (bias.has_value()) y.add_(*bias);
   return y;
 }

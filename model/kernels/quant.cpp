@@ -1,20 +1,30 @@
 // Row-invariant CPU matmuls over block-quantized weights (llama.cpp's scheme, our own code).
 //
 // Activations are quantized per row to int8 in blocks of 32 (scale dx = max|x| / 127, plus the block's
-// sum s = dx * sum(qx)); each output is then a sum over the row's blocks of integer dot products:
-//   q4 (Q4_0/Q4_1/Q4_K as w = d q + m, q in 0..15):  y = sum_b d_b dx_b <qw, qx>_b + m_b s_b
-//   q8 (Q8_0 as w = d q, q in -127..127):            y = sum_b d_b dx_b <qw, qx>_b
-//   f32 (dense):                                     y = sum_k w_k x_k
-// Every output element is computed by one function whose operation order depends only on K, never on how
-// many rows the pass has or which thread runs it, so a position's result is bitwise the same alone, in a
-// verification pass or in a batch of rows (docs: "exact in the served format"). The AVX2 path and the
-// portable path keep the same 8 float lanes and the same final reduction, with explicit fma, so they agree
-// too (built with -ffp-contract=off).
+// sum s = dx * sum(qx)). Each output is then one float accumulator updated block by block, in block order:
+//   q4 (Q4_0/Q4_1/Q4_K as w = d q + m, q in 0..15):  y = fma(m_b, s_b, fma(<qw, qx>_b, d_b dx_b, y))
+//   q8 (Q8_0 as w = d q, q in -127..127):            y = fma(<qw, qx>_b, d_b dx_b, y)
+//   f32 (dense):                                     y = sum_k w_k x_k (8 lanes, then reduce8)
+// where <qw, qx>_b is the block's integer dot product (exact in int32, so its summation order is free). That
+// order depends only on K, never on how many rows the pass has or which thread runs it, so a position's
+// result is bitwise the same alone, in a verification pass or in a batch of rows (docs: "exact in the served
+// format"); the AVX2 path and the portable path compute the same float operations, with explicit fma, so
+// they agree too (built with -ffp-contract=off).
+//
+// Weights are held interleaved in groups of 8 rows (model/quant.py's `interleave`, rows padded to a multiple
+// of 8): for group g and block b, word j of every row, 4 bytes, side by side, [G, nb, words, 8] int32. One
+// 32-byte load then holds 4 elements of 8 rows, one maddubs multiplies them by 4 activations broadcast, and
+// the 8 lanes of the accumulator are 8 outputs: no horizontal sum per output, and the scales of 8 rows come
+// in one load. Measured on an AVX2 EPYC, one thread, 3072x576 q4: 70 -> 33 us at one row, 229 -> 111 at
+// four; the 49152x576 q8 head 5.4 -> 2.8 ms at one row (llama.cpp's AVX2 REPACK kernels use the same idea).
+// q4 words hold the nibbles as GGUF does: the low nibbles of word j are elements 4j..4j+3 of the block, the
+// high nibbles elements 16+4j..16+4j+3.
 #include "common.h"
 
 namespace {
 
 constexpr int QK = 32;  // elements per quantization block
+constexpr int G8 = 8;   // weight rows per interleaved group
 
 // x [K] float -> qx [K] int8, dx [K/32], sx [K/32] (sx = dx * sum of the block's qx)
 void quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, float* sx) {
@@ -34,146 +44,123 @@ void quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, float* sx) {
   }
 }
 
-constexpr int TILE = 16;  // activation rows per call of a dot function (the caller's chunk of the pass)
+int32_t word(const int8_t* p) {
+  int32_t w;
+  std::memcpy(&w, p, 4);
+  return w;
+}
 
 #ifdef ES_AVX2
-// Outputs (r, n) of the q4 kernel for W consecutive weight rows and R consecutive activation rows: weight
-// rows qw (16 bytes of nibbles per block, rows K/2 bytes apart: element i is the low nibble of byte i,
-// element i + 16 the high nibble), their block scales d and offsets m (rows nb apart); activation rows
-// quantized as above. A weight block is unpacked once for all R rows. W and R are compile-time counts so the
-// accumulators stay in registers: a runtime count of up to 16 rows kept them in memory, which measured
-// 1.3-1.6x slower at every M on an AVX2 EPYC (3072x576: 140 -> 86 us at one row, 487 -> 389 at eight). Each
-// output keeps its own 8 float lanes and its own offset sum, updated block by block in one fixed order
-// whatever W and R are: W only interleaves independent outputs, so that one activation row has W fma chains
-// in flight instead of one (one row: 84 -> 61 us, bit for bit the same).
-template <int W, int R>
-void dot_q4_tile(const uint8_t* qw, const float* d, const float* m, const int8_t* qx, const float* dx,
-                 const float* sx, int64_t nb, int64_t K, float* out, int64_t N) {
-  __m256 acc[W][R];
-  float offs[W][R];
-  for (int w = 0; w < W; ++w)
-    for (int r = 0; r < R; ++r) acc[w][r] = _mm256_setzero_ps(), offs[w][r] = 0.f;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
+// The 8 outputs of one weight group for R activation rows (R a compile-time count, so the accumulators stay
+// in registers): pw [nb, 4, 8] words, d8, m8 [nb, 8]; activation rows K apart, their scales nb apart; out
+// gets 8 floats per row, rows ldo apart. The int16 sums cannot overflow: 8 maddubs of at most 2 * 15 * 127.
+template <int R>
+void group_q4(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const float* dx,
+              const float* sx, int64_t nb, int64_t K, float* out, int64_t ldo) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i wv[W];
-    for (int w = 0; w < W; ++w) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qw + w * (K / 2) + b * 16));
-      wv[w] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);  // 32 x 0..15
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * K + b * QK));
-      const float dxr = dx[r * nb + b], sxr = sx[r * nb + b];
-      for (int w = 0; w < W; ++w) {
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[w], x), ones);  // 8 lanes, 4 products each
-        acc[w][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[w * nb + b] * dxr), acc[w][r]);
-        offs[w][r] = std::fma(m[w * nb + b], sxr, offs[w][r]);
+    __m256i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + (b * 4 + j) * G8));
+      const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xb = qx + r * K + b * QK;
+        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word(xb + 4 * j))));
+        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word(xb + 16 + 4 * j))));
       }
     }
+    const __m256 d = _mm256_loadu_ps(d8 + b * G8), m = _mm256_loadu_ps(m8 + b * G8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r], ones));
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
+    }
   }
-  for (int w = 0; w < W; ++w)
-    for (int r = 0; r < R; ++r) out[r * N + w] = reduce8(acc[w][r]) + offs[w][r];
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
 }
 
-// The same for q8 weights (32 int8 per block, w = d q; rows K bytes apart).
-template <int W, int R>
-void dot_q8_tile(const int8_t* qw, const float* d, const int8_t* qx, const float* dx, int64_t nb, int64_t K,
-                 float* out, int64_t N) {
-  __m256 acc[W][R];
-  for (int w = 0; w < W; ++w)
-    for (int r = 0; r < R; ++r) acc[w][r] = _mm256_setzero_ps();
+// The same for q8: pw [nb, 8, 8] words of signed bytes. maddubs takes |w| times x with w's sign; a pair of
+// products reaches 2 * 127 * 127, so each maddubs is widened to int32 before adding.
+template <int R>
+void group_q8(const int32_t* pw, const float* d8, const int8_t* qx, const float* dx, int64_t nb, int64_t K,
+              float* out, int64_t ldo) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i wv[W], aw[W];
-    for (int w = 0; w < W; ++w) {
-      wv[w] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + w * K + b * QK));
-      aw[w] = _mm256_sign_epi8(wv[w], wv[w]);  // |w| (w = -128 never occurs: |q| <= 127)
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * K + b * QK));
-      const float dxr = dx[r * nb + b];
-      for (int w = 0; w < W; ++w) {
-        // signed x signed through maddubs: |w| times x with w's sign
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[w], _mm256_sign_epi8(x, wv[w])), ones);
-        acc[w][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[w * nb + b] * dxr), acc[w][r]);
+    __m256i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + (b * 8 + j) * G8));
+      const __m256i a = _mm256_sign_epi8(v, v);  // |w| (w = -128 never occurs: |q| <= 127)
+      for (int r = 0; r < R; ++r) {
+        const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(word(qx + r * K + b * QK + 4 * j)), v);
+        s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), ones));
       }
     }
+    const __m256 d = _mm256_loadu_ps(d8 + b * G8);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
   }
-  for (int w = 0; w < W; ++w)
-    for (int r = 0; r < R; ++r) out[r * N + w] = reduce8(acc[w][r]);
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
 }
 
-template <int V>
-using I = std::integral_constant<int, V>;
-
-// All outputs [M, N] by tiles: activation rows in chunks of up to 4; weight rows in groups of 4 for a chunk of
-// one row and of 2 for two (more fma chains in flight), single for 3-4 (where the rows already give 3-4
-// chains: measured, pairs of weight rows were up to 10% slower there). tile(W, R, n, r, out) computes the
-// tile at weight row n and activation row r. Work is split over weight rows only.
+// rows 0..R-1 (R <= 4 at run time) through the compile-time kernel `tile`
 template <typename Tile>
-torch::Tensor run_tiles(int64_t M, int64_t N, Tile tile) {
-  auto out = torch::empty({M, N}, torch::kFloat);
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = 0; r < M; r += 4) {
-      const int64_t R = std::min<int64_t>(4, M - r);
-      float* o = op + r * N;
-      int64_t n = lo;
-      if (R == 1)
-        for (; n + 4 <= hi; n += 4) tile(I<4>{}, I<1>{}, n, r, o + n);
-      else if (R == 2)
-        for (; n + 2 <= hi; n += 2) tile(I<2>{}, I<2>{}, n, r, o + n);
-      for (; n < hi; ++n) {
-        switch (R) {
-          case 1: tile(I<1>{}, I<1>{}, n, r, o + n); break;
-          case 2: tile(I<1>{}, I<2>{}, n, r, o + n); break;
-          case 3: tile(I<1>{}, I<3>{}, n, r, o + n); break;
-          default: tile(I<1>{}, I<4>{}, n, r, o + n);
-        }
-      }
-    }
-  });
-  return out;
-}
-#else
-// The portable kernels: the same arithmetic per output as the tiles above (8 float lanes of 4 products
-// each, fma, the same reduction), rows [r0, r1) of one weight row.
-void dot_q4(const uint8_t* qw, const float* d, const float* m, const int8_t* qx, const float* dx,
-            const float* sx, int64_t nb, int64_t K, int64_t r0, int64_t r1, float* out, int64_t N) {
-  float acc[TILE][8] = {}, offs[TILE] = {};
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* wb = qw + b * 16;
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t i = r * nb + b;
-      const int8_t* xb = qx + r * K + b * QK;
-      const float scale = d[b] * dx[i];
-      for (int lane = 0; lane < 8; ++lane) {
-        int s = 0;
-        for (int j = 4 * lane; j < 4 * lane + 4; ++j) s += (j < 16 ? (wb[j] & 0x0F) : (wb[j - 16] >> 4)) * xb[j];
-        acc[r - r0][lane] = std::fma(static_cast<float>(s), scale, acc[r - r0][lane]);
-      }
-      offs[r - r0] = std::fma(m[b], sx[i], offs[r - r0]);
-    }
+void by_rows(int64_t R, Tile tile) {
+  switch (R) {
+    case 1: tile(std::integral_constant<int, 1>{}); break;
+    case 2: tile(std::integral_constant<int, 2>{}); break;
+    case 3: tile(std::integral_constant<int, 3>{}); break;
+    default: tile(std::integral_constant<int, 4>{});
   }
-  for (int64_t r = r0; r < r1; ++r) out[r * N] = reduce8(acc[r - r0]) + offs[r - r0];
-}
-
-void dot_q8(const int8_t* qw, const float* d, const int8_t* qx, const float* dx, int64_t nb, int64_t K,
-            int64_t r0, int64_t r1, float* out, int64_t N) {
-  float acc[TILE][8] = {};
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float scale = d[b] * dx[r * nb + b];
-      for (int lane = 0; lane < 8; ++lane) {
-        int s = 0;
-        for (int j = 4 * lane; j < 4 * lane + 4; ++j) s += qw[b * QK + j] * qx[r * K + b * QK + j];
-        acc[r - r0][lane] = std::fma(static_cast<float>(s), scale, acc[r - r0][lane]);
-      }
-    }
-  }
-  for (int64_t r = r0; r < r1; ++r) out[r * N] = reduce8(acc[r - r0]);
 }
 #endif
+
+// The portable kernels: the same float operations per output as the groups above, one output at a time.
+// Word j of row `lane` of a block sits at pw[(b * words + j) * 8 + lane].
+void group_q4_portable(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const float* dx,
+                       const float* sx, int64_t nb, int64_t K, int64_t R, float* out, int64_t ldo) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int lane = 0; lane < G8; ++lane) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int8_t* xb = qx + r * K + b * QK;
+        int dot = 0;
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t w = static_cast<uint32_t>(pw[(b * 4 + j) * G8 + lane]);
+          for (int e = 0; e < 4; ++e) {
+            const int byte = (w >> (8 * e)) & 0xFF;
+            dot += (byte & 0x0F) * xb[4 * j + e] + (byte >> 4) * xb[16 + 4 * j + e];
+          }
+        }
+        acc = std::fma(static_cast<float>(dot), d8[b * G8 + lane] * dx[r * nb + b], acc);
+        acc = std::fma(m8[b * G8 + lane], sx[r * nb + b], acc);
+      }
+      out[r * ldo + lane] = acc;
+    }
+}
+
+void group_q8_portable(const int32_t* pw, const float* d8, const int8_t* qx, const float* dx, int64_t nb, int64_t K,
+                       int64_t R, float* out, int64_t ldo) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int lane = 0; lane < G8; ++lane) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int8_t* xb = qx + r * K + b * QK;
+        int dot = 0;
+        for (int j = 0; j < 8; ++j) {
+          const int32_t w = pw[(b * 8 + j) * G8 + lane];
+          for (int e = 0; e < 4; ++e) dot += static_cast<int8_t>((w >> (8 * e)) & 0xFF) * xb[4 * j + e];
+        }
+        acc = std::fma(static_cast<float>(dot), d8[b * G8 + lane] * dx[r * nb + b], acc);
+      }
+      out[r * ldo + lane] = acc;
+    }
+}
 
 // Dense float weights; K % 8 == 0 (checked by the caller).
 void dot_f32(const float* w, const float* x, int64_t K, int64_t r0, int64_t r1, float* out, int64_t N) {
@@ -200,10 +187,45 @@ void check_x(const torch::Tensor& x, int64_t K, int64_t multiple) {
   TORCH_CHECK(x.size(1) == K && K % multiple == 0, "x has ", x.size(1), " columns, the weight ", K);
 }
 
-// Outputs are grouped by weight row: a weight row is read from memory once per tile of activation rows and
-// reused for all of them while it sits in L1. Work is split over weight rows only.
+void check_groups(const torch::Tensor& pw, const torch::Tensor& d8, int64_t words, int64_t N) {
+  TORCH_CHECK(pw.dim() == 4 && pw.scalar_type() == torch::kInt && pw.size(2) == words && pw.size(3) == G8 &&
+                  pw.is_contiguous(), "weights must be interleaved int32 [G, nb, ", words, ", 8]");
+  TORCH_CHECK(d8.dim() == 3 && d8.size(0) == pw.size(0) && d8.size(1) == pw.size(1) && d8.size(2) == G8 &&
+                  d8.scalar_type() == torch::kFloat && d8.is_contiguous(), "scales must be float [G, nb, 8]");
+  TORCH_CHECK(N > (pw.size(0) - 1) * G8 && N <= pw.size(0) * G8, N, " rows do not fill ", pw.size(0), " groups");
+}
+
+// All outputs [M, N] by weight groups: group(g, r, R, out, ldo) computes the 8 outputs of group g for rows
+// r..r+R-1 (R <= 4). Work is split over groups only; within a thread's groups, activation rows go in tiles of
+// 16 so that a tile's quantized rows stay in L1 while the groups stream past, and each group's weights are
+// reused for the tile's 4-row steps. The last group, when N is not a multiple of 8, writes through a buffer.
+template <typename Group>
+torch::Tensor run_groups(int64_t M, int64_t N, Group group) {
+  constexpr int64_t TILE = 16;
+  auto out = torch::empty({M, N}, torch::kFloat);
+  float* op = out.data_ptr<float>();
+  const int64_t G = (N + G8 - 1) / G8;
+  at::parallel_for(0, G, 2, [&](int64_t lo, int64_t hi) {
+    for (int64_t r0 = 0; r0 < M; r0 += TILE)
+      for (int64_t g = lo; g < hi; ++g)
+        for (int64_t r = r0; r < std::min(M, r0 + TILE); r += 4) {
+          const int64_t R = std::min<int64_t>(4, M - r), n = g * G8;
+          if (n + G8 <= N) {
+            group(g, r, R, op + r * N + n, N);
+          } else {
+            float part[4 * G8];
+            group(g, r, R, part, G8);
+            for (int64_t i = 0; i < R; ++i) std::copy(part + i * G8, part + i * G8 + (N - n), op + (r + i) * N + n);
+          }
+        }
+  });
+  return out;
+}
+
+// Dense rows by weight row, activation rows in tiles of 16 (a weight row read once per tile).
 template <typename Dot>
 torch::Tensor run(int64_t M, int64_t N, Dot dot) {
+  constexpr int64_t TILE = 16;
   auto out = torch::empty({M, N}, torch::kFloat);
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
@@ -215,46 +237,50 @@ torch::Tensor run(int64_t M, int64_t N, Dot dot) {
 
 }  // namespace
 
-// x [M, K] float; qw [N, K/2] uint8; d, m [N, K/32] float -> [M, N] float
-torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor qw, torch::Tensor d, torch::Tensor m) {
-  const int64_t N = qw.size(0), K = qw.size(1) * 2, nb = K / QK;
+// x [M, K] float; pw [G, K/32, 4, 8] int32, d8, m8 [G, K/32, 8] float (interleaved, model/quant.py); N rows
+// -> [M, N] float
+torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, torch::Tensor m8, int64_t N) {
+  const int64_t nb = pw.size(1), K = nb * QK;
   check_x(x, K, QK);
+  check_groups(pw, d8, 4, N);
+  TORCH_CHECK(m8.sizes() == d8.sizes() && m8.scalar_type() == torch::kFloat && m8.is_contiguous(), "bad offsets");
   auto q = quantize_rows(x);
-  const uint8_t* w = qw.data_ptr<uint8_t>();
-  const float *dp = d.data_ptr<float>(), *mp = m.data_ptr<float>();
+  const int32_t* w = pw.data_ptr<int32_t>();
+  const float *dp = d8.data_ptr<float>(), *mp = m8.data_ptr<float>();
   const int8_t* qx = q.qx.data_ptr<int8_t>();
   const float *dx = q.dx.data_ptr<float>(), *sx = q.sx.data_ptr<float>();
+  return run_groups(x.size(0), N, [&](int64_t g, int64_t r, int64_t R, float* o, int64_t ldo) {
+    const int32_t* gw = w + g * nb * 4 * G8;
+    const float *gd = dp + g * nb * G8, *gm = mp + g * nb * G8;
 #ifdef ES_AVX2
-  return run_tiles(x.size(0), N, [&](auto W, auto R, int64_t n, int64_t r, float* o) {
-    dot_q4_tile<decltype(W)::value, decltype(R)::value>(w + n * (K / 2), dp + n * nb, mp + n * nb, qx + r * K,
-                                                        dx + r * nb, sx + r * nb, nb, K, o, N);
-  });
+    by_rows(R, [&](auto Rc) {
+      group_q4<decltype(Rc)::value>(gw, gd, gm, qx + r * K, dx + r * nb, sx + r * nb, nb, K, o, ldo);
+    });
 #else
-  return run(x.size(0), N, [&](int64_t n, int64_t r0, int64_t r1, float* o) {
-    dot_q4(w + n * (K / 2), dp + n * nb, mp + n * nb, qx, dx, sx, nb, K, r0, r1, o, N);
-  });
+    group_q4_portable(gw, gd, gm, qx + r * K, dx + r * nb, sx + r * nb, nb, K, R, o, ldo);
 #endif
+  });
 }
 
-// x [M, K] float; qw [N, K] int8; d [N, K/32] float -> [M, N] float
-torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor qw, torch::Tensor d) {
-  const int64_t N = qw.size(0), K = qw.size(1), nb = K / QK;
+// x [M, K] float; pw [G, K/32, 8, 8] int32, d8 [G, K/32, 8] float; N rows -> [M, N] float
+torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, int64_t N) {
+  const int64_t nb = pw.size(1), K = nb * QK;
   check_x(x, K, QK);
+  check_groups(pw, d8, 8, N);
   auto q = quantize_rows(x);
-  const int8_t* w = qw.data_ptr<int8_t>();
-  const float* dp = d.data_ptr<float>();
+  const int32_t* w = pw.data_ptr<int32_t>();
+  const float* dp = d8.data_ptr<float>();
   const int8_t* qx = q.qx.data_ptr<int8_t>();
   const float* dx = q.dx.data_ptr<float>();
+  return run_groups(x.size(0), N, [&](int64_t g, int64_t r, int64_t R, float* o, int64_t ldo) {
+    const int32_t* gw = w + g * nb * 8 * G8;
+    const float* gd = dp + g * nb * G8;
 #ifdef ES_AVX2
-  return run_tiles(x.size(0), N, [&](auto W, auto R, int64_t n, int64_t r, float* o) {
-    dot_q8_tile<decltype(W)::value, decltype(R)::value>(w + n * K, dp + n * nb, qx + r * K, dx + r * nb, nb, K, o,
-                                                        N);
-  });
+    by_rows(R, [&](auto Rc) { group_q8<decltype(Rc)::value>(gw, gd, qx + r * K, dx + r * nb, nb, K, o, ldo); });
 #else
-  return run(x.size(0), N, [&](int64_t n, int64_t r0, int64_t r1, float* o) {
-    dot_q8(w + n * K, dp + n * nb, qx, dx, nb, K, r0, r1, o, N);
-  });
+    group_q8_portable(gw, gd, qx + r * K, dx + r * nb, nb, K, R, o, ldo);
 #endif
+  });
 }
 
 // x [M, K] float; w [N, K] float -> [M, N] float
@@ -265,3 +291,25 @@ torch::Tensor f32_matmul(torch::Tensor x, torch::Tensor w) {
   return run(x.size(0), N, [&](int64_t n, int64_t r0, int64_t r1, float* o) { dot_f32(wp + n * K, xp, K, r0, r1, o, N); });
 }
 
+// Rows ids [n] of an interleaved q8 matrix as floats [n, K], d q in float32 (a tied embedding's lookup: the
+// same values as the plain matrix's, without a second copy of the table)
+torch::Tensor q8_rows(torch::Tensor pw, torch::Tensor d8, torch::Tensor ids) {
+  check_groups(pw, d8, 8, pw.size(0) * G8);
+  ids = ids.to(torch::kLong).contiguous();
+  const int64_t nb = pw.size(1), n = ids.numel(), G = pw.size(0);
+  auto out = torch::empty({n, nb * QK}, torch::kFloat);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const int8_t* w = reinterpret_cast<const int8_t*>(pw.data_ptr<int32_t>());
+  const float* dp = d8.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t g = ip[i] / G8, lane = ip[i] % G8;
+    TORCH_CHECK(ip[i] >= 0 && g < G, "row ", ip[i], " is out of range");
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t j = 0; j < 8; ++j)
+        for (int e = 0; e < 4; ++e)
+          op[i * nb * QK + b * QK + 4 * j + e] =
+              static_cast<float>(w[(((g * nb + b) * 8 + j) * G8 + lane) * 4 + e]) * dp[(g * nb + b) * G8 + lane];
+  }
+  return out;
+}
