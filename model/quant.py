@@ -96,7 +96,7 @@ class Interleaved:
 
     def plain(self) -> Q4 | Q8:
         """The matrix as Q4 / Q8 in rows (analysis, row selection; not the serving path)."""
-        n, k = self.shape
+        n = self.n
 
         def ungrouped(t: torch.Tensor) -> torch.Tensor:
             # [G, nb, ..., 8] -> [N, nb * ...]
