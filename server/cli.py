@@ -123,7 +123,7 @@ def _eval_formats_parser(sub) -> None:
 
 
 def _bench_peer_parser(sub) -> None:
-    p = sub.add_parser("bench-peer", help="edgespec against llama.cpp's server on the same GGUF, one at a time")
+    p = sub.add_parser("bench-peer", help="edgespec against llama.cpp's server on the same GGUF, prompts in turn")
     p.add_argument("--prompts", required=True, help="JSONL file (fields turns, Instruction, instruction or prompt)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, help="use the first N prompts only")

@@ -1,0 +1,86 @@
+"""What a forward pass of R rows costs on this machine, for R = 1, 2, 4, 8, 16: the served model's layer
+matmuls (the kernels called straight, without Python), its head, and the whole pass (layers and head over a
+100-token cache). The ratio to one row is what a verification pass of R-1 drafts, or a batch of R sequences,
+pays against a plain step.
+
+    python -m bench.pass_cost --out bench/results/pass-cost
+
+Writes DIR/pass_cost.json (medians of --repeats timings, milliseconds). Measure alone: other processes on the
+cores change the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.versus import machine_info
+from model.config import ModelConfig
+from model.linear import Kernel, weight_format
+from model.source import resolve_model
+from model.stack import LayerStack, TokenEnds
+from model.weights import open_source
+
+
+def median_ms(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return round(statistics.median(times) * 1000, 3)
+
+
+def costs(stack, ends, cache, context: int, r: int, repeats: int) -> dict:
+    """Medians for a pass of r rows after `context` cached tokens."""
+    linears = [m for m in stack.modules() if isinstance(m, Kernel)]
+    xs = [torch.randn(r, m.in_features) for m in linears]
+    h = torch.randn(1, r, stack.cfg.hidden_size)
+    positions = torch.arange(context, context + r)[None]
+    mask = torch.arange(context + r)[None] <= (context + torch.arange(r))[:, None]  # causal over the rows
+
+    def forward():
+        cache.length = context
+        ends.logits(stack(h, positions, cache, context, None if r == 1 else mask))
+
+    return {"rows": r,
+            "layer_matmuls_ms": median_ms(lambda: [m.kernel(x) for m, x in zip(linears, xs, strict=True)], repeats),
+            "head_ms": median_ms(lambda: ends.logits(h), repeats), "forward_ms": median_ms(forward, repeats)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--weights", default="auto")
+    ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    files = resolve_model(None)
+    cfg, src, fmt = ModelConfig.from_folder(files.folder), open_source(files), weight_format(args.weights)
+    stack, ends = LayerStack.load(src, cfg, 0, cfg.n_layers, fmt), TokenEnds.load(src, cfg, fmt)
+    context = 100
+    with torch.inference_mode():
+        cache = stack.new_cache(context + 32)
+        stack(ends.embed_tokens(torch.zeros(1, context, dtype=torch.long)), torch.arange(context)[None], cache, 0)
+        rows_out = [costs(stack, ends, cache, context, int(r), args.repeats) for r in args.rows.split(",")]
+    one = rows_out[0]
+    for row in rows_out:
+        row["forward_vs_one_row"] = round(row["forward_ms"] / one["forward_ms"], 3)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"machine": machine_info() | {"threads": torch.get_num_threads()}, "weights": args.weights,
+              "context": context, "rows": rows_out}
+    (args.out / "pass_cost.json").write_text(json.dumps(result, indent=1) + "\n")
+    for row in rows_out:
+        print(row)
+    print(f"wrote {args.out / 'pass_cost.json'}")
+
+
+if __name__ == "__main__":
+    main()
