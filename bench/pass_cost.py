@@ -1,7 +1,8 @@
 """What a forward pass of R rows costs on this machine, for R = 1, 2, 4, 8, 16: the served model's layer
 matmuls (the kernels called straight, without Python), its head, and the whole pass (layers and head over a
-100-token cache). The ratio to one row is what a verification pass of R-1 drafts, or a batch of R sequences,
-pays against a plain step.
+100-token cache). The ratio to one row is what a verification pass of R-1 drafts pays against a plain step.
+`batch_ms` is one pass over R sequences decoding a token each (each with its own 100-token cache,
+LayerStack.forward_rows): R over its ratio to one row is what batching R streams can gain at most.
 
     python -m bench.pass_cost --out bench/results/pass-cost
 
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from bench.versus import machine_info
+from model.blocks import SeqRows
 from model.config import ModelConfig
 from model.linear import Kernel, weight_format
 from model.source import resolve_model
@@ -50,7 +52,15 @@ def costs(stack, ends, cache, context: int, r: int, repeats: int) -> dict:
         cache.length = context
         ends.logits(stack(h, positions, cache, context, None if r == 1 else mask))
 
-    return {"rows": r,
+    caches = [stack.new_cache(context + 32) for _ in range(r)]
+    for c in caches:
+        stack(ends.embed_tokens(torch.zeros(1, context, dtype=torch.long)), torch.arange(context)[None], c, 0)
+    seqs = [SeqRows(c, context, 1) for c in caches]
+
+    def batch():
+        ends.logits(stack.forward_rows(h[0], torch.full((r,), context), seqs)[None])
+
+    return {"rows": r, "batch_ms": median_ms(batch, repeats),
             "layer_matmuls_ms": median_ms(lambda: [m.kernel(x) for m, x in zip(linears, xs, strict=True)], repeats),
             "head_ms": median_ms(lambda: ends.logits(h), repeats), "forward_ms": median_ms(forward, repeats)}
 
@@ -73,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     one = rows_out[0]
     for row in rows_out:
         row["forward_vs_one_row"] = round(row["forward_ms"] / one["forward_ms"], 3)
+        row["batch_speedup"] = round(row["rows"] * one["batch_ms"] / row["batch_ms"], 3)
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine_info() | {"threads": torch.get_num_threads()}, "weights": args.weights,
               "context": context, "rows": rows_out}

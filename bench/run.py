@@ -34,6 +34,7 @@ def stream_one(client: httpx.Client, model: str, prompt: str, policy: str, max_t
     start = time.perf_counter()
     first = last = None
     usage = stats = None
+    parts = []
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{policy}: HTTP {r.status_code}: {r.read().decode()}")
@@ -46,6 +47,7 @@ def stream_one(client: httpx.Client, model: str, prompt: str, policy: str, max_t
             if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                 first = first or time.perf_counter()
                 last = time.perf_counter()
+                parts.append(chunk["choices"][0]["delta"]["content"])
             usage = chunk.get("usage") or usage
             stats = chunk.get("decoding") or stats
     tokens = usage["completion_tokens"]
@@ -57,6 +59,8 @@ def stream_one(client: httpx.Client, model: str, prompt: str, policy: str, max_t
         # the first visible text arrives with the first token; the rest are decoding steps
         "decode_tokens_per_s": (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else None,
         "server": stats,
+        "text": "".join(parts),
+        "seconds": time.perf_counter() - start,
     }
 
 

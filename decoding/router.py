@@ -1,22 +1,15 @@
-"""Whether outline decoding suits a prompt: a rule-based router, and its evaluation on labelled prompts.
+"""Whether outline decoding suits a prompt: a rule-based router (evaluated by bench/router_eval.py).
 
 Skeleton-of-Thought helps answers that are lists of independent points (advice, knowledge, comparisons,
 role-play, common sense, counterfactuals) and hurts where each step builds on the last or the answer is
 short (maths, code, step-by-step reasoning, estimates, translations, continuous prose). The rules look for
-the second kind; everything else goes to outline. Evaluated by
-
-    python -m decoding.router --data ../shared/data [--out FILE.json]
-
-on the categories of vicuna80 and the skills of the WizardLM test set, labelled as below.
+the second kind; everything else goes to outline. `python -m bench.router_eval` scores it on the categories of
+vicuna80 and the skills of the WizardLM test set, labelled as below.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
-from collections import Counter
-from pathlib import Path
 
 # (reason, pattern): a match means outline does not suit the prompt
 RULES = [
@@ -52,40 +45,3 @@ def route(prompt: str) -> tuple[bool, str]:
         if pattern.search(prompt):
             return False, reason
     return True, "independent points"
-
-
-def evaluate(data: Path) -> dict:
-    """Accuracy of route() on the labelled prompts of vicuna80 and the WizardLM test set, per set and per
-    category (share routed to outline)."""
-    from bench.prompts import prompt_text
-
-    out = {}
-    for name, field in (("vicuna80", "category"), ("wizardlm_testset", "Skill")):
-        rows = [json.loads(line) for line in (data / "prompts" / f"{name}.jsonl").read_text().splitlines() if line]
-        routed: dict[str, list[bool]] = {}
-        for row in rows:
-            routed.setdefault(row[field], []).append(route(prompt_text(row))[0])
-        scored = [(cat, r) for cat, rs in routed.items() for r in rs if cat in SUITS | UNSUITED]
-        correct = sum(r == (cat in SUITS) for cat, r in scored)
-        confusion = Counter(f"{'suits' if cat in SUITS else 'unsuited'}->{'outline' if r else 'default'}"
-                            for cat, r in scored)
-        shares = {cat: round(sum(rs) / len(rs), 3) for cat, rs in sorted(routed.items())}
-        out[name] = {"accuracy": round(correct / len(scored), 4), "scored": len(scored),
-                     "confusion": dict(sorted(confusion.items())), "outline_share_by_category": shares}
-    return out
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="evaluate the outline router on the labelled prompt sets")
-    p.add_argument("--data", type=Path, default=Path("../shared/data"))
-    p.add_argument("--out", type=Path)
-    args = p.parse_args(argv)
-    result = evaluate(args.data)
-    text = json.dumps(result, indent=2)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
-
-
-if __name__ == "__main__":
-    main()

@@ -8,6 +8,7 @@ of the output projection, so the outputs of the blocks of one layer sum to the l
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,17 @@ from torch import nn
 from model.config import ModelConfig, rope_inv_freq
 from model.kv_cache import KVCache
 from model.linear import Kernel, compiled
+
+
+@dataclass(frozen=True)
+class SeqRows:
+    """One sequence's share of a pass over several sequences: `length` rows written to `cache` at slots
+    start..start+length; mask: bool [length, start+length] of visible slots, or None (causal)."""
+
+    cache: KVCache
+    start: int
+    length: int
+    mask: torch.Tensor | None = None
 
 
 def fused(width: int) -> bool:
@@ -198,6 +210,28 @@ class DecoderLayer(nn.Module):
                                            rope.sin, *cache.storage(layer, start), start, _heads_mask(mask))
         x = x + self.attn(self.input_norm(x), rope, cache, layer, start, mask)
         return x + self.ffn(self.post_norm(x))
+
+    def rows(self, x: torch.Tensor, rope: Rope, seqs: Sequence[SeqRows], layer: int) -> torch.Tensor:
+        """The layer over the rows of several sequences in one pass: x [M, H] holds each sequence's rows in
+        turn, rope their rotation [1, 1, M, hd]. Compiled, the projections and the FFN run once over all M
+        rows, attention per sequence (layer.cpp's decoder_layer_rows): every row gets the bits it gets alone.
+        Otherwise each sequence runs on its own. -> [M, H]"""
+        attn, ffn = self.attn, self.ffn
+        hd = rope.cos.shape[-1]
+        if attn.compiled and ffn.compiled and fused(x.shape[-1]):
+            k = compiled()
+            kv = [k.SeqKV(*s.cache.storage(layer, s.start), s.start, s.length, _heads_mask(s.mask)) for s in seqs]
+            return k.decoder_layer_rows(x.float(), self.input_norm.weight, self.post_norm.weight,
+                                        self.input_norm.eps, attn.qkv.kernel, attn.o.kernel, ffn.gate_up.kernel,
+                                        ffn.down.kernel, attn.n_q, attn.n_kv, rope.cos.reshape(-1, hd),
+                                        rope.sin.reshape(-1, hd), kv)
+        outs, a = [], 0
+        for s in seqs:
+            b = a + s.length
+            part = Rope(rope.cos[:, :, a:b], rope.sin[:, :, a:b])
+            outs.append(self(x[None, a:b], part, s.cache, layer, s.start, s.mask)[0])
+            a = b
+        return torch.cat(outs)
 
     def parts(self, x, rope, cache: KVCache, layer: int, start: int, mask) -> tuple[torch.Tensor, torch.Tensor]:
         """forward() in its two halves: Z, the post-attention state [B, T, H], and X, the layer's output."""

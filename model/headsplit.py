@@ -31,6 +31,7 @@ import torch
 from model.config import ModelConfig
 from model.drift import relative_drift
 from model.head_blocks import HeadBlocks
+from model.stage import forward_each, segments_in_turn
 from model.weights import TensorSource
 from planning.headsplit import LayerPlace
 
@@ -146,6 +147,13 @@ class HeadSplitPipeline:
         """Bytes and requests per link that the session's steps have sent so far (workers only)."""
         return {link: (b, n) for link, (b, n) in self.wire_stats.get(session, {}).items()}
 
+    def session_bytes(self, session: str) -> None:
+        """Not tracked per session across the devices: the runner estimates."""
+        return None
+
+    def forward_segments(self, session: str, hidden: torch.Tensor, start: int, cuts: list[int]) -> torch.Tensor:
+        return segments_in_turn(self, session, hidden, start, cuts)
+
     def kv_bytes(self) -> int:
         return sum(getattr(d, "kv_bytes", lambda: 0)() for d in self.devices.values())
 
@@ -170,6 +178,10 @@ class HeadSplitPipeline:
         if self.memory is not None and self.memory.due():
             self.check_memory()
         return out
+
+    def forward_batch(self, entries, hidden, positions):
+        # the HeadSplit schedule runs one session at a time
+        return forward_each(self, entries, hidden, positions)
 
     def check_memory(self) -> bool:
         """Re-place the blocks when a device's memory use has crossed the threshold (between steps): the

@@ -1,13 +1,20 @@
 """The controller's model: token ends (embedding, norm, head) around a stage pipeline.
 
-Policies drive it through async methods; the tensor work runs on the process's ModelThread, so concurrent
-requests interleave step by step (each with its own KV cache) and the event loop stays free for I/O.
-Policies run their own tensor work (sampling) there too, through `call`.
+Policies drive it through async methods; the tensor work runs on the process's ModelThread, so the event
+loop stays free for I/O. Policies run their own tensor work (sampling) there too, through `call`.
+
+Concurrent requests share passes: forward calls of single-row sessions that are waiting at the same time run
+as one pass over all their rows (`Stage.forward_batch`), so the matmuls read the weights once for every
+stream. A pass waits for the other open sessions' calls (they are sampling or sending their last token) at
+most a quarter of the last shared pass's time, and at least BATCH_WAIT_S. Each row's result is bitwise what
+its session alone would get (tests/test_exact_format.py), so batching changes no answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +25,7 @@ import torch
 from model.config import ModelConfig
 from model.prefix import PrefixCache
 from model.stack import TokenEnds
-from model.stage import CapacityError
+from model.stage import BatchEntry, CapacityError
 from model.thread import ModelThread
 
 
@@ -38,6 +45,21 @@ class SessionLostError(RuntimeError):
     """The placement changed under a session whose cache cannot be rebuilt from its tokens."""
 
 
+@dataclass
+class _Call:
+    """A forward call waiting to join a shared pass: _forward's arguments and the future of its result."""
+
+    session: Session
+    ids: torch.Tensor
+    positions: torch.Tensor | None
+    start: int
+    mask: torch.Tensor | None
+    last_only: bool
+    then: Callable[..., Any] | None
+    features: bool
+    future: asyncio.Future
+
+
 class ModelRunner:
     """Embedding -> stages -> final norm and head, with per-session KV caches on the stages."""
 
@@ -52,6 +74,13 @@ class ModelRunner:
         self.rebuilt = 0  # sessions prefilled again after a re-assignment
         self.cuts: Callable[[int], list[int]] | None = None  # segment ends for pipelined prefill of n tokens
         self.prefix: PrefixCache | None = None  # finished sessions kept for prefix reuse
+        self.open_sessions: set[str] = set()  # single-row sessions that may join a shared pass
+        self.waiting: list[_Call] = []  # forward calls not yet handed to the model thread
+        self.first_wait = 0.0  # when the oldest of them arrived
+        self.flush_due = False  # a check of `waiting` is scheduled on the event loop
+        self.running: set[asyncio.Task] = set()  # shared passes under way
+        self.passes = self.batched_rows = 0  # shared passes run, and the calls they carried
+        self.last_pass_s = 0.0  # how long the last shared pass took
 
     def placement_changed(self) -> None:
         """The stages were re-assigned and hold no sessions: each is rebuilt at its next forward (model thread)."""
@@ -76,6 +105,8 @@ class ModelRunner:
                         session.length, session.tokens = n, entry.tokens[:n]
                     else:
                         await self._run(self.pipeline.open, session.id, capacity, rows)
+                    if rows == 1:
+                        self.open_sessions.add(session.id)
                     return session
                 except CapacityError:
                     evicted = self.prefix.pop_lru() if self.prefix else None
@@ -104,11 +135,13 @@ class ModelRunner:
         """Free the session, or keep it for prefix reuse when it is a plain run of tokens."""
         # Callers release in a `finally` that also runs when the request is cancelled (a client that
         # disconnected mid-stream): shielded, so cancelling it does not leak the session's KV cache.
+        self.open_sessions.discard(session.id)
         freed = [session]
         if self.prefix is not None and session.tokens is not None and session.generation == self.generation:
             tokens = session.tokens[:session.length]
-            exact = getattr(self.pipeline, "session_bytes", None)  # in-process stages know; workers: estimate
-            nbytes = exact(session.id) if exact else self.cfg.kv_bytes_per_token(dtype=self.ends.dtype) * len(tokens)
+            nbytes = self.pipeline.session_bytes(session.id)  # in-process stages know; workers: None, estimated
+            if nbytes is None:
+                nbytes = self.cfg.kv_bytes_per_token(dtype=self.ends.dtype) * len(tokens)
             freed = self.prefix.add(session, tokens, nbytes, self.generation)
         for s in freed:
             await self.thread.run_shielded(self.pipeline.release, s.id)
@@ -124,12 +157,7 @@ class ModelRunner:
         # ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32; or then(logits[, hidden])
         if session.generation != self.generation:
             self._rebuild(session, start)
-        plain = positions is None and mask is None and session.rows == 1
-        if session.tokens is not None:
-            if plain:
-                session.tokens[start:] = ids[0].tolist()
-            else:  # a tree or a batch of rows: its cache is not a plain run of tokens
-                session.tokens = None
+        plain = self._note_tokens(session, ids, positions, mask, start)
         if positions is None:
             positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
         # Segments pipeline a prompt's prefill. A verification pass of a few tokens goes in one piece: cut like a
@@ -138,8 +166,8 @@ class ModelRunner:
         with torch.inference_mode():
             hidden = self.ends.embed_tokens(ids)
             try:
-                if cuts and len(cuts) > 1:
-                    hidden = self._segments(session, hidden, positions, start, cuts)
+                if cuts and len(cuts) > 1:  # pipelined over workers, else one segment after another
+                    hidden = self.pipeline.forward_segments(session.id, hidden, start, cuts)
                 else:
                     hidden = self.pipeline.forward(session.id, hidden, positions, start, mask)
             except BaseException:
@@ -150,14 +178,17 @@ class ModelRunner:
                 return logits
             return then(logits, hidden) if features else then(logits)
 
-    def _segments(self, session: Session, hidden: torch.Tensor, positions, start: int, cuts: list[int]):
-        # hidden [1, T, H] in segments ending at cuts: pipelined over workers, else one after another (each
-        # segment attends to the KV the earlier ones cached, so the result equals one pass)
-        if hasattr(self.pipeline, "forward_segments"):
-            return self.pipeline.forward_segments(session.id, hidden, start, cuts)
-        outs = [self.pipeline.forward(session.id, hidden[:, a:b], positions[:, a:b], start + a)
-                for a, b in itertools.pairwise([0, *cuts])]
-        return torch.cat(outs, dim=1)
+    @staticmethod
+    def _note_tokens(session: Session, ids: torch.Tensor, positions, mask, start: int) -> bool:
+        # Record the ids written at slots start.. (a plain run of tokens can be replayed or reused as a prefix);
+        # a tree or a batch of rows is not a plain run. Returns whether this write is plain.
+        plain = positions is None and mask is None and session.rows == 1
+        if session.tokens is not None:
+            if plain:
+                session.tokens[start:] = ids[0].tolist()
+            else:
+                session.tokens = None
+        return plain
 
     def _rebuild(self, session: Session, start: int) -> None:
         # The stages were re-assigned (a re-plan) and dropped their caches: prefill the session's tokens again
@@ -195,9 +226,118 @@ class ModelRunner:
         final norm; a feature drafter reads it).
         """
         start = session.length if start is None else start
-        out = await self._run(self._forward, session, ids, positions, start, mask, last_only, then, features)
+        if session.rows == 1 and ids.shape[0] == 1 and session.id in self.open_sessions and not self._segmented(
+                ids, positions, mask, last_only):
+            future = asyncio.get_running_loop().create_future()
+            self.waiting.append(_Call(session, ids, positions, start, mask, last_only, then, features, future))
+            if len(self.waiting) == 1:
+                self.first_wait = time.perf_counter()
+            self._schedule_flush()
+            out = await future
+        else:
+            out = await self._run(self._forward, session, ids, positions, start, mask, last_only, then, features)
         session.length = start + ids.shape[1]
         return out
+
+    BATCH_WAIT_S = 0.002  # the least a call may wait for the other open sessions' calls
+
+    def _segmented(self, ids, positions, mask, last_only) -> bool:
+        # a prompt prefilled in pipelined segments runs on its own (its segments are the pipeline's batch)
+        return bool(self.cuts) and positions is None and mask is None and last_only and ids.shape[1] > 1 and len(
+            self.cuts(ids.shape[1])) > 1
+
+    def _schedule_flush(self) -> None:
+        if not self.flush_due:
+            self.flush_due = True
+            asyncio.get_running_loop().call_soon(self._flush_when_ready)
+
+    def _flush_when_ready(self) -> None:
+        # Hand the waiting calls to the model thread once every open session has one (the step's batch is
+        # whole) or the oldest has waited BATCH_WAIT_S (the others are busy elsewhere); else look again soon.
+        self.flush_due = False
+        live = [c for c in self.waiting if not c.future.cancelled()]
+        if not live:
+            self.waiting = []
+            return
+        waited = time.perf_counter() - self.first_wait
+        bound = max(self.BATCH_WAIT_S, self.last_pass_s / 4)
+        if len(live) < len(self.open_sessions) and waited < bound:
+            self.flush_due = True
+            asyncio.get_running_loop().call_later(self.BATCH_WAIT_S / 4, self._flush_when_ready)
+            return
+        self.waiting = []
+        task = asyncio.ensure_future(self._pass(live))
+        self.running.add(task)  # a reference until it is done: the loop keeps only weak ones
+        task.add_done_callback(self.running.discard)
+
+    async def _pass(self, calls: list[_Call]) -> None:
+        try:
+            results = await self._run(self._forward_shared, calls)
+        except BaseException as exc:  # the model thread's executor is gone (shutdown)
+            results = [exc] * len(calls)
+        for call, result in zip(calls, results, strict=True):
+            if call.future.cancelled():
+                continue
+            if isinstance(result, BaseException):
+                call.future.set_exception(result)
+            else:
+                call.future.set_result(result)
+
+    def _forward_shared(self, calls: list[_Call]) -> list:
+        # On the model thread: the calls' rows in one pass, each call's result (or exception) in order. A call
+        # whose request was cancelled meanwhile is left out (its session may be released right after).
+        live = [c for c in calls if not c.future.cancelled()]
+        out: dict[int, Any] = {}
+        if len(live) > 1:
+            try:
+                began = time.perf_counter()
+                for call, result in zip(live, self._forward_rows(live), strict=True):
+                    out[id(call)] = result
+                self.last_pass_s = time.perf_counter() - began
+                self.passes += 1
+                self.batched_rows += len(live)
+            except Exception:  # one session's error (its KV budget, say) must not fail the others: alone
+                out = {}
+        results = []
+        for call in calls:
+            if id(call) in out:
+                results.append(out[id(call)])
+                continue
+            try:
+                results.append(self._forward(call.session, call.ids, call.positions, call.start, call.mask,
+                                             call.last_only, call.then, call.features))
+            except Exception as exc:
+                results.append(exc)
+        return results
+
+    def _forward_rows(self, calls: list[_Call]) -> list:
+        # _forward for several single-row sessions in one pass: ids [1, T_i] each -> each call's result
+        for call in calls:
+            if call.session.generation != self.generation:
+                self._rebuild(call.session, call.start)
+            self._note_tokens(call.session, call.ids, call.positions, call.mask, call.start)
+        ids = torch.cat([c.ids[0] for c in calls])  # [M]
+        positions = torch.cat([c.positions[0] if c.positions is not None else
+                               torch.arange(c.start, c.start + c.ids.shape[1]) for c in calls])  # [M]
+        entries = [BatchEntry(c.session.id, c.start, c.ids.shape[1], c.mask) for c in calls]
+        with torch.inference_mode():
+            try:
+                hidden = self.pipeline.forward_batch(entries, self.ends.embed_tokens(ids[None])[0], positions)
+            except BaseException:
+                for call in calls:
+                    call.session.tokens = None
+                raise
+            parts = hidden.split([c.ids.shape[1] for c in calls])  # [T_i, H] each
+            picked = [p[-1:] if c.last_only else p for c, p in zip(calls, parts, strict=True)]
+            logits = self.ends.logits(torch.cat(picked)[None])[0].split([len(p) for p in picked])
+            results = []
+            for call, lg, h in zip(calls, logits, parts, strict=True):
+                lg = lg[None]  # [1, T or 1, V]
+                if call.then is None:
+                    results.append(lg)
+                else:
+                    results.append(call.then(lg, h[None]) if call.features else call.then(lg))
+            return results
 
     def _truncate(self, session: Session, length: int) -> None:
         if session.generation == self.generation:  # else the next forward rebuilds the cache, shorter
@@ -243,5 +383,4 @@ class ModelRunner:
 
     def close(self) -> None:
         self.thread.shutdown()
-        if hasattr(self.pipeline, "close"):
-            self.pipeline.close()
+        self.pipeline.close()

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.blocks import DecoderLayer, RMSNorm, Rotary
+from model.blocks import DecoderLayer, RMSNorm, Rotary, SeqRows
 from model.config import ModelConfig
 from model.kv_cache import KVCache
 from model.linear import Q8Linear, WeightFormat, as_format, head_matrix, make_linear
@@ -65,6 +67,23 @@ class LayerStack(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, cache, i, start, mask)
         cache.length = start + t
+        return x
+
+
+    @torch.inference_mode()
+    def forward_rows(self, hidden: torch.Tensor, positions: torch.Tensor, seqs: Sequence[SeqRows]) -> torch.Tensor:
+        """One pass over the rows of several sequences (a batch step): hidden [M, H] holds each sequence's
+        rows in turn at RoPE positions [M], each written to its own cache. Every row's output is bitwise what
+        its sequence gets in a pass of its own. Returns hidden [M, H]."""
+        for s in seqs:
+            s.cache.check_write(s.start, s.length, 1)
+            s.cache.ensure(s.start + s.length)
+        rope = self.rotary(positions[None])  # [1, 1, M, hd]
+        x = hidden.to(self.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer.rows(x, rope, seqs, i)
+        for s in seqs:
+            s.cache.length = s.start + s.length
         return x
 
 

@@ -6,10 +6,14 @@ runs them on its model thread, one at a time.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from model.blocks import SeqRows
 from model.kv_cache import KVCache, KVCacheError
 from model.stack import LayerStack
 
@@ -25,6 +29,37 @@ class SessionError(KeyError):
         return str(self.args[0])
 
 
+@dataclass(frozen=True)
+class BatchEntry:
+    """One session's rows in a pass shared by several sessions: `length` rows written at cache slots
+    start..start+length; mask: bool [1, length, start+length] of visible slots, or None (causal)."""
+
+    session: str
+    start: int
+    length: int
+    mask: torch.Tensor | None = None
+
+
+def forward_each(stage, entries: Sequence[BatchEntry], hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """forward_batch as one forward call per session: for stages whose messages carry one session each (the
+    workers' wire today). hidden [M, H], positions [M] -> [M, H]."""
+    outs, a = [], 0
+    for e in entries:
+        b = a + e.length
+        outs.append(stage.forward(e.session, hidden[None, a:b], positions[None, a:b], e.start, e.mask)[0])
+        a = b
+    return torch.cat(outs)
+
+
+def segments_in_turn(stage, session: str, hidden: torch.Tensor, start: int, cuts: list[int]) -> torch.Tensor:
+    """forward_segments as one forward call per segment, in turn: hidden [1, T, H] at slots start.., cut at
+    `cuts` (relative, the last == T). Each segment attends to the KV the earlier ones cached, so the result
+    equals one pass."""
+    outs = [stage.forward(session, hidden[:, a:b], torch.arange(start + a, start + b)[None], start + a)
+            for a, b in itertools.pairwise([0, *cuts])]
+    return torch.cat(outs, dim=1)
+
+
 class Stage(Protocol):
     """Decoder layers plus per-session KV caches."""
 
@@ -35,6 +70,11 @@ class Stage(Protocol):
         self, session: str, hidden: torch.Tensor, positions: torch.Tensor, start: int, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """hidden [B, T, H] at RoPE positions [B, T], cached at slots start..start+T -> hidden [B, T, H]."""
+
+    def forward_batch(self, entries: Sequence[BatchEntry], hidden: torch.Tensor,
+                      positions: torch.Tensor) -> torch.Tensor:
+        """One pass over several sessions' rows (a batch step): hidden [M, H] holds each entry's rows in turn,
+        at RoPE positions [M] -> hidden [M, H]; every row as its session alone would get it."""
 
     def truncate(self, session: str, length: int) -> None:
         """Drop cached slots from `length` on."""
@@ -105,6 +145,14 @@ class LocalStage:
         self._check_room(cache.growth_bytes(start + hidden.shape[1]))
         return self.stack(hidden, positions, cache, start, mask)
 
+    def forward_batch(self, entries, hidden, positions):
+        caches = [self._cache(e.session) for e in entries]
+        for cache, e in zip(caches, entries, strict=True):
+            cache.check_write(e.start, e.length, 1)
+        self._check_room(sum(c.growth_bytes(e.start + e.length) for c, e in zip(caches, entries, strict=True)))
+        seqs = [SeqRows(c, e.start, e.length, e.mask) for c, e in zip(caches, entries, strict=True)]
+        return self.stack.forward_rows(hidden, positions, seqs)
+
     def truncate(self, session: str, length: int) -> None:
         self._cache(session).truncate(length)
 
@@ -143,21 +191,46 @@ class Pipeline:
             hidden = stage.forward(session, hidden, positions, start, mask)
         return hidden
 
-    def __getattr__(self, name):
-        # open, truncate, commit, keep_rows, fork, clone, release: applied to every stage in order.
-        if name not in ("open", "truncate", "commit", "keep_rows", "fork", "clone", "release"):
-            raise AttributeError(name)
+    def forward_batch(self, entries, hidden, positions):
+        for stage in self.stages:
+            hidden = stage.forward_batch(entries, hidden, positions)
+        return hidden
 
-        def each(*args, **kwargs):
-            for stage in self.stages:
-                getattr(stage, name)(*args, **kwargs)
+    def _each(self, op: str, *args) -> None:
+        for stage in self.stages:
+            getattr(stage, op)(*args)
 
-        return each
+    def open(self, session: str, capacity: int, rows: int = 1) -> None:
+        self._each("open", session, capacity, rows)
+
+    def truncate(self, session: str, length: int) -> None:
+        self._each("truncate", session, length)
+
+    def commit(self, session: str, kept: list[int], dest: int) -> None:
+        self._each("commit", session, kept, dest)
+
+    def keep_rows(self, session: str, rows: list[int]) -> None:
+        self._each("keep_rows", session, rows)
+
+    def fork(self, session: str, child: str, prefix_len: int, rows: int, capacity: int) -> None:
+        self._each("fork", session, child, prefix_len, rows, capacity)
+
+    def clone(self, session: str, child: str, prefix_len: int, capacity: int) -> None:
+        self._each("clone", session, child, prefix_len, capacity)
+
+    def release(self, session: str) -> None:
+        self._each("release", session)
+
+    def forward_segments(self, session: str, hidden: torch.Tensor, start: int, cuts: list[int]) -> torch.Tensor:
+        return segments_in_turn(self, session, hidden, start, cuts)  # in-process nothing overlaps them
+
+    def close(self) -> None:
+        """Nothing to free in-process."""
 
     def kv_bytes(self) -> int:
         return sum(s.kv_bytes() for s in self.stages)
 
-    def session_bytes(self, session: str) -> int:
+    def session_bytes(self, session: str) -> int | None:
         return sum(s.session_bytes(session) for s in self.stages)
 
     def wire(self, session: str) -> dict:

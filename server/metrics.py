@@ -46,6 +46,10 @@ class Metrics:
                                    "since start", registry=r)
         self.prefix_bytes = Gauge("edgespec_prefix_cache_bytes", "KV bytes kept for prefix reuse (estimate)",
                                   registry=r)
+        self.shared_passes = Gauge("edgespec_shared_passes", "forward passes that carried several requests' rows, "
+                                   "since start", registry=r)
+        self.shared_pass_calls = Gauge("edgespec_shared_pass_calls", "request steps those passes carried, since "
+                                       "start (over edgespec_shared_passes: requests per shared pass)", registry=r)
         self.workers_up = Gauge("edgespec_workers_up", "workers answering the controller's checks", registry=r)
         self.worker_memory_use = Gauge("edgespec_worker_memory_use_ratio",
                                        "weights plus KV caches over each worker's memory budget", ["device"],

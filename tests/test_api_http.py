@@ -243,15 +243,21 @@ def test_client_disconnect_non_streamed_stops_generation(http, server_url):
 def test_concurrent_requests_match_single(http):
     budgets = (6, 10, 14)
 
-    def run(n: int) -> tuple[str, dict]:
+    def run(n: int) -> tuple[str, int]:  # (text, completion tokens); cached_tokens may differ: the first is cold
         r = http.post("/v1/chat/completions", json=chat_body(max_tokens=n))
         assert r.status_code == 200, r.text
         body = r.json()
-        return body["choices"][0]["message"]["content"], body["usage"]
+        return body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"]
+
+    def shared() -> float:
+        text = http.get("/metrics").text
+        return float(re.search(r"^edgespec_shared_passes (\S+)$", text, re.M).group(1))
 
     alone = [run(n) for n in budgets]
+    before = shared()
     with ThreadPoolExecutor(len(budgets)) as pool:
         together = list(pool.map(run, budgets))
-    assert together == alone
-    assert [u["completion_tokens"] for _, u in together] == list(budgets)
+    assert together == alone  # sharing passes changes no bit of any answer
+    assert [n for _, n in together] == list(budgets)
+    assert shared() > before, "concurrent requests never shared a forward pass"
     wait_idle(http)

@@ -1,7 +1,8 @@
 """Exact in the served format: a position's logits are bitwise the same whatever pass computes them.
 
 Alone (one token per pass), inside a verification pass of up to 16 tokens, in the whole sequence at once,
-in a batch of rows, and after a prefix taken from another session's cache. `torch.equal`, not a tolerance:
+in a batch of rows, after a prefix taken from another session's cache, and in a pass shared with other
+sequences at other lengths (a batch step). `torch.equal`, not a tolerance:
 any rounding that depends on the pass's shape (a kernel that blocks its reduction by the number of rows,
 an attention call over a masked, longer row, a rotary form chosen by pass size) fails these tests.
 The fast cases run the tiny model quantized at load (Q4 and Q8 blocks, the kernels of the default format);
@@ -14,6 +15,7 @@ import pytest
 import torch
 from model_fixtures import make_tiny_model, smollm2_folder
 
+from model.blocks import SeqRows
 from model.config import ModelConfig
 from model.linear import weight_format
 from model.stack import LayerStack, TokenEnds
@@ -65,6 +67,22 @@ def check_every_shape(stack, ends, seq: list[int], prompt: int) -> None:
     forked = cold.fork(prompt + 3, rows=2, capacity=n + 1)  # rows reading the prefix in place (tree, outline)
     both = logits(stack, ends, forked, [seq[prompt + 3:-1]] * 2, prompt + 3)
     assert all(torch.equal(both[r], alone[4:]) for r in range(2)), "logits over a forked prefix differ"
+
+    # one pass over three sequences at different lengths (a batch step): one decodes a token, one verifies
+    # four drafts, one prefills its prompt; alone[i] holds the logits after position prompt - 1 + i
+    caches = [stack.new_cache(n + 1) for _ in range(3)]
+    logits(stack, ends, caches[0], [seq[:prompt + 2]], 0)
+    logits(stack, ends, caches[1], [seq[:prompt]], 0)
+    feeds = [(caches[0], prompt + 2, seq[prompt + 2:prompt + 3]), (caches[1], prompt, seq[prompt:prompt + 4]),
+             (caches[2], 0, seq[:prompt])]
+    ids = torch.tensor([[t for _, _, f in feeds for t in f]])
+    positions = torch.cat([torch.arange(start, start + len(f)) for _, start, f in feeds])
+    hidden = stack.forward_rows(ends.embed_tokens(ids)[0], positions, [SeqRows(c, a, len(f)) for c, a, f in feeds])
+    out = ends.logits(hidden[None])[0]  # [M, V]
+    assert torch.equal(out[0], alone[3]), "a decode row of a batch step differs from the sequence alone"
+    assert torch.equal(out[1:5], alone[1:5]), "a verification in a batch step differs from the sequence alone"
+    assert torch.equal(out[4 + prompt], alone[0]), "a prefill in a batch step differs from the sequence alone"
+    assert [c.length for c in caches] == [prompt + 3, prompt + 4, prompt]
 
 
 def test_a_layer_in_one_call_gives_the_bits_of_its_blocks(tiny_folder):

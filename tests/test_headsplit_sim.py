@@ -1,12 +1,12 @@
-"""The HeadSplit simulator (planning/headsplit_sim.py, no model): block scaling, and the three modes' timelines
+"""The HeadSplit simulator (bench/headsplit_sim.py, no model): block scaling, and the three modes' timelines
 on hand-checkable cases."""
 
 from __future__ import annotations
 
 import pytest
 
+from bench.headsplit_sim import block_costs, layer_based_ms, scaled_blocks, timeline_ms
 from planning.headsplit import HeadDevice, LayerPlace
-from planning.headsplit_sim import block_costs, layer_based_ms, scaled_blocks, timeline_ms
 from planning.profile import ModelCard
 from planning.testbeds import DeviceSpec
 

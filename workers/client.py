@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import httpx
 import torch
 
-from model.stage import CapacityError
+from model.stage import CapacityError, forward_each
 from workers.wire import decode, encode
 
 # A forward call may be written as headers, then body; with Nagle's algorithm on, a small second write can
@@ -161,6 +161,10 @@ class RemotePipeline:
         step = self._step(session)
         return self._result(session, step, len(body), self._send(session, step, start, body))
 
+    def forward_batch(self, entries, hidden, positions):
+        # one message per session and link for now: the workers' wire carries one session per forward call
+        return forward_each(self, entries, hidden, positions)
+
     def forward_segments(self, session: str, hidden: torch.Tensor, start: int, cuts: list[int]) -> torch.Tensor:
         """A pipelined prefill: hidden [1, T, H] at slots start.. cut into segments ending at `cuts` (relative,
         the last == T), all sent at once so that worker k runs segment i while worker k-1 runs i+1 (workers
@@ -216,6 +220,10 @@ class RemotePipeline:
 
     def wire(self, session: str) -> dict[str, tuple[int, int]]:
         return {link: (b, n) for link, (b, n) in self.wire_stats.get(session, {}).items()}
+
+    def session_bytes(self, session: str) -> None:
+        """Unknown here (the workers hold the caches): the runner estimates."""
+        return None
 
     def kv_bytes(self) -> int:
         return 0  # held on the workers: see their /info

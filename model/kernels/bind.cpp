@@ -22,6 +22,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   pybind11::class_<Linear>(mod, "Linear", pybind11::module_local(), "a weight in a compiled format: 0 q4, 1 q8, 2 f32")
       .def(pybind11::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t>())
       .def("__call__", &Linear::operator(), "x [M, K] float -> [M, N]");
+  pybind11::class_<SeqKV>(mod, "SeqKV", pybind11::module_local(), "one sequence's share of a batch of rows")
+      .def(pybind11::init<torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>,
+                          c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, c10::optional<torch::Tensor>>());
+  mod.def("attention_rows", &attention_rows, "the attention of several sequences' rows in one call");
+  mod.def("decoder_layer_rows", &decoder_layer_rows, "a decoder layer over several sequences' rows in one call");
   mod.def("attention_block", &attention_block, "a layer's attention (or some of its KV groups) in one call");
   mod.def("ffn_block", &ffn_block, "SwiGLU FFN in one call");
   mod.def("decoder_layer", &decoder_layer, "a whole decoder layer in one call");

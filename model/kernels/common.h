@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define ES_AVX2 1
@@ -81,6 +82,17 @@ struct Keys {
 };
 torch::Tensor attend_keys(torch::Tensor q, const Keys& keys, int64_t start, c10::optional<torch::Tensor> mask);
 
+// One sequence's share of a batch of rows (layer.cpp's attention_rows): its T rows are written at slots lo..
+// of its own storage k, v [1, n_kv, A, hd] and attend from slots start.. (start = P + lo) over those and, when
+// P > 0, the shared prefix; mask [1, 1, T, S] or none (causal).
+struct SeqKV {
+  torch::Tensor k, v;
+  int64_t lo;
+  c10::optional<torch::Tensor> prefix_k, prefix_v;
+  int64_t P, start, T;
+  c10::optional<torch::Tensor> mask;
+};
+
 // One linear layer in a compiled format (layer.cpp), built once per weight and called per pass.
 struct Linear {
   int64_t kind;  // 0 q4, 1 q8, 2 float32
@@ -96,6 +108,12 @@ torch::Tensor attention_block(torch::Tensor x, const Linear& qkv, const Linear& 
                               int64_t lo, c10::optional<torch::Tensor> prefix_k,
                               c10::optional<torch::Tensor> prefix_v, int64_t P, int64_t start,
                               c10::optional<torch::Tensor> mask);
+torch::Tensor attention_rows(torch::Tensor x, const Linear& qkv, const Linear& o, int64_t n_q, int64_t n_kv,
+                             torch::Tensor cos, torch::Tensor sin, const std::vector<SeqKV>& seqs);
+torch::Tensor decoder_layer_rows(torch::Tensor x, torch::Tensor norm1, torch::Tensor norm2, double eps,
+                                 const Linear& qkv, const Linear& o, const Linear& gate_up, const Linear& down,
+                                 int64_t n_q, int64_t n_kv, torch::Tensor cos, torch::Tensor sin,
+                                 const std::vector<SeqKV>& seqs);
 torch::Tensor ffn_block(torch::Tensor x, const Linear& gate_up, const Linear& down);
 torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor norm1, torch::Tensor norm2, double eps, const Linear& qkv,
                             const Linear& o, const Linear& gate_up, const Linear& down, int64_t n_q, int64_t n_kv,

@@ -21,66 +21,129 @@ torch::Tensor Linear::operator()(const torch::Tensor& x) const {
   return y;
 }
 
+// The attention of the rows of several sequences in one pass (a batch step): x [M, H] float, already normed,
+// holds each sequence's rows in turn (seqs[i].T of them); cos, sin [M, hd] per row. The projections run once
+// over all M rows; rotary, the KV write and attention run per sequence over its own storage. Each output row
+// is computed as when its sequence runs alone (the matmuls are row-invariant, attention is per query row), so
+// batching changes no bits. -> [M, H] (partial when the block holds some of the layer's groups).
+torch::Tensor attention_rows(torch::Tensor x, const Linear& qkv, const Linear& o, int64_t n_q, int64_t n_kv,
+                             torch::Tensor cos, torch::Tensor sin, const std::vector<SeqKV>& seqs) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2, "x must be float [M, H]");
+  const int64_t M = x.size(0), H = x.size(1);
+  int64_t rows = 0;
+  for (const SeqKV& s : seqs) rows += s.T;
+  TORCH_CHECK(rows == M, "the sequences hold ", rows, " rows, x ", M);
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == M && sin.sizes() == cos.sizes(), "cos, sin must be [M, hd]");
+  torch::Tensor y = qkv(x.contiguous());  // [M, heads*hd]
+  const int64_t hd = cos.size(1), heads = n_q + 2 * n_kv;
+  TORCH_CHECK(y.size(1) == heads * hd, "qkv gives ", y.size(1), " columns, not ", heads * hd);
+  auto attn = torch::empty({M, n_q * hd}, x.options());
+  const float *yp = y.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  int64_t r0 = 0;
+  for (const SeqKV& s : seqs) {
+    const int64_t T = s.T, A = s.k.size(2);
+    TORCH_CHECK(s.k.is_contiguous() && s.v.is_contiguous() && s.k.dim() == 4 && s.k.size(0) == 1 &&
+                    s.k.size(1) == n_kv && s.k.size(3) == hd, "a sequence's storage must be contiguous [1, n_kv, A, hd]");
+    TORCH_CHECK(s.lo >= 0 && s.lo + T <= A && s.start == s.P + s.lo, "the write does not fit the cache storage");
+    auto q = torch::empty({1, n_q, T, hd}, x.options());
+    float *qp = q.data_ptr<float>(), *kp = s.k.data_ptr<float>(), *vp = s.v.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t m = r0 + t;
+      const float *row = yp + m * heads * hd, *c = cp + m * hd, *sn = sp + m * hd;
+      for (int64_t h = 0; h < n_q; ++h) rotate(row + h * hd, c, sn, hd, qp + (h * T + t) * hd);
+      for (int64_t g = 0; g < n_kv; ++g) {
+        const int64_t slot = (g * A + s.lo + t) * hd;
+        rotate(row + (n_q + g) * hd, c, sn, hd, kp + slot);
+        std::copy(row + (n_q + n_kv + g) * hd, row + (n_q + n_kv + g + 1) * hd, vp + slot);
+      }
+    }
+    Keys keys{s.k, s.v, s.P};
+    if (s.P > 0) {
+      TORCH_CHECK(s.prefix_k.has_value() && s.prefix_v.has_value(), "P > 0 needs the prefix keys and values");
+      keys.prefix_k = *s.prefix_k;
+      keys.prefix_v = *s.prefix_v;
+    }
+    torch::Tensor out = attend_keys(q, keys, s.start, s.mask);  // [1, n_q, T, hd]
+    attn.narrow(0, r0, T).copy_(out[0].transpose(0, 1).reshape({T, n_q * hd}));
+    r0 += T;
+  }
+  return o(attn);
+}
+
+namespace {
+
+// The B rows of a batched cache as B sequences of T tokens: own_k, own_v [B, n_kv, A, hd]; mask [B or 1, 1,
+// T, S] or none
+std::vector<SeqKV> batch_seqs(int64_t B, int64_t T, const torch::Tensor& own_k, const torch::Tensor& own_v,
+                              int64_t lo, const c10::optional<torch::Tensor>& prefix_k,
+                              const c10::optional<torch::Tensor>& prefix_v, int64_t P, int64_t start,
+                              const c10::optional<torch::Tensor>& mask) {
+  TORCH_CHECK(own_k.is_contiguous() && own_v.is_contiguous() && own_k.dim() == 4 && own_k.size(0) == B,
+              "the cache storage must be contiguous [B, n_kv, A, hd]");
+  std::vector<SeqKV> seqs;
+  for (int64_t b = 0; b < B; ++b) {
+    c10::optional<torch::Tensor> mb;
+    if (mask.has_value()) mb = mask->size(0) == 1 ? *mask : mask->narrow(0, b, 1);
+    seqs.push_back(SeqKV{own_k.narrow(0, b, 1), own_v.narrow(0, b, 1), lo, prefix_k, prefix_v, P, start, T, mb});
+  }
+  return seqs;
+}
+
+// cos or sin [Bc, 1, T, hd] (Bc 1 or B) -> [B*T, hd], a row per (b, t)
+torch::Tensor per_row(const torch::Tensor& t, int64_t B, int64_t T) {
+  return t.expand({B, 1, T, t.size(3)}).reshape({B * T, t.size(3)});
+}
+
+}  // namespace
+
 // x [B, T, H] float (already normed); qkv, o: the block's projections (n_q + 2 n_kv heads of hd out; n_q hd
 // in); cos, sin [Bc, 1, T, hd] (Bc 1 or B); own_k, own_v [B, n_kv, A, hd]: the cache's storage for this
 // layer, written at slots lo..lo+T; prefix_k, prefix_v [1, n_kv, >= P, hd]: slots [0, P) shared from a
 // parent (P = 0: none); the queries sit at slots start..start+T; mask as ops.cpp's attention.
-// -> the block's attention output [B, T, H] (partial when the block holds some of the layer's groups).
+// -> the block's attention output [B, T, H]: attention_rows over the B rows as B sequences of T tokens.
 torch::Tensor attention_block(torch::Tensor x, const Linear& qkv, const Linear& o, int64_t n_q, int64_t n_kv,
                               torch::Tensor cos, torch::Tensor sin, torch::Tensor own_k, torch::Tensor own_v,
                               int64_t lo, c10::optional<torch::Tensor> prefix_k,
                               c10::optional<torch::Tensor> prefix_v, int64_t P, int64_t start,
                               c10::optional<torch::Tensor> mask) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 3, "x must be float [B, T, H]");
-  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), hd = own_k.size(3), heads = n_q + 2 * n_kv;
-  TORCH_CHECK(own_k.is_contiguous() && own_v.is_contiguous() && own_k.size(0) == B && own_k.size(1) == n_kv,
-              "the cache storage must be contiguous [B, n_kv, A, hd]");
-  TORCH_CHECK(lo >= 0 && lo + T <= own_k.size(2) && start == P + lo, "the write does not fit the cache storage");
-  torch::Tensor y = qkv(x.reshape({B * T, H}).contiguous());  // [B*T, heads*hd]
-  TORCH_CHECK(y.size(1) == heads * hd, "qkv gives ", y.size(1), " columns, not ", heads * hd);
-  cos = cos.contiguous();
-  sin = sin.contiguous();
-  const int64_t cb = cos.size(0) == 1 ? 0 : T * hd;
-  const int64_t A = own_k.size(2);
-  auto q = torch::empty({B, n_q, T, hd}, x.options());
-  const float *yp = y.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  float *qp = q.data_ptr<float>(), *kp = own_k.data_ptr<float>(), *vp = own_v.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t) {
-      const float* row = yp + (b * T + t) * heads * hd;
-      const float *c = cp + b * cb + t * hd, *s = sp + b * cb + t * hd;
-      for (int64_t h = 0; h < n_q; ++h) rotate(row + h * hd, c, s, hd, qp + ((b * n_q + h) * T + t) * hd);
-      for (int64_t g = 0; g < n_kv; ++g) {
-        const int64_t slot = ((b * n_kv + g) * A + lo + t) * hd;
-        rotate(row + (n_q + g) * hd, c, s, hd, kp + slot);
-        std::copy(row + (n_q + n_kv + g) * hd, row + (n_q + n_kv + g + 1) * hd, vp + slot);
-      }
-    }
-  Keys keys{own_k, own_v, P};
-  if (P > 0) {
-    TORCH_CHECK(prefix_k.has_value() && prefix_v.has_value(), "P > 0 needs the prefix keys and values");
-    keys.prefix_k = *prefix_k;
-    keys.prefix_v = *prefix_v;
-  }
-  torch::Tensor attn = attend_keys(q, keys, start, mask);  // [B, n_q, T, hd]
-  return o(attn.transpose(1, 2).reshape({B * T, n_q * hd}).contiguous()).view({B, T, H});
-}
-
-// x [B, T, H] float (already normed) -> down(silu(gate(x)) * up(x)) [B, T, H]
-torch::Tensor ffn_block(torch::Tensor x, const Linear& gate_up, const Linear& down) {
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2);
-  return down(silu_mul(gate_up(x.reshape({B * T, H}).contiguous()))).view({B, T, H});
+  return attention_rows(x.reshape({B * T, H}), qkv, o, n_q, n_kv, per_row(cos, B, T), per_row(sin, B, T),
+                        batch_seqs(B, T, own_k, own_v, lo, prefix_k, prefix_v, P, start, mask))
+      .view({B, T, H});
 }
 
-// x [B, T, H] -> x + attn(norm1(x)) = z, then z + ffn(norm2(z)) [B, T, H]; arguments as attention_block's
+// x [..., H] float (already normed) -> down(silu(gate(x)) * up(x)) [..., H]
+torch::Tensor ffn_block(torch::Tensor x, const Linear& gate_up, const Linear& down) {
+  const int64_t H = x.size(-1);
+  return down(silu_mul(gate_up(x.reshape({-1, H}).contiguous()))).view(x.sizes());
+}
+
+// x [M, H] -> x + attn(norm1(x)) = z, then z + ffn(norm2(z)) [M, H]: a layer over the rows of several
+// sequences, arguments as attention_rows'
+torch::Tensor decoder_layer_rows(torch::Tensor x, torch::Tensor norm1, torch::Tensor norm2, double eps,
+                                 const Linear& qkv, const Linear& o, const Linear& gate_up, const Linear& down,
+                                 int64_t n_q, int64_t n_kv, torch::Tensor cos, torch::Tensor sin,
+                                 const std::vector<SeqKV>& seqs) {
+  x = x.contiguous();
+  torch::Tensor z = x + attention_rows(rms_norm(x, norm1, eps), qkv, o, n_q, n_kv, cos, sin, seqs);
+  return z + ffn_block(rms_norm(z, norm2, eps), gate_up, down);
+}
+
+// x [B, T, H] -> [B, T, H]: decoder_layer_rows over the B rows as B sequences of T tokens; arguments as
+// attention_block's
 torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor norm1, torch::Tensor norm2, double eps, const Linear& qkv,
                             const Linear& o, const Linear& gate_up, const Linear& down, int64_t n_q, int64_t n_kv,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor own_k, torch::Tensor own_v,
                             int64_t lo, c10::optional<torch::Tensor> prefix_k,
                             c10::optional<torch::Tensor> prefix_v, int64_t P, int64_t start,
                             c10::optional<torch::Tensor> mask) {
-  x = x.contiguous();
-  torch::Tensor z = x + attention_block(rms_norm(x, norm1, eps), qkv, o, n_q, n_kv, cos, sin, own_k, own_v, lo,
-                                        prefix_k, prefix_v, P, start, mask);
-  return z + ffn_block(rms_norm(z, norm2, eps), gate_up, down);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 3, "x must be float [B, T, H]");
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2);
+  return decoder_layer_rows(x.reshape({B * T, H}), norm1, norm2, eps, qkv, o, gate_up, down, n_q, n_kv,
+                            per_row(cos, B, T), per_row(sin, B, T),
+                            batch_seqs(B, T, own_k, own_v, lo, prefix_k, prefix_v, P, start, mask))
+      .view({B, T, H});
 }

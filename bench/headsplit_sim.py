@@ -1,7 +1,7 @@
 """Predicted per-token decoding latency of layer-based partitioning, head-level partitioning and HeadSplit on a
 testbed we do not have (by default the HeadSplit paper's: five Raspberry Pi 4 on 802.11ac Wi-Fi, TinyLlama-1.1B).
 
-    python -m planning.headsplit_sim --out DIR [--profile config/profiles/smollm2-135m-instruct-headsplit.json]
+    python -m bench.headsplit_sim --out DIR [--profile config/profiles/smollm2-135m-instruct-headsplit.json]
 
 Block times: each block's roofline time on the target (config/devices.toml) times the efficiency factor the
 same block showed on the reference machine, e = max(1, measured / roofline), from `edgespec profile-headsplit`'s
@@ -25,6 +25,7 @@ import argparse
 import json
 from pathlib import Path
 
+from bench.plot import bar_chart
 from planning.headsplit import HeadDevice, LayerPlace, group_params, head_card, place
 from planning.profile import LinkProfile, ModelCard
 from planning.testbeds import CONFIG, MODELS_DIR, DeviceSpec, device_spec, head_params, load_card, load_specs
@@ -157,8 +158,6 @@ def main(argv: list[str] | None = None) -> None:
                "by_alpha": results}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "headsplit_sim.json").write_text(json.dumps(summary, indent=2) + "\n")
-    from bench.plot import bar_chart
-
     bar_chart(args.out / "headsplit_sim.png", f"{card.name} on {env.get('notes', args.environment)}: predicted",
               [(f"alpha {a}: ms per token", list(r["ms_per_token"]), list(r["ms_per_token"].values()))
                for a, r in results.items()])
