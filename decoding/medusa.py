@@ -67,6 +67,7 @@ class MedusaPolicy:
         stats.accepted_lengths = {}
         want_logprobs = request.sampling.logprobs
         session = await model.open(capacity, prompt=prompt)
+        stats.session = session
         stats.cached_prompt_tokens = session.length
         root_only = Tree([])
 

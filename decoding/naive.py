@@ -27,6 +27,7 @@ class NaivePolicy:
         text = TextStream(tokenizer, request.stop, request.stop_token_ids, request.max_tokens)
         stats = StepStats(self.name)
         session = await model.open(len(request.prompt_ids) + request.max_tokens, prompt=request.prompt_ids)
+        stats.session = session
         stats.cached_prompt_tokens = session.length
         try:
             await self.started(request, model, session)

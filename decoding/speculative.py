@@ -72,6 +72,7 @@ class SpeculativePolicy:
         stats.drafter = name
         prompt = request.prompt_ids
         session = await model.open(capacity, prompt=prompt)
+        stats.session = session
         stats.cached_prompt_tokens = session.length
         want_logprobs = request.sampling.logprobs
         try:

@@ -39,6 +39,8 @@ class Session:
     length: int = 0  # cached slots
     generation: int = 0  # the runner's placement generation its caches were built under
     tokens: list[int] | None = field(default_factory=list)  # ids in slots 0..length; None: cannot be replayed
+    passes: int = 0  # forward passes run for it
+    shared_with: int = 0  # other sessions' calls in those passes, summed
 
 
 class SessionLostError(RuntimeError):
@@ -237,6 +239,7 @@ class ModelRunner:
         else:
             out = await self._run(self._forward, session, ids, positions, start, mask, last_only, then, features)
         session.length = start + ids.shape[1]
+        session.passes += 1
         return out
 
     BATCH_WAIT_S = 0.002  # the least a call may wait for the other open sessions' calls
@@ -293,6 +296,7 @@ class ModelRunner:
                 began = time.perf_counter()
                 for call, result in zip(live, self._forward_rows(live), strict=True):
                     out[id(call)] = result
+                    call.session.shared_with += len(live) - 1
                 self.last_pass_s = time.perf_counter() - began
                 self.passes += 1
                 self.batched_rows += len(live)

@@ -247,17 +247,22 @@ def test_concurrent_requests_match_single(http):
         r = http.post("/v1/chat/completions", json=chat_body(max_tokens=n))
         assert r.status_code == 200, r.text
         body = r.json()
+        sharing.append(body["decoding"].get("shared_with_mean", 0))
         return body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"]
+
+    sharing: list[float] = []
 
     def shared() -> float:
         text = http.get("/metrics").text
         return float(re.search(r"^edgespec_shared_passes (\S+)$", text, re.M).group(1))
 
     alone = [run(n) for n in budgets]
+    assert sharing == [0, 0, 0]  # alone: no other request in its passes
     before = shared()
     with ThreadPoolExecutor(len(budgets)) as pool:
         together = list(pool.map(run, budgets))
     assert together == alone  # sharing passes changes no bit of any answer
     assert [n for _, n in together] == list(budgets)
     assert shared() > before, "concurrent requests never shared a forward pass"
+    assert max(sharing[3:]) > 0  # the `decoding` object says so too
     wait_idle(http)
