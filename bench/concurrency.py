@@ -12,6 +12,7 @@ Writes DIR/concurrency.json and DIR/concurrency.png. Measure alone: other proces
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -41,6 +42,41 @@ def burst(url: str, model: str, prompts: list[str], policy: str, max_tokens: int
             "aggregate_decode_tokens_per_s": round(sum(r["tokens"] - 1 for r in runs) / (wall - first), 3)}
 
 
+def long_prompt_under_load(url: str, model: str, prompts: list[str], streams: int, tokens: int) -> dict:
+    """A prompt of about `tokens` tokens sent while `streams` streams decode: its time to first token against
+    the same prompt's on an idle server, and the streams' longest gap between chunks while it is prefilled
+    against their median gap. Each long prompt starts with its own tag, so no prefix of it is cached."""
+    text = " ".join(prompts)
+    with httpx.Client(base_url=url, timeout=600) as client:
+        body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+        per = client.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
+        long_text = " ".join([text] * max(1, round(tokens / per)))
+        tag = time.time_ns()  # unique per call, so no earlier run's cache holds a prefix of these prompts
+        idle = [stream_one(client, model, f"Request {tag}-{i}. {long_text}", "naive", 8) for i in range(3)]
+        pool = ThreadPoolExecutor(streams)
+        running = [pool.submit(stream_one, httpx.Client(base_url=url, timeout=600), model, p, "naive", 256)
+                   for p in prompts[:streams]]
+        time.sleep(1.0)
+        loaded = stream_one(client, model, f"Request {tag}-loaded. {long_text}", "naive", 8)
+        runs = [f.result() for f in running]
+        pool.shutdown()
+    window = (loaded["started_at"], loaded["started_at"] + loaded["ttft_ms"] / 1000)
+    steady, during = [], []
+    for r in runs:
+        for a, b in itertools.pairwise(r["chunk_times"]):
+            steady.append(b - a)
+            if b > window[0] and a < window[1]:  # a gap that overlaps the long prompt's prefill
+                during.append(b - a)
+    idle_ttft = statistics.median(r["ttft_ms"] for r in idle)
+    steady_gap = statistics.median(steady) * 1000
+    worst = max(during, default=0) * 1000
+    return {"prompt_tokens": loaded["prompt_tokens"], "streams": streams,
+            "idle_ttft_ms": round(idle_ttft, 1), "loaded_ttft_ms": round(loaded["ttft_ms"], 1),
+            "ttft_vs_idle": round(loaded["ttft_ms"] / idle_ttft, 3), "steady_gap_ms": round(steady_gap, 2),
+            "max_gap_during_prefill_ms": round(worst, 2), "gap_vs_steady": round(worst / steady_gap, 3),
+            "gaps_during_prefill_ms": sorted(round(g * 1000, 1) for g in during)[-8:]}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", required=True)
@@ -49,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--policies", default="naive")
     ap.add_argument("--repeats", type=int, default=3, help="bursts per stream count (the median is reported)")
+    ap.add_argument("--long-prompt-tokens", type=int, default=512,
+                    help="also send a prompt of about this many tokens while 4 streams decode (0: do not)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     counts = [int(n) for n in args.streams.split(",")]
@@ -73,6 +111,9 @@ def main(argv: list[str] | None = None) -> None:
         for row in rows:
             row["vs_one_stream"] = round(row["aggregate_decode_tokens_per_s"] / one, 3)
         results["policies"][policy] = {"one_stream_decode_tokens_per_s": one, "bursts": rows}
+    if args.long_prompt_tokens:
+        results["long_prompt"] = long_prompt_under_load(args.url, model, prompts, 4, args.long_prompt_tokens)
+        print("long prompt", results["long_prompt"])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "concurrency.json").write_text(json.dumps(results, indent=1) + "\n")
     panels = [(f"{p}: aggregate tok/s over one stream's", [str(r["streams"]) for r in v["bursts"]],

@@ -34,7 +34,7 @@ def stream_one(client: httpx.Client, model: str, prompt: str, policy: str, max_t
     start = time.perf_counter()
     first = last = None
     usage = stats = None
-    parts = []
+    parts, times = [], []  # the content chunks and when each arrived (perf_counter)
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{policy}: HTTP {r.status_code}: {r.read().decode()}")
@@ -48,6 +48,7 @@ def stream_one(client: httpx.Client, model: str, prompt: str, policy: str, max_t
                 first = first or time.perf_counter()
                 last = time.perf_counter()
                 parts.append(chunk["choices"][0]["delta"]["content"])
+                times.append(last)
             usage = chunk.get("usage") or usage
             stats = chunk.get("decoding") or stats
     tokens = usage["completion_tokens"]
@@ -61,6 +62,9 @@ def stream_one(client: httpx.Client, model: str, prompt: str, policy: str, max_t
         "server": stats,
         "text": "".join(parts),
         "seconds": time.perf_counter() - start,
+        "prompt_tokens": usage["prompt_tokens"],
+        "started_at": start,
+        "chunk_times": times,
     }
 
 
