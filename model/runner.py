@@ -400,6 +400,10 @@ class ModelRunner:
         await self._run(self._keep_rows, session, rows)
         session.rows = len(rows)
 
+    def others_open(self, session: Session) -> int:
+        """How many other single-row sessions hold a cache now (streams whose steps share passes with this one)."""
+        return len(self.open_sessions) - (session.id in self.open_sessions)
+
     def wire(self, session: Session) -> dict[str, tuple[int, int]]:
         """Bytes and requests per link that the session's calls have put on the network so far."""
         return self.pipeline.wire(session.id)

@@ -73,6 +73,7 @@ def configure_runner(runner: ModelRunner, settings: ServeSettings, metrics: Metr
         metrics.prefix_tokens.set_function(lambda: runner.prefix.reused_tokens)
         metrics.prefix_bytes.set_function(lambda: runner.prefix.nbytes)
     metrics.sessions_rebuilt.set_function(lambda: runner.rebuilt)
+    metrics.sequences_open.set_function(lambda: len(runner.open_sessions))
     metrics.shared_passes.set_function(lambda: runner.passes)
     metrics.shared_pass_calls.set_function(lambda: runner.batched_rows)
 

@@ -46,6 +46,8 @@ class Metrics:
                                    "since start", registry=r)
         self.prefix_bytes = Gauge("edgespec_prefix_cache_bytes", "KV bytes kept for prefix reuse (estimate)",
                                   registry=r)
+        self.sequences_open = Gauge("edgespec_sequences_open", "single-row sequences holding a KV cache now (what "
+                                    "a shared pass waits for)", registry=r)
         self.shared_passes = Gauge("edgespec_shared_passes", "forward passes that carried several requests' rows, "
                                    "since start", registry=r)
         self.shared_pass_calls = Gauge("edgespec_shared_pass_calls", "request steps those passes carried, since "
