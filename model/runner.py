@@ -6,7 +6,7 @@ loop stays free for I/O. Policies run their own tensor work (sampling) there too
 Concurrent requests share passes: forward calls of single-row sessions that are waiting at the same time run
 as one pass over all their rows (`Stage.forward_batch`), so the matmuls read the weights once for every
 stream. A pass waits for the other open sessions' calls (they are sampling or sending their last token) at
-most a quarter of the last shared pass's time, and at least BATCH_WAIT_S. Each row's result is bitwise what
+most a quarter of the last pass's time, and at least BATCH_WAIT_S. Each row's result is bitwise what
 its session alone would get (tests/test_exact_format.py), so batching changes no answer.
 """
 
@@ -82,7 +82,7 @@ class ModelRunner:
         self.flush_due = False  # a check of `waiting` is scheduled on the event loop
         self.running: set[asyncio.Task] = set()  # shared passes under way
         self.passes = self.batched_rows = 0  # shared passes run, and the calls they carried
-        self.last_pass_s = 0.0  # how long the last shared pass took
+        self.last_pass_s = 0.0  # how long the last pass of waiting calls took
 
     def placement_changed(self) -> None:
         """The stages were re-assigned and hold no sessions: each is rebuilt at its next forward (model thread)."""
@@ -264,7 +264,10 @@ class ModelRunner:
         session.passes += 1
         return out
 
-    BATCH_WAIT_S = 0.002  # the least a call may wait for the other open sessions' calls
+    # The least a call may wait for the other open sessions' calls: streams also spend model-thread time between
+    # their passes (sampling, a draft, rolling back rejected drafts), and with 2 ms two streams fell out of step
+    # and alternated instead of sharing (tests/test_api_http.py's concurrency test, now and then).
+    BATCH_WAIT_S = 0.004
 
     def _segmented(self, ids, positions, mask, last_only) -> bool:
         # a prompt prefilled in pipelined segments runs on its own (its segments are the pipeline's batch)
@@ -313,13 +316,12 @@ class ModelRunner:
         # whose request was cancelled meanwhile is left out (its session may be released right after).
         live = [c for c in calls if not c.future.cancelled()]
         out: dict[int, Any] = {}
+        began = time.perf_counter()
         if len(live) > 1:
             try:
-                began = time.perf_counter()
                 for call, result in zip(live, self._forward_rows(live), strict=True):
                     out[id(call)] = result
                     call.session.shared_with += len(live) - 1
-                self.last_pass_s = time.perf_counter() - began
                 self.passes += 1
                 self.batched_rows += len(live)
             except Exception:  # one session's error (its KV budget, say) must not fail the others: alone
@@ -334,6 +336,7 @@ class ModelRunner:
                                              call.last_only, call.then, call.features))
             except Exception as exc:
                 results.append(exc)
+        self.last_pass_s = time.perf_counter() - began
         return results
 
     def _forward_rows(self, calls: list[_Call]) -> list:
