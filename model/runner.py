@@ -173,7 +173,8 @@ class ModelRunner:
 
     # Prompt tokens per pass while other streams decode. On a 2-core AVX2 EPYC a pass costs about 2.5 ms per
     # row past a few rows: chunks of 64 stretched 4 streams' gap between tokens from 24 to 290 ms while a
-    # 485-token prompt went in; 16 keeps a step within about 3 steady gaps (bench/concurrency.py).
+    # 485-token prompt went in; with 16 the gap stayed under about 5 steady gaps and the prompt's first token
+    # within 2x its idle time (bench/concurrency.py). Smaller chunks trade the one for the other.
     PREFILL_CHUNK = 16
 
     def _forward(self, session: Session, ids: torch.Tensor, positions, start: int, mask, last_only: bool, then,
