@@ -199,10 +199,15 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.ffn = FFN(cfg, dtype)
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the layer runs as one compiled call (layer.cpp's decoder_layer / decoder_layer_rows)."""
+        return self.attn.compiled and self.ffn.compiled and fused(self.input_norm.weight.shape[0])
+
     def forward(self, x, rope: Rope, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
         # x [B, T, H] -> [B, T, H]
         attn, ffn = self.attn, self.ffn
-        if attn.compiled and ffn.compiled and fused(x.shape[-1]):
+        if self.compiled:
             # one call: the same kernels in the same order as the blocks below, without ~20 dispatches
             return compiled().decoder_layer(x.float(), self.input_norm.weight, self.post_norm.weight,
                                            self.input_norm.eps, attn.qkv.kernel, attn.o.kernel,
@@ -218,7 +223,7 @@ class DecoderLayer(nn.Module):
         Otherwise each sequence runs on its own. -> [M, H]"""
         attn, ffn = self.attn, self.ffn
         hd = rope.cos.shape[-1]
-        if attn.compiled and ffn.compiled and fused(x.shape[-1]):
+        if self.compiled:
             k = compiled()
             kv = [k.SeqKV(*s.cache.storage(layer, s.start), s.start, s.length, _heads_mask(s.mask)) for s in seqs]
             return k.decoder_layer_rows(x.float(), self.input_norm.weight, self.post_norm.weight,

@@ -69,7 +69,6 @@ class LayerStack(nn.Module):
         cache.length = start + t
         return x
 
-
     @torch.inference_mode()
     def forward_rows(self, hidden: torch.Tensor, positions: torch.Tensor, seqs: Sequence[SeqRows]) -> torch.Tensor:
         """One pass over the rows of several sequences (a batch step): hidden [M, H] holds each sequence's

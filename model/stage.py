@@ -230,7 +230,7 @@ class Pipeline:
     def kv_bytes(self) -> int:
         return sum(s.kv_bytes() for s in self.stages)
 
-    def session_bytes(self, session: str) -> int | None:
+    def session_bytes(self, session: str) -> int:
         return sum(s.session_bytes(session) for s in self.stages)
 
     def wire(self, session: str) -> dict:

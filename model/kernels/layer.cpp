@@ -74,26 +74,30 @@ torch::Tensor attention_rows(torch::Tensor x, const Linear& qkv, const Linear& o
 
 namespace {
 
-// The B rows of a batched cache as B sequences of T tokens: own_k, own_v [B, n_kv, A, hd]; mask [B or 1, 1,
-// T, S] or none
-std::vector<SeqKV> batch_seqs(int64_t B, int64_t T, const torch::Tensor& own_k, const torch::Tensor& own_v,
-                              int64_t lo, const c10::optional<torch::Tensor>& prefix_k,
-                              const c10::optional<torch::Tensor>& prefix_v, int64_t P, int64_t start,
-                              const c10::optional<torch::Tensor>& mask) {
+// A pass over the B rows of a batched cache, as the rows of B sequences of T tokens: x [B, T, H] -> [B*T, H];
+// cos, sin [Bc, 1, T, hd] (Bc 1 or B) -> [B*T, hd], a row per (b, t); own_k, own_v [B, n_kv, A, hd] and mask
+// [B or 1, 1, T, S] or none -> one SeqKV per row b
+struct BatchRows {
+  torch::Tensor x, cos, sin;
+  std::vector<SeqKV> seqs;
+};
+
+BatchRows batch_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                     const torch::Tensor& own_k, const torch::Tensor& own_v, int64_t lo,
+                     const c10::optional<torch::Tensor>& prefix_k, const c10::optional<torch::Tensor>& prefix_v,
+                     int64_t P, int64_t start, const c10::optional<torch::Tensor>& mask) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 3, "x must be float [B, T, H]");
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2);
   TORCH_CHECK(own_k.is_contiguous() && own_v.is_contiguous() && own_k.dim() == 4 && own_k.size(0) == B,
               "the cache storage must be contiguous [B, n_kv, A, hd]");
-  std::vector<SeqKV> seqs;
+  auto per_row = [&](const torch::Tensor& t) { return t.expand({B, 1, T, t.size(3)}).reshape({B * T, t.size(3)}); };
+  BatchRows rows{x.reshape({B * T, H}), per_row(cos), per_row(sin), {}};
   for (int64_t b = 0; b < B; ++b) {
     c10::optional<torch::Tensor> mb;
     if (mask.has_value()) mb = mask->size(0) == 1 ? *mask : mask->narrow(0, b, 1);
-    seqs.push_back(SeqKV{own_k.narrow(0, b, 1), own_v.narrow(0, b, 1), lo, prefix_k, prefix_v, P, start, T, mb});
+    rows.seqs.push_back(SeqKV{own_k.narrow(0, b, 1), own_v.narrow(0, b, 1), lo, prefix_k, prefix_v, P, start, T, mb});
   }
-  return seqs;
-}
-
-// cos or sin [Bc, 1, T, hd] (Bc 1 or B) -> [B*T, hd], a row per (b, t)
-torch::Tensor per_row(const torch::Tensor& t, int64_t B, int64_t T) {
-  return t.expand({B, 1, T, t.size(3)}).reshape({B * T, t.size(3)});
+  return rows;
 }
 
 }  // namespace
@@ -108,11 +112,8 @@ torch::Tensor attention_block(torch::Tensor x, const Linear& qkv, const Linear& 
                               int64_t lo, c10::optional<torch::Tensor> prefix_k,
                               c10::optional<torch::Tensor> prefix_v, int64_t P, int64_t start,
                               c10::optional<torch::Tensor> mask) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 3, "x must be float [B, T, H]");
-  const int64_t B = x.size(0), T = x.size(1), H = x.size(2);
-  return attention_rows(x.reshape({B * T, H}), qkv, o, n_q, n_kv, per_row(cos, B, T), per_row(sin, B, T),
-                        batch_seqs(B, T, own_k, own_v, lo, prefix_k, prefix_v, P, start, mask))
-      .view({B, T, H});
+  const BatchRows r = batch_rows(x, cos, sin, own_k, own_v, lo, prefix_k, prefix_v, P, start, mask);
+  return attention_rows(r.x, qkv, o, n_q, n_kv, r.cos, r.sin, r.seqs).view(x.sizes());
 }
 
 // x [..., H] float (already normed) -> down(silu(gate(x)) * up(x)) [..., H]
@@ -140,10 +141,7 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor norm1, torch::Tensor 
                             int64_t lo, c10::optional<torch::Tensor> prefix_k,
                             c10::optional<torch::Tensor> prefix_v, int64_t P, int64_t start,
                             c10::optional<torch::Tensor> mask) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 3, "x must be float [B, T, H]");
-  const int64_t B = x.size(0), T = x.size(1), H = x.size(2);
-  return decoder_layer_rows(x.reshape({B * T, H}), norm1, norm2, eps, qkv, o, gate_up, down, n_q, n_kv,
-                            per_row(cos, B, T), per_row(sin, B, T),
-                            batch_seqs(B, T, own_k, own_v, lo, prefix_k, prefix_v, P, start, mask))
-      .view({B, T, H});
+  const BatchRows r = batch_rows(x, cos, sin, own_k, own_v, lo, prefix_k, prefix_v, P, start, mask);
+  return decoder_layer_rows(r.x, norm1, norm2, eps, qkv, o, gate_up, down, n_q, n_kv, r.cos, r.sin, r.seqs)
+      .view(x.sizes());
 }

@@ -121,45 +121,46 @@ void by_rows(int64_t R, Tile tile) {
 #endif
 
 // The portable kernels: the same float operations per output as the groups above, one output at a time.
-// Word j of row `lane` of a block sits at pw[(b * words + j) * 8 + lane].
-void group_q4_portable(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const float* dx,
-                       const float* sx, int64_t nb, int64_t K, int64_t R, float* out, int64_t ldo) {
+// Word j of row `lane` of a block sits at pw[(b * words + j) * 8 + lane]. Each output of rows 0..R-1 is
+// acc = step(acc, r, lane, b) over the blocks in order, from 0.
+template <typename Step>
+void group_portable(int64_t R, int64_t nb, float* out, int64_t ldo, Step step) {
   for (int64_t r = 0; r < R; ++r)
     for (int lane = 0; lane < G8; ++lane) {
       float acc = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        const int8_t* xb = qx + r * K + b * QK;
-        int dot = 0;
-        for (int j = 0; j < 4; ++j) {
-          const uint32_t w = static_cast<uint32_t>(pw[(b * 4 + j) * G8 + lane]);
-          for (int e = 0; e < 4; ++e) {
-            const int byte = (w >> (8 * e)) & 0xFF;
-            dot += (byte & 0x0F) * xb[4 * j + e] + (byte >> 4) * xb[16 + 4 * j + e];
-          }
-        }
-        acc = std::fma(static_cast<float>(dot), d8[b * G8 + lane] * dx[r * nb + b], acc);
-        acc = std::fma(m8[b * G8 + lane], sx[r * nb + b], acc);
-      }
+      for (int64_t b = 0; b < nb; ++b) acc = step(acc, r, lane, b);
       out[r * ldo + lane] = acc;
     }
 }
 
+void group_q4_portable(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const float* dx,
+                       const float* sx, int64_t nb, int64_t K, int64_t R, float* out, int64_t ldo) {
+  group_portable(R, nb, out, ldo, [&](float acc, int64_t r, int lane, int64_t b) {
+    const int8_t* xb = qx + r * K + b * QK;
+    int dot = 0;
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t w = static_cast<uint32_t>(pw[(b * 4 + j) * G8 + lane]);
+      for (int e = 0; e < 4; ++e) {
+        const int byte = (w >> (8 * e)) & 0xFF;
+        dot += (byte & 0x0F) * xb[4 * j + e] + (byte >> 4) * xb[16 + 4 * j + e];
+      }
+    }
+    acc = std::fma(static_cast<float>(dot), d8[b * G8 + lane] * dx[r * nb + b], acc);
+    return std::fma(m8[b * G8 + lane], sx[r * nb + b], acc);
+  });
+}
+
 void group_q8_portable(const int32_t* pw, const float* d8, const int8_t* qx, const float* dx, int64_t nb, int64_t K,
                        int64_t R, float* out, int64_t ldo) {
-  for (int64_t r = 0; r < R; ++r)
-    for (int lane = 0; lane < G8; ++lane) {
-      float acc = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        const int8_t* xb = qx + r * K + b * QK;
-        int dot = 0;
-        for (int j = 0; j < 8; ++j) {
-          const int32_t w = pw[(b * 8 + j) * G8 + lane];
-          for (int e = 0; e < 4; ++e) dot += static_cast<int8_t>((w >> (8 * e)) & 0xFF) * xb[4 * j + e];
-        }
-        acc = std::fma(static_cast<float>(dot), d8[b * G8 + lane] * dx[r * nb + b], acc);
-      }
-      out[r * ldo + lane] = acc;
+  group_portable(R, nb, out, ldo, [&](float acc, int64_t r, int lane, int64_t b) {
+    const int8_t* xb = qx + r * K + b * QK;
+    int dot = 0;
+    for (int j = 0; j < 8; ++j) {
+      const int32_t w = pw[(b * 8 + j) * G8 + lane];
+      for (int e = 0; e < 4; ++e) dot += static_cast<int8_t>((w >> (8 * e)) & 0xFF) * xb[4 * j + e];
     }
+    return std::fma(static_cast<float>(dot), d8[b * G8 + lane] * dx[r * nb + b], acc);
+  });
 }
 
 // Dense float weights; K % 8 == 0 (checked by the caller).
