@@ -10,14 +10,15 @@ from model.runner import ModelRunner
 
 class AutoPolicy:
     name = "auto"
-    options = frozenset()
+    options = frozenset({"question"})
 
     def __init__(self, outline, default):
         """outline: the outline policy; default: the policy for everything else."""
         self.outline, self.default = outline, default
 
     async def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
-        suits, reason = route(request.question) if request.question else (False, "not a chat request")
+        question = request.policy_options.get("question")
+        suits, reason = route(question) if question else (False, "not a chat request")
         chosen = self.outline if suits else self.default
         async for event in chosen.generate(request, model, tokenizer):
             if event.stats is not None:

@@ -61,7 +61,7 @@ def common_prefix(seqs: list[list[int]]) -> int:
 
 class OutlinePolicy:
     name = "outline"
-    options = frozenset({"outline_tokens", "point_tokens", "verify", "pass_tokens"})
+    options = frozenset({"outline_tokens", "point_tokens", "verify", "pass_tokens", "question"})
 
     def __init__(self, fallback=None, outline_tokens: int = 96, point_tokens: int = 64, verifiers: dict | None = None,
                  pass_tokens: int = 8):
@@ -80,6 +80,9 @@ class OutlinePolicy:
             value = options.get(key, 1)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1024:
                 raise ValueError(f"{key} must be an integer from 1 to 1024, got {value!r}")
+        question = options.get("question", "")
+        if not isinstance(question, str) or len(question) > 16384:
+            raise ValueError("question must be a string of at most 16384 characters")
         verify = options.get("verify", "none")
         if verify not in self.verifiers:
             raise ValueError(f"verify must be one of {', '.join(sorted(self.verifiers))}, got {verify!r}")
@@ -107,7 +110,8 @@ class OutlinePolicy:
 
     async def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
         options = request.policy_options
-        if not request.question:
+        question = options.get("question")  # the chat's last user message (the service sets it), or the client's
+        if not question:
             async for event in self._fall_back(request, model, tokenizer, "not a chat request"):
                 yield event
             return
@@ -115,7 +119,7 @@ class OutlinePolicy:
         verify = options.get("verify", "none")
         model = WireTally(model)
         # 1. the outline, decoded by the verification policy (the request's sampling), not streamed, until done
-        outline_prompt = chat_ids(tokenizer, outline_messages(request.question))
+        outline_prompt = chat_ids(tokenizer, outline_messages(question))
         sub = GenerationRequest(outline_prompt, options.get("outline_tokens", self.outline_tokens),
                                 request.sampling, (), request.stop_token_ids, verify)
         outline_ids, text = [], ""
@@ -135,7 +139,7 @@ class OutlinePolicy:
             return
         # 2. every point expanded in one batch after the prompt they share
         heads = [f"{i + 1}. {p}: " for i, p in enumerate(points)]
-        prompts = [chat_ids(tokenizer, expansion_messages(request.question, points, i)) for i in range(len(points))]
+        prompts = [chat_ids(tokenizer, expansion_messages(question, points, i)) for i in range(len(points))]
         shared = common_prefix(prompts)
         share = max(1, min(options.get("point_tokens", self.point_tokens), request.max_tokens // len(points)))
         samplers = [await model.call(Sampler, request.sampling, model.cfg.vocab_size) for _ in points]

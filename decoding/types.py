@@ -40,7 +40,6 @@ class GenerationRequest:
     stop_token_ids: frozenset[int] = frozenset()
     policy: str = "naive"
     policy_options: dict = field(default_factory=dict)
-    question: str | None = None  # a chat request's last user message (outline decoding prompts around it)
 
 
 @dataclass(frozen=True)

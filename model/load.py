@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from model.config import ModelConfig
 from model.linear import weight_format
-from model.runner import ModelRunner
+from model.runner import ModelRunner, RunnerOptions
 from model.source import ModelFiles
 from model.stack import LayerStack, TokenEnds
 from model.stage import LocalStage, Pipeline
@@ -30,18 +30,20 @@ def load_tokenizer(files: ModelFiles):
     return AutoTokenizer.from_pretrained(files.folder)
 
 
-def load_with_pipeline(files: ModelFiles, weights: str, pipeline, thread: ModelThread, src=None) -> LoadedModel:
+def load_with_pipeline(files: ModelFiles, weights: str, pipeline, thread: ModelThread, src=None,
+                       options: RunnerOptions | None = None) -> LoadedModel:
     """The controller's model around a given stage pipeline (the controller loads only the token ends);
     `src`: the model's tensor source when the caller has opened it already."""
     cfg = ModelConfig.from_folder(files.folder)
     ends = thread.run_sync(TokenEnds.load, src or open_source(files), cfg, weight_format(weights))
-    return LoadedModel(files, cfg, load_tokenizer(files), ModelRunner(cfg, ends, pipeline, thread))
+    return LoadedModel(files, cfg, load_tokenizer(files), ModelRunner(cfg, ends, pipeline, thread, options))
 
 
-def load_local(files: ModelFiles, weights: str, kv_budget_gib: float, thread: ModelThread) -> LoadedModel:
+def load_local(files: ModelFiles, weights: str, kv_budget_gib: float, thread: ModelThread,
+               options: RunnerOptions | None = None) -> LoadedModel:
     """All layers in-process: one LocalStage."""
     cfg = ModelConfig.from_folder(files.folder)
     src = open_source(files)  # one read of a GGUF's tensor index for the layers and the token ends
     stack = thread.run_sync(LayerStack.load, src, cfg, 0, cfg.n_layers, weight_format(weights))
     stage = LocalStage(stack, int(kv_budget_gib * 2**30))
-    return load_with_pipeline(files, weights, Pipeline([stage]), thread, src)
+    return load_with_pipeline(files, weights, Pipeline([stage]), thread, src, options)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from model.admission import Admission
 from model.config import ModelConfig
 from model.prefix import PrefixCache
 from model.stack import TokenEnds
@@ -41,6 +42,17 @@ class Session:
     tokens: list[int] | None = field(default_factory=list)  # ids in slots 0..length; None: cannot be replayed
     passes: int = 0  # forward passes run for it
     shared_with: int = 0  # other sessions' calls in those passes, summed
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    """How a ModelRunner serves: cuts(n), the segment ends for the pipelined prefill of n tokens (None: one
+    piece); prefix, finished sessions kept for prefix reuse (None: off); admission, the queue of requests
+    waiting for KV room."""
+
+    cuts: Callable[[int], list[int]] | None = None
+    prefix: PrefixCache | None = None
+    admission: Admission = field(default_factory=Admission)
 
 
 class SessionLostError(RuntimeError):
@@ -65,7 +77,9 @@ class _Call:
 class ModelRunner:
     """Embedding -> stages -> final norm and head, with per-session KV caches on the stages."""
 
-    def __init__(self, cfg: ModelConfig, ends: TokenEnds, pipeline, thread: ModelThread):
+    def __init__(self, cfg: ModelConfig, ends: TokenEnds, pipeline, thread: ModelThread,
+                 options: RunnerOptions | None = None):
+        options = options or RunnerOptions()
         self.cfg = cfg
         self.ends = ends
         self.pipeline = pipeline
@@ -74,8 +88,10 @@ class ModelRunner:
         self._ids = itertools.count()
         self.generation = 0  # bumped (on the model thread) whenever the stages are re-assigned
         self.rebuilt = 0  # sessions prefilled again after a re-assignment
-        self.cuts: Callable[[int], list[int]] | None = None  # segment ends for pipelined prefill of n tokens
-        self.prefix: PrefixCache | None = None  # finished sessions kept for prefix reuse
+        self.cuts = options.cuts
+        self.prefix = options.prefix
+        self.admission = options.admission
+        self.held: set[str] = set()  # every session holding a cache (kept prefixes aside)
         self.open_sessions: set[str] = set()  # single-row sessions that may join a shared pass
         self.waiting: list[_Call] = []  # forward calls not yet handed to the model thread
         self.first_wait = 0.0  # when the oldest of them arrived
@@ -93,11 +109,14 @@ class ModelRunner:
         return await self._run(fn, *args)
 
     async def open(self, capacity: int, rows: int = 1, prompt: list[int] | None = None) -> Session:
-        """A new session with room for `capacity` slots; CapacityError when it does not fit even after
-        releasing every kept prefix. With `prompt`, the session may start with the KV of a kept session
-        that shares a prefix with it: session.length tells how much of the prompt is already cached."""
+        """A new session with room for `capacity` slots. With `prompt`, the session may start with the KV of a
+        kept session that shares a prefix with it: session.length tells how much of the prompt is already
+        cached. When the cache does not fit, kept prefixes are dropped, oldest first; then, while other
+        sessions hold caches, the request waits for one to be released (model.admission): QueueFullError
+        when the queue is full or the wait runs out, CapacityError when nothing else holds room to give."""
         session = Session(f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}", capacity, rows, generation=self.generation)
         found = self.prefix.match(prompt, self.generation) if self.prefix and prompt and rows == 1 else None
+        joined = None  # when the request joined the admission queue
         try:
             while True:
                 try:
@@ -107,16 +126,25 @@ class ModelRunner:
                         session.length, session.tokens = n, entry.tokens[:n]
                     else:
                         await self._run(self.pipeline.open, session.id, capacity, rows)
+                    self.held.add(session.id)
                     if rows == 1:
                         self.open_sessions.add(session.id)
+                    if joined is not None:
+                        self.admission.leave(joined, admitted=True)
                     return session
-                except CapacityError:
+                except CapacityError as exc:
                     evicted = self.prefix.pop_lru() if self.prefix else None
-                    if evicted is None:
+                    if evicted is not None:
+                        found = None if found and found[0].session is evicted else found
+                        await self.thread.run_shielded(self.pipeline.release, evicted.id)
+                        continue
+                    if not self.held:
                         raise
-                    found = None if found and found[0].session is evicted else found
-                    await self.thread.run_shielded(self.pipeline.release, evicted.id)
+                    joined = self.admission.join(exc) if joined is None else joined
+                    await self.admission.wait(joined, exc)
         except BaseException:  # a cancelled await may still have opened the cache on the model thread
+            if joined is not None:
+                self.admission.leave(joined, admitted=False)
             await self.thread.run_shielded(self.pipeline.release, session.id)
             raise
 
@@ -131,6 +159,7 @@ class ModelRunner:
         except BaseException:
             await self.thread.run_shielded(self.pipeline.release, child.id)
             raise
+        self.held.add(child.id)
         return child
 
     async def release(self, session: Session) -> None:
@@ -138,6 +167,7 @@ class ModelRunner:
         # Callers release in a `finally` that also runs when the request is cancelled (a client that
         # disconnected mid-stream): shielded, so cancelling it does not leak the session's KV cache.
         self.open_sessions.discard(session.id)
+        self.held.discard(session.id)
         freed = [session]
         if self.prefix is not None and session.tokens is not None and session.generation == self.generation:
             tokens = session.tokens[:session.length]
@@ -147,6 +177,7 @@ class ModelRunner:
             freed = self.prefix.add(session, tokens, nbytes, self.generation)
         for s in freed:
             await self.thread.run_shielded(self.pipeline.release, s.id)
+        self.admission.released()
 
     async def prefill(self, session: Session, prompt: list[int], then: Callable[..., Any] | None = None,
                       features: bool = False):

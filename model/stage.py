@@ -22,6 +22,14 @@ class CapacityError(RuntimeError):
     """A session's KV cache does not fit the memory budget; the message names the numbers."""
 
 
+class StageFailure(RuntimeError):
+    """A stage failed, timed out or could not be reached (a worker, say); `status` is the HTTP status to report."""
+
+    def __init__(self, message: str, status: int = 502):
+        super().__init__(message)
+        self.status = status
+
+
 class SessionError(KeyError):
     """An operation names a session the stage does not hold."""
 

@@ -13,12 +13,13 @@ from decoding.headsplit import LazyRunner
 from decoding.headsplit_profile import load_profile
 from decoding.medusa_heads import MedusaModel
 from decoding.target_fit import SHIPPED
+from model.admission import Admission
 from model.config import ModelConfig
 from model.headsplit import HeadSplitPipeline, MemoryWatch
 from model.linear import weight_format
 from model.load import LoadedModel, load_local, load_with_pipeline
 from model.prefix import PrefixCache
-from model.runner import ModelRunner
+from model.runner import ModelRunner, RunnerOptions
 from model.source import ModelFiles, resolve_model
 from model.thread import ModelThread
 from model.timing import model_card
@@ -64,11 +65,17 @@ def obtain_profile(settings: ServeSettings, files: ModelFiles, devices: list[Dev
     return profile
 
 
-def configure_runner(runner: ModelRunner, settings: ServeSettings, metrics: Metrics, plan: Plan | None) -> None:
-    """Prefill cuts, prefix reuse, and the runner's counters in /metrics."""
-    runner.cuts = prefill_cuts(settings, plan)
-    if settings.prefix_cache_mib > 0:
-        runner.prefix = PrefixCache(int(settings.prefix_cache_mib * 2**20), settings.prefix_min_tokens)
+def runner_options(settings: ServeSettings, plan: Plan | None) -> RunnerOptions:
+    """Prefill cuts, prefix reuse and admission, from the settings."""
+    prefix = PrefixCache(int(settings.prefix_cache_mib * 2**20), settings.prefix_min_tokens) \
+        if settings.prefix_cache_mib > 0 else None
+    admission = Admission(settings.max_waiting, settings.queue_timeout_s)
+    return RunnerOptions(prefill_cuts(settings, plan), prefix, admission)
+
+
+def observe_runner(runner: ModelRunner, metrics: Metrics) -> None:
+    """The runner's counters in /metrics, read when it is scraped."""
+    if runner.prefix is not None:
         metrics.prefix_hits.set_function(lambda: runner.prefix.hits)
         metrics.prefix_tokens.set_function(lambda: runner.prefix.reused_tokens)
         metrics.prefix_bytes.set_function(lambda: runner.prefix.nbytes)
@@ -76,14 +83,15 @@ def configure_runner(runner: ModelRunner, settings: ServeSettings, metrics: Metr
     metrics.sequences_open.set_function(lambda: len(runner.open_sessions))
     metrics.shared_passes.set_function(lambda: runner.passes)
     metrics.shared_pass_calls.set_function(lambda: runner.batched_rows)
+    metrics.observe_admission(runner.admission)
 
 
 def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[LoadedModel, ClusterManager | None]:
     thread = ModelThread(settings.threads or os.cpu_count() or 1)
     files = resolve_model(settings.model)  # converts a GGUF once, before any worker needs the cache
     if not settings.local_workers and not settings.cluster:
-        loaded = load_local(files, settings.dtype, settings.kv_cache_gib, thread)
-        configure_runner(loaded.runner, settings, metrics, None)
+        loaded = load_local(files, settings.dtype, settings.kv_cache_gib, thread, runner_options(settings, None))
+        observe_runner(loaded.runner, metrics)
         return loaded, None
     if settings.local_workers:
         config = launch_local_workers(settings.local_workers, settings.model, settings.worker_threads,
@@ -107,9 +115,10 @@ def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[Loaded
         log.info("placement (%s): %s", settings.placement,
                  ", ".join(f"{s.device} [{s.first}, {s.last})" for s in manager.plan.stages))
         manager.apply(manager.plan)
-        loaded = load_with_pipeline(files, settings.dtype, manager.pipeline, thread)
+        loaded = load_with_pipeline(files, settings.dtype, manager.pipeline, thread,
+                                    options=runner_options(settings, manager.plan))
         manager.runner = loaded.runner
-        configure_runner(loaded.runner, settings, metrics, manager.plan)
+        observe_runner(loaded.runner, metrics)
     except BaseException:
         config.stop()
         raise

@@ -25,7 +25,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--weights", "--dtype", dest="dtype", choices=FORMATS,
                    help="weight format (default auto: a GGUF's own quantization, float32 for a folder)")
     p.add_argument("--threads", type=int)
-    p.add_argument("--kv-cache-gib", type=float)
+    p.add_argument("--kv-cache-gib", type=float, help="memory bound of all sessions' KV caches (default 2)")
+    p.add_argument("--max-waiting", type=int, help="requests that may wait for KV cache room (default 64; more: 503)")
+    p.add_argument("--queue-timeout-s", type=float, help="how long a request may wait for KV cache room (default 60)")
     p.add_argument("--log-level")
     p.add_argument("--local-workers", type=int, help="start N worker processes on loopback and serve through them")
     p.add_argument("--cluster", help="TOML file naming running workers (see config/cluster.example.toml)")

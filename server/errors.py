@@ -14,9 +14,11 @@ TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inval
 class APIError(Exception):
     """An error to send to the client as an OpenAI error object."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers  # e.g. Retry-After on a 503 of a busy server
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": TYPES.get(self.status, "invalid_request_error"),
@@ -24,7 +26,7 @@ class APIError(Exception):
 
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:

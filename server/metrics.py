@@ -52,6 +52,14 @@ class Metrics:
                                    "since start", registry=r)
         self.shared_pass_calls = Gauge("edgespec_shared_pass_calls", "request steps those passes carried, since "
                                        "start (over edgespec_shared_passes: requests per shared pass)", registry=r)
+        self.sequences_waiting = Gauge("edgespec_sequences_waiting", "requests waiting for KV cache room now",
+                                       registry=r)
+        self.queue_admitted = Gauge("edgespec_queue_admitted", "requests that waited for KV cache room and then "
+                                    "fit, since start", registry=r)
+        self.queue_refused = Gauge("edgespec_queue_refused", "requests refused with 503 by a full queue or a wait "
+                                   "that ran out, since start", registry=r)
+        self.queue_wait = Gauge("edgespec_queue_wait_seconds", "time admitted requests spent waiting, summed since "
+                                "start (over edgespec_queue_admitted: the mean wait)", registry=r)
         self.workers_up = Gauge("edgespec_workers_up", "workers answering the controller's checks", registry=r)
         self.worker_memory_use = Gauge("edgespec_worker_memory_use_ratio",
                                        "weights plus KV caches over each worker's memory budget", ["device"],
@@ -72,6 +80,13 @@ class Metrics:
                 self.accepted_length.labels(policy).observe(int(length))
         if stats.get("drafter"):
             self.drafter_seconds.labels(policy, stats["drafter"]).inc(stats["drafter_ms"] / 1000)
+
+    def observe_admission(self, admission) -> None:
+        """The admission queue's figures (model.admission.Admission), read when /metrics is scraped."""
+        self.sequences_waiting.set_function(lambda: admission.waiting)
+        self.queue_admitted.set_function(lambda: admission.admitted)
+        self.queue_refused.set_function(lambda: admission.refused)
+        self.queue_wait.set_function(lambda: admission.waited_s)
 
     def observe_hop(self, link: str, nbytes: int, stage: str | None, forward_ms: float | None) -> None:
         """One link crossed by a forward call (called on the model thread; prometheus-client is thread-safe)."""

@@ -7,14 +7,16 @@ from contextlib import aclosing
 
 from decoding.policy import UnknownPolicyError, select_policy
 from decoding.types import GenerationRequest, SamplingParams, TokenEvent
+from model.admission import QueueFullError
 from model.load import LoadedModel
 from model.runner import SessionLostError
-from model.stage import CapacityError
+from model.stage import CapacityError, StageFailure
 from server.errors import APIError
 from server.metrics import Metrics
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.settings import ServeSettings
-from workers.client import StageFailure
+
+RETRY_AFTER_S = 5  # what a 503 of a full admission queue suggests: about one answer's time here
 
 
 class CompletionService:
@@ -95,10 +97,12 @@ class CompletionService:
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=bias,
             logprobs=logprobs, top_logprobs=top_logprobs)
-        question = next((m.text() for m in reversed(req.messages) if m.role == "user"), None) \
-            if hasattr(req, "messages") else None
+        if "question" in chosen.options and "question" not in options and isinstance(req, ChatCompletionRequest):
+            # policies that prompt around the question (outline, auto's router) get the last user message
+            question = next((m.text() for m in reversed(req.messages) if m.role == "user"), None)
+            options = {**options, "question": question} if question else options
         return GenerationRequest(prompt_ids, max_tokens, sampling, req.stop_list(), self.stop_token_ids,
-                                 policy, options, question)
+                                 policy, options)
 
     async def generate(self, gen: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """The policy's events, with metrics; model-side failures become APIErrors."""
@@ -115,6 +119,8 @@ class CompletionService:
                     yield event
         except StageFailure as exc:
             raise APIError(exc.status, f"a worker failed during generation: {exc}", None, "worker_failed") from exc
+        except QueueFullError as exc:  # a CapacityError: first
+            raise APIError(503, str(exc), None, "server_busy", {"retry-after": str(RETRY_AFTER_S)}) from exc
         except CapacityError as exc:
             raise APIError(503, str(exc), None, "kv_cache_full") from exc
         except SessionLostError as exc:

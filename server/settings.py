@@ -26,6 +26,8 @@ class ServeSettings(BaseSettings):
     threads: int = Field(0, ge=0, description="torch threads for the model; 0: all cores")
     kv_cache_gib: float = Field(2.0, gt=0, description="memory bound for all sessions' KV caches")
     max_request_bytes: int = Field(4 * 2**20, gt=0)
+    max_waiting: int = Field(64, ge=0, description="requests that may wait for KV cache room at once; more get 503")
+    queue_timeout_s: float = Field(60.0, gt=0, description="how long a request may wait for KV cache room")
     local_workers: int = Field(0, ge=0, description="start N worker processes on loopback and serve through them")
     cluster: str | None = Field(None, description="TOML file naming running workers (see config/)")
     advertise_url: str | None = Field(None, description="URL at which workers reach this controller")

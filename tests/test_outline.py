@@ -20,7 +20,7 @@ from model.thread import ModelThread
 
 def run(policy, loaded, prompt, max_tokens, question=None, options=None):
     request = GenerationRequest(prompt, max_tokens, SamplingParams(temperature=0.0), (), frozenset({2}),
-                                policy.name, options or {}, question)
+                                policy.name, (options or {}) | ({"question": question} if question else {}))
 
     async def collect():
         return [e async for e in policy.generate(request, loaded.runner, loaded.tokenizer)]

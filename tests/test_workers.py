@@ -4,15 +4,19 @@ a worker that dies mid-generation. Tiny random model (SmolLM2's tokenizer) excep
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import torch
 from processes import greedy, model_id, start_server, start_worker
 
-from workers.wire import encode
+from workers.host import StageHost, StepError
+from workers.settings import WorkerSettings
+from workers.wire import BatchMessage, decode, decode_batch, encode, encode_batch
 
 PROMPTS = ["Name three rivers.", "Write a haiku about the sea, please, with care."]
 
@@ -48,8 +52,40 @@ def test_local_workers_match_in_process(n, tiny, reference, tmp_path):
         metrics = httpx.get(url + "/metrics").text
         assert 'edgespec_wire_bytes_total{link="controller->worker0"}' in metrics
         assert "edgespec_stage_forward_seconds" in metrics
+        if n == 2:
+            concurrent_streams_share_one_message_per_link(url, reference)
     finally:
         proc.stop()
+
+
+def metric(text: str, name: str) -> float:
+    return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
+
+
+def concurrent_streams_share_one_message_per_link(url: str, reference: dict) -> None:
+    """Concurrent streams over workers give their texts alone, and a shared step is one message per link:
+    the link's messages fall short of the sessions' own counts by exactly the calls that rode along."""
+    link = 'edgespec_wire_requests_total{link="controller->worker0"}'
+    names = ("edgespec_shared_passes", "edgespec_shared_pass_calls", link)
+    before = httpx.get(url + "/metrics").text
+
+    def run(prompt: str) -> tuple[str, int]:
+        r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+            "model": model_id(url), "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+            "max_tokens": 24})
+        body = r.json()
+        tokens = body["usage"]["completion_tokens"]
+        own = body["decoding"]["wire_links"]["controller->worker0"]["requests_per_token"] * tokens
+        return body["choices"][0]["message"]["content"], round(own)
+
+    prompts = [*PROMPTS, PROMPTS[0], PROMPTS[1]]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(run, prompts))
+    assert [text for text, _ in results] == [reference[p] for p in prompts]
+    after = httpx.get(url + "/metrics").text
+    passes, calls, messages = (metric(after, m) - metric(before, m) for m in names)
+    assert passes > 0, "concurrent streams never shared a step"
+    assert sum(own for _, own in results) - messages == calls - passes  # one message per shared step
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +259,59 @@ def test_worker_keeps_rows_of_a_batched_session(worker):
     # the retry was not applied again: two rows are left, so row 1 exists
     assert httpx.post(keep, json={"step": 3, "rows": [1]}, headers=auth).status_code == 200
     assert httpx.delete(url + "/sessions/batch", headers=auth).status_code == 200
+
+
+def test_a_batch_message_gives_each_session_its_bits_alone_and_is_applied_once(tiny):
+    """The worker's side of a shared step, in-process: one BatchMessage over two sessions (a decode row and
+    a 3-token write with a mask) equals each session's own forward call; a retried batch is answered from its
+    output, a batch repeating only some of its steps is refused."""
+    host = StageHost(WorkerSettings(port=0, token="t", model=tiny))
+    host.assign(None, 0, 2, "float32")
+    torch.manual_seed(0)
+    prompt = torch.randn(1, 5, 64)
+    for sid in ("a", "b", "a1", "b1"):
+        host.open(sid, 1, 16, 1)
+        host.forward(sid, 2, 0, encode({"hidden": prompt}))
+    row, three = torch.randn(1, 1, 64), torch.randn(1, 3, 64)
+    mask = torch.ones(1, 3, 8, dtype=torch.bool).tril(5)
+    alone_a = decode(host.forward("a1", 3, 5, encode({"hidden": row}))[0], ("hidden",))["hidden"]
+    alone_b = decode(host.forward("b1", 3, 5, encode({"hidden": three, "mask": mask}))[0], ("hidden",))["hidden"]
+    message = BatchMessage([("a", 5, 1, 3), ("b", 5, 3, 3)], torch.cat([row[0], three[0]]),
+                           torch.tensor([5, 5, 6, 7]), [None, mask])
+    out, seconds = host.forward_batch(decode_batch(encode_batch(message)))
+    hidden = decode(out, ("hidden",))["hidden"]
+    assert seconds > 0 and torch.equal(hidden[:1], alone_a[0]) and torch.equal(hidden[1:], alone_b[0])
+    assert host.forward_batch(message) == (out, 0.0)  # a retry: not applied twice
+    with pytest.raises(StepError):
+        host.forward_batch(BatchMessage([("a", 6, 1, 4), ("b", 8, 1, 3)], torch.randn(2, 64),
+                                        torch.tensor([6, 8]), [None, None]))
+    assert host.steps == {"a": 3, "b": 3, "a1": 3, "b1": 3}
+
+
+def test_the_batch_route_checks_its_message(worker):
+    url, auth = worker
+    assert httpx.post(url + "/sessions/m/open", json={"step": 1, "capacity": 16}, headers=auth).status_code == 200
+
+    def batch(entries, rows=1, positions=None, **masks) -> bytes:
+        from safetensors.torch import save
+        tensors = {"hidden": torch.randn(rows, 64), "positions": positions if positions is not None else
+                   torch.arange(rows)} | masks
+        return save(tensors, metadata=None if entries is None else {"entries": json.dumps(entries)})
+
+    cases = [
+        ("no entries", batch(None)),
+        ("rows do not add up", batch([["m", 0, 2, 2]])),
+        ("a session twice", batch([["m", 0, 1, 2], ["m", 1, 1, 3]], rows=2)),
+        ("negative start", batch([["m", -1, 1, 2]])),
+        ("bad positions", batch([["m", 0, 1, 2]], positions=torch.tensor([0.5]))),
+        ("a mask of the wrong shape", batch([["m", 0, 1, 2]], **{"mask.0": torch.ones(1, 2, 2, dtype=torch.bool)})),
+        ("garbage", b"\x08\x00\x00\x00\x00\x00\x00\x00not json"),
+    ]
+    for label, body in cases:
+        r = httpx.post(url + "/batch/forward", content=body, headers={**auth, "x-callback": "http://x"})
+        assert r.status_code == 400, (label, r.text)
+        assert r.json()["error"]["message"], label
+    r = httpx.post(url + "/batch/forward", content=batch([["m", 0, 1, 2]]), headers={"x-callback": "http://x"})
+    assert r.status_code == 401
+    assert httpx.get(url + "/info", headers=auth).json()["sessions"] == 1  # nothing above touched the session
+    assert httpx.delete(url + "/sessions/m", headers=auth).status_code == 200

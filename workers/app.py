@@ -32,7 +32,7 @@ from workers.head_routes import HeadHost, add_head_routes
 from workers.host import AssignmentError, NotAssignedError, StageHost, StepError
 from workers.probe import measure_link
 from workers.settings import WorkerSettings
-from workers.wire import WireError
+from workers.wire import WireError, decode_batch
 
 log = logging.getLogger(__name__)
 SMALL_BODY = 64 * 2**10  # outputs up to this size are written to the socket at once
@@ -102,6 +102,14 @@ class ForkBody(Strict):
     capacity: int = Field(ge=1)
 
 
+class BodyError(ValueError):
+    """A forward body without an acceptable Content-Length; `status` is 411 or 413."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "worker_error", "code": status}}, status_code=status)
 
@@ -134,14 +142,14 @@ class Turns:
         self.cond = asyncio.Condition()
         self.busy = False
 
-    async def acquire(self, session: str, step: int) -> None:
+    async def acquire(self, steps: list[tuple[str, int]]) -> None:
+        """Wait for the turn of a call carrying these (session, step) pairs (a batch carries several)."""
         async with self.cond:
             try:
-                await asyncio.wait_for(self.cond.wait_for(lambda: not self.busy and self.host.ready(session, step)),
-                                       self.timeout_s)
+                await asyncio.wait_for(self.cond.wait_for(
+                    lambda: not self.busy and all(self.host.ready(s, step) for s, step in steps)), self.timeout_s)
             except TimeoutError:
-                raise StepError(f"step {step} of session {session!r} waited {self.timeout_s:.0f} s for the steps "
-                                f"before it") from None
+                raise StepError(f"steps {steps} waited {self.timeout_s:.0f} s for the steps before them") from None
             self.busy = True
 
     async def release(self) -> None:
@@ -176,6 +184,8 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
     for kind, status in ERRORS:
         # bind status now: one handler per exception class, matched along the exception's MRO
         app.add_exception_handler(kind, lambda _, exc, status=status: _error(status, str(exc)))
+
+    app.add_exception_handler(BodyError, lambda _, exc: _error(exc.status, str(exc)))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
@@ -256,8 +266,9 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
 
     turns = Turns(host, settings.downstream_timeout_s)
 
-    def next_hop(request: Request, sid: str, start: int, step: int) -> tuple[str, dict, dict, bool]:
-        """Where this stage's output goes: (url, headers, query, whether it is another stage)."""
+    def next_hop(request: Request, path: str, params: dict, key: tuple[str, int]) -> tuple[str, dict, dict, bool]:
+        """Where this stage's output goes: (url, headers, query, whether it is another stage). `path` and
+        `params` address the next stage; the controller's callback takes the call's (session, step) key."""
         route = [u for u in request.headers.get("x-route", "").split(",") if u]
         callback = request.headers.get("x-callback")
         headers = {"authorization": f"Bearer {settings.token}", "content-type": "application/octet-stream"}
@@ -265,26 +276,25 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
             headers["x-route"] = ",".join(route[1:])
             if callback:
                 headers["x-callback"] = callback
-            return f"{route[0]}/sessions/{sid}/forward", headers, {"start": start, "step": step}, True
+            return route[0] + path, headers, params, True
         if callback:
-            return callback, headers, {"session": sid, "step": step}, False
+            return callback, headers, {"session": key[0], "step": key[1]}, False
         raise ValueError("a forward call needs an X-Route or an X-Callback header")
 
-    async def forward(request: Request):
-        # A plain Starlette route: the hot path skips FastAPI's dependency and parameter machinery.
+    async def read_body(request: Request) -> bytes:
         await require_token(request)
-        sid = request.path_params["sid"]
-        start, step = int_param(request, "start"), int_param(request, "step")
         length = request.headers.get("content-length")
         if length is None or not length.isdigit() or int(length) > settings.max_body_bytes:
-            return _error(413 if length and length.isdigit() else 411,
-                          f"forward bodies need a Content-Length of at most {settings.max_body_bytes} bytes")
-        target, headers, params, onward = next_hop(request, sid, start, step)
-        body = await request.body()
-        await turns.acquire(sid, step)
+            raise BodyError(413 if length and length.isdigit() else 411,
+                            f"forward bodies need a Content-Length of at most {settings.max_body_bytes} bytes")
+        return await request.body()
+
+    async def relay(steps: list[tuple[str, int]], compute, target: str, headers: dict, params: dict):
+        """Compute in turn (compute() -> (output body, seconds)) and send the output to the next hop."""
+        await turns.acquire(steps)
         post = None
         try:
-            out, seconds = host.forward(sid, step, start, body, onward)
+            out, seconds = compute()
             if len(out) > SMALL_BODY:  # a prefill segment: keep the turn until it is on its way
                 sent = asyncio.Event()
 
@@ -314,5 +324,22 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
         hop = {"stage": host.name, "bytes": len(out), "forward_ms": round(seconds * 1000, 3)}
         return JSONResponse({"hops": [hop, *reply.json().get("hops", [])]})
 
+    async def forward(request: Request):
+        # Plain Starlette routes: the hot path skips FastAPI's dependency and parameter machinery.
+        body = await read_body(request)
+        sid = request.path_params["sid"]
+        start, step = int_param(request, "start"), int_param(request, "step")
+        target, headers, params, onward = next_hop(request, f"/sessions/{sid}/forward", {"start": start, "step": step},
+                                                   (sid, step))
+        return await relay([(sid, step)], lambda: host.forward(sid, step, start, body, onward), target, headers,
+                           params)
+
+    async def forward_batch(request: Request):
+        message = decode_batch(await read_body(request))
+        target, headers, params, onward = next_hop(request, "/batch/forward", {}, message.key)
+        return await relay([(s, step) for s, _, _, step in message.entries],
+                           lambda: host.forward_batch(message, onward), target, headers, params)
+
     app.add_route("/sessions/{sid}/forward", forward, methods=["POST"])
+    app.add_route("/batch/forward", forward_batch, methods=["POST"])
     return app

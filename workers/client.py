@@ -1,9 +1,10 @@
 """The controller's side of remote stages: a pipeline of workers used as one Stage.
 
-A forward call goes to the first worker with the rest of the route; each worker forwards its output to the
-next, and the last one posts the final hidden state to the controller's callback, where a ResultMailbox
-holds it for the waiting model thread. Calls carry per-session step numbers, so a retried call is applied
-once. Runs on the controller's model thread (synchronous httpx with pooled keep-alive connections).
+A forward call (one session's, or a BatchMessage of a step shared by several) goes to the first worker with
+the rest of the route; each worker forwards its output to the next, and the last one posts the final hidden
+state to the controller's callback, where a ResultMailbox holds it for the waiting model thread. Calls carry
+per-session step numbers, so a retried call is applied once. Runs on the controller's model thread
+(synchronous httpx with pooled keep-alive connections).
 """
 
 from __future__ import annotations
@@ -19,22 +20,14 @@ from dataclasses import dataclass
 import httpx
 import torch
 
-from model.stage import CapacityError, forward_each
-from workers.wire import decode, encode
+from model.stage import CapacityError, StageFailure
+from workers.wire import BatchMessage, decode, encode, encode_batch
 
 # A forward call may be written as headers, then body; with Nagle's algorithm on, a small second write can
 # wait for the peer's delayed ACK. On loopback here it made no measurable difference, but on a real link
 # it can add a round trip per hop, so every stage-to-stage connection turns it off.
 NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 MAX_SEGMENTS = 16  # pipelined prefill segments in flight at once
-
-
-class StageFailure(RuntimeError):
-    """A worker failed, timed out or could not be reached; `status` is the HTTP status to report."""
-
-    def __init__(self, message: str, status: int = 502):
-        super().__init__(message)
-        self.status = status
 
 
 class ResultMailbox:
@@ -140,16 +133,18 @@ class RemotePipeline:
                 self.assign(w)  # the worker restarted: give it its layers back, then open again
                 self._call(w, "POST", path, json=body)
 
-    def _send(self, session: str, step: int, start: int, body: bytes) -> httpx.Response:
-        """POST one forward call to the first worker; the reply comes once the last stage has posted."""
+    def _post(self, path: str, params: dict, body: bytes) -> httpx.Response:
+        """POST a forward call to the first worker; the reply comes once the last stage has posted."""
         headers = {"x-route": ",".join(w.url for w in self.workers[1:]), "x-callback": self.callback_url,
                    "content-type": "application/octet-stream"}
-        return self._call(self.workers[0], "POST", f"/sessions/{session}/forward", content=body, headers=headers,
-                          params={"start": start, "step": step})
+        return self._call(self.workers[0], "POST", path, content=body, headers=headers, params=params)
+
+    def _send(self, session: str, step: int, start: int, body: bytes) -> httpx.Response:
+        return self._post(f"/sessions/{session}/forward", {"start": start, "step": step}, body)
 
     def _result(self, session: str, step: int, sent: int, reply: httpx.Response) -> torch.Tensor:
         hops = reply.json()["hops"]
-        self._record(session, [sent] + [h["bytes"] for h in hops], hops)
+        self._record({session: 1.0}, [sent] + [h["bytes"] for h in hops], hops)
         return decode(self.mailbox.take(session, step, self.timeout_s), ("hidden",))["hidden"]
 
     def forward(self, session, hidden, positions, start, mask=None):
@@ -162,8 +157,15 @@ class RemotePipeline:
         return self._result(session, step, len(body), self._send(session, step, start, body))
 
     def forward_batch(self, entries, hidden, positions):
-        # one message per session and link for now: the workers' wire carries one session per forward call
-        return forward_each(self, entries, hidden, positions)
+        # hidden [M, H] at positions [M] -> [M, H]: every session's rows in one message per link; each session's
+        # wire figures count the message once, with its share of the bytes by rows
+        message = BatchMessage([(e.session, e.start, e.length, self._step(e.session)) for e in entries], hidden,
+                               positions, [e.mask for e in entries])
+        body = encode_batch(message)
+        hops = self._post("/batch/forward", {}, body).json()["hops"]
+        self._record({e.session: e.length / hidden.shape[0] for e in entries}, [len(body)] + [h["bytes"] for h in hops],
+                     hops)
+        return decode(self.mailbox.take(*message.key, self.timeout_s), ("hidden",))["hidden"]
 
     def forward_segments(self, session: str, hidden: torch.Tensor, start: int, cuts: list[int]) -> torch.Tensor:
         """A pipelined prefill: hidden [1, T, H] at slots start.. cut into segments ending at `cuts` (relative,
@@ -181,13 +183,15 @@ class RemotePipeline:
                 for step, body, sent in zip(steps, bodies, sends, strict=True)]
         return torch.cat(outs, dim=1)
 
-    def _record(self, session: str, sizes: list[int], hops: list[dict]) -> None:
-        stats = self.wire_stats.get(session)
+    def _record(self, shares: dict[str, float], sizes: list[int], hops: list[dict]) -> None:
+        # one message per link, of these sizes; shares: each session's part of it
         for i, (link, size) in enumerate(zip(self.links, sizes, strict=False)):
-            if stats is not None:
-                counts = stats.setdefault(link, [0, 0])
-                counts[0] += size
-                counts[1] += 1
+            for session, share in shares.items():
+                stats = self.wire_stats.get(session)
+                if stats is not None:
+                    counts = stats.setdefault(link, [0, 0])
+                    counts[0] += round(size * share)
+                    counts[1] += 1
             if self.on_hop:
                 hop = hops[i - 1] if i > 0 else None
                 self.on_hop(link, size, hop["stage"] if hop else None, hop["forward_ms"] if hop else None)

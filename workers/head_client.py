@@ -19,8 +19,9 @@ import torch
 
 from model.config import ModelConfig
 from model.headsplit import HeadSplitPipeline, SpeculationStats, blocks_of
+from model.stage import StageFailure
 from planning.headsplit import LayerPlace
-from workers.client import NODELAY, StageFailure, WorkerRef, _message
+from workers.client import NODELAY, WorkerRef, _message
 from workers.wire import decode, decode_group_kv, encode, encode_group_kv
 
 OCTETS = {"content-type": "application/octet-stream"}

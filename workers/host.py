@@ -19,11 +19,11 @@ from model.config import ModelConfig
 from model.linear import bytes_per_param, linear_bytes, weight_format
 from model.source import resolve_model
 from model.stack import LayerStack
-from model.stage import LocalStage
+from model.stage import BatchEntry, LocalStage
 from model.timing import PROFILE_LAYERS, time_layers
 from model.weights import open_source
 from workers.settings import WorkerSettings
-from workers.wire import WireError, decode, encode
+from workers.wire import BatchMessage, WireError, decode, encode, encode_batch
 
 
 class StepError(ValueError):
@@ -68,6 +68,7 @@ class StageHost:
         self.weight_bytes = 0
         self.steps: dict[str, int] = {}
         self.last_output: dict[str, tuple[int, bytes]] = {}
+        self.last_batch: tuple[tuple[str, int], bytes] | None = None  # the last batch's key and output
 
     # assignment
 
@@ -86,6 +87,7 @@ class StageHost:
         self.stage = None  # free the old layers before loading new ones
         self.steps.clear()
         self.last_output.clear()
+        self.last_batch = None
         stack = LayerStack.load(open_source(files), cfg, first, last, fmt)
         weight_bytes = linear_bytes(stack)  # what the tensors really hold
         self.stage = LocalStage(stack, budget - weight_bytes)
@@ -178,6 +180,38 @@ class StageHost:
         self.last_output[session] = (step, out)
         return out, time.perf_counter() - t0
 
+    def ready_all(self, message: BatchMessage) -> bool:
+        """Whether a batch may run now: every one of its sessions' earlier steps has been applied."""
+        return all(self.ready(session, step) for session, _, _, step in message.entries)
+
+    def forward_batch(self, message: BatchMessage, onward: bool = False) -> tuple[bytes, float]:
+        """Run a step shared by several sessions (each entry's rows as its session alone would get them);
+        returns the output body (the message with this stage's hidden, onward; the hidden alone for the
+        controller) and the compute time. A retry of the whole batch is answered from its kept output; a
+        batch in which only some sessions' steps were applied is refused."""
+        stage = self._stage()
+        retries = [self._is_retry(session, step) for session, _, _, step in message.entries]
+        if any(retries):
+            if all(retries) and self.last_batch is not None and self.last_batch[0] == message.key:
+                return self.last_batch[1], 0.0
+            raise StepError(f"batch {message.key} repeats steps already applied")
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        if message.hidden.shape[1] != cfg.hidden_size:
+            raise WireError(f"hidden must be [M, {cfg.hidden_size}], got {list(message.hidden.shape)}")
+        if message.positions.min() < 0 or message.positions.max() >= cfg.max_position_embeddings:
+            raise WireError(f"positions must lie in [0, {cfg.max_position_embeddings})")
+        entries = [BatchEntry(session, start, length, mask)
+                   for (session, start, length, _), mask in zip(message.entries, message.masks, strict=True)]
+        hidden = stage.forward_batch(entries, message.hidden, message.positions)
+        out = encode_batch(BatchMessage(message.entries, hidden, message.positions, message.masks)) if onward \
+            else encode({"hidden": hidden})
+        for session, _, _, step in message.entries:
+            self.steps[session] = step
+            self.last_output.pop(session, None)  # a single-session retry of these steps has no output to give
+        self.last_batch = (message.key, out)
+        return out, time.perf_counter() - t0
+
     def _validate(self, hidden, positions, mask, start: int) -> None:
         cfg = self.cfg
         if hidden.dim() != 3 or hidden.shape[2] != cfg.hidden_size or hidden.shape[1] < 1:
@@ -221,3 +255,5 @@ class StageHost:
             self.stage.release(session)
         self.steps.pop(session, None)
         self.last_output.pop(session, None)
+        if self.last_batch is not None and self.last_batch[0][0] == session:
+            self.last_batch = None
