@@ -65,7 +65,7 @@ def _measure(model: str | None, heads_path: Path, sizes: list[int], context: int
                         await runner.forward(session, ids[:, context:context + n], context, positions, mask,
                                              then=tree_step, features=True)
                     times[n].append(time.perf_counter() - t0)
-                    await runner.truncate(session, context)
+                    runner.truncate(session, context)
             return {n: statistics.median(v) for n, v in times.items()}
         finally:
             await runner.release(session)

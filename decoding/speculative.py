@@ -115,7 +115,7 @@ class SpeculativePolicy:
                                                    features=observe is not None)
                 self.passes.observe(1 + len(drafts), time.perf_counter() - t0)
                 if verdict.accepted < len(drafts):  # roll back the rejected drafts on every stage
-                    await model.truncate(session, start + 1 + verdict.accepted)
+                    model.truncate(session, start + 1 + verdict.accepted)
                 stats.proposed += len(drafts)
                 stats.accepted += verdict.accepted
                 for d in chain:  # a drafter not asked drafted nothing this step

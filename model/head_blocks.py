@@ -105,10 +105,6 @@ class HeadBlocks:
         self.sessions.pop(session, None)
         self.capacity.pop(session, None)
 
-    def truncate(self, session: str, length: int) -> None:
-        for cache in self._caches(session).values():
-            cache.truncate(length)
-
     def kv_bytes(self) -> int:
         """Bytes of every session's caches here."""
         return sum(c.nbytes for caches in self.sessions.values() for c in caches.values())

@@ -85,7 +85,7 @@ class SpeculationStats:
 
 class HeadSplitPipeline:
     """The HeadSplit schedule over a placement's devices (HeadBlocks in-process, or worker proxies with the same
-    calls), with the Stage seam's open / forward / truncate / release.
+    calls), with the Stage seam's open / forward / release.
 
     `fan_out(fns)` runs one layer's group calls (default: one after another; over workers, at once). With
     `gathered`, the devices are workers that run the schedule themselves (`run` at each layer's projection
@@ -138,11 +138,6 @@ class HeadSplitPipeline:
         self.wire_stats.pop(session, None)
         self.lengths.pop(session, None)
 
-    def truncate(self, session: str, length: int) -> None:
-        for device in self.devices.values():
-            device.truncate(session, length)
-        self.lengths[session] = length
-
     def wire(self, session: str) -> dict[str, tuple[int, int]]:
         """Bytes and requests per link that the session's steps have sent so far (workers only)."""
         return {link: (b, n) for link, (b, n) in self.wire_stats.get(session, {}).items()}
@@ -174,7 +169,7 @@ class HeadSplitPipeline:
             while layer < len(self.layers):  # each projection worker runs the layers it gathers, then hands back
                 out, layer = self.devices[self.layers[layer].proj].run(session, layer, out, positions, start, mask,
                                                                        eps, stats, wire)
-        self.lengths[session] = max(self.lengths[session], start + hidden.shape[1])
+        self.lengths[session] = start + hidden.shape[1]  # a write ends the caches there
         if self.memory is not None and self.memory.due():
             self.check_memory()
         return out

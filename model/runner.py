@@ -5,9 +5,11 @@ loop stays free for I/O. Policies run their own tensor work (sampling) there too
 
 Concurrent requests share passes: forward calls of single-row sessions that are waiting at the same time run
 as one pass over all their rows (`Stage.forward_batch`), so the matmuls read the weights once for every
-stream. A pass waits for the other open sessions' calls (they are sampling or sending their last token) at
-most a quarter of the last pass's time, and at least BATCH_WAIT_S. Each row's result is bitwise what
-its session alone would get (tests/test_exact_format.py), so batching changes no answer.
+stream. Waiting calls are not handed over while a pass is under way (the model thread is busy, and the
+sessions in that pass come back right after it); once it is over they wait for the other open sessions'
+calls (they are sampling or sending their last token) at most a quarter of the last pass's time, and at
+least BATCH_WAIT_S. Each row's result is bitwise what its session alone would get
+(tests/test_exact_format.py), so batching changes no answer.
 """
 
 from __future__ import annotations
@@ -98,7 +100,9 @@ class ModelRunner:
         self.flush_due = False  # a check of `waiting` is scheduled on the event loop
         self.running: set[asyncio.Task] = set()  # shared passes under way
         self.passes = self.batched_rows = 0  # shared passes run, and the calls they carried
+        self.steps = self.step_rows = 0  # forward passes of any kind, and the token rows they carried
         self.last_pass_s = 0.0  # how long the last pass of waiting calls took
+        self.pass_ended = 0.0  # when its results were handed out
 
     def placement_changed(self) -> None:
         """The stages were re-assigned and hold no sessions: each is rebuilt at its next forward (model thread)."""
@@ -219,6 +223,8 @@ class ModelRunner:
         # Segments pipeline a prompt's prefill. A verification pass of a few tokens goes in one piece: cut like a
         # prompt (the plan's cuts scale down with its length) it would cost a round trip per token.
         cuts = self.cuts(ids.shape[1]) if self.cuts and plain and last_only and ids.shape[1] > 1 else None
+        self.steps += 1
+        self.step_rows += ids.numel()
         with torch.inference_mode():
             hidden = self.ends.embed_tokens(ids)
             try:
@@ -313,15 +319,19 @@ class ModelRunner:
 
     def _flush_when_ready(self) -> None:
         # Hand the waiting calls to the model thread once every open session has one (the step's batch is
-        # whole) or the oldest has waited BATCH_WAIT_S (the others are busy elsewhere); else look again soon.
+        # whole), or once no pass is under way and they have waited the bound since the later of their arrival
+        # and the last pass's end (the others are busy elsewhere); else look again soon. Handing them over
+        # while a pass runs would only queue them behind it, and the sessions of that pass, back a moment
+        # later, would miss them: over two workers (a 30 ms pass) 4 streams fell into alternating phases
+        # and shared almost no pass (1.12x one stream's speed).
         self.flush_due = False
         live = [c for c in self.waiting if not c.future.cancelled()]
         if not live:
             self.waiting = []
             return
-        waited = time.perf_counter() - self.first_wait
+        waited = time.perf_counter() - max(self.first_wait, self.pass_ended)
         bound = max(self.BATCH_WAIT_S, self.last_pass_s / 4)
-        if len(live) < len(self.open_sessions) and waited < bound:
+        if len(live) < len(self.open_sessions) and (self.running or waited < bound):
             self.flush_due = True
             asyncio.get_running_loop().call_later(self.BATCH_WAIT_S / 4, self._flush_when_ready)
             return
@@ -342,6 +352,7 @@ class ModelRunner:
                 call.future.set_exception(result)
             else:
                 call.future.set_result(result)
+        self.pass_ended = time.perf_counter()
 
     def _forward_shared(self, calls: list[_Call]) -> list:
         # On the model thread: the calls' rows in one pass, each call's result (or exception) in order. A call
@@ -381,13 +392,12 @@ class ModelRunner:
         positions = torch.cat([c.positions[0] if c.positions is not None else
                                torch.arange(c.start, c.start + c.ids.shape[1]) for c in calls])  # [M]
         entries = [BatchEntry(c.session.id, c.start, c.ids.shape[1], c.mask) for c in calls]
+        self.steps += 1
+        self.step_rows += len(ids)
         with torch.inference_mode():
-            try:
-                hidden = self.pipeline.forward_batch(entries, self.ends.embed_tokens(ids[None])[0], positions)
-            except BaseException:
-                for call in calls:
-                    call.session.tokens = None
-                raise
+            # A failure leaves no session marked unreplayable: _forward_shared reruns every call alone at once,
+            # which rewrites the slots a half-done pass may have written (a failing call marks its own session).
+            hidden = self.pipeline.forward_batch(entries, self.ends.embed_tokens(ids[None])[0], positions)
             parts = hidden.split([c.ids.shape[1] for c in calls])  # [T_i, H] each
             picked = [p[-1:] if c.last_only else p for c, p in zip(calls, parts, strict=True)]
             logits = self.ends.logits(torch.cat(picked)[None])[0].split([len(p) for p in picked])
@@ -400,12 +410,11 @@ class ModelRunner:
                     results.append(call.then(lg, h[None]) if call.features else call.then(lg))
             return results
 
-    def _truncate(self, session: Session, length: int) -> None:
-        if session.generation == self.generation:  # else the next forward rebuilds the cache, shorter
-            self.pipeline.truncate(session.id, length)
-
-    async def truncate(self, session: Session, length: int) -> None:
-        await self._run(self._truncate, session, length)
+    @staticmethod
+    def truncate(session: Session, length: int) -> None:
+        """End the session at slot `length` (a rejected draft). No stage is called: every stage ends a cache
+        at the end of each write, and attention reads only up to it, so the next forward (written at
+        `length`) truncates it there. Over workers this spares a round trip per worker per verification."""
         session.length = length
         if session.tokens is not None:
             del session.tokens[length:]

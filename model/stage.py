@@ -84,9 +84,6 @@ class Stage(Protocol):
         """One pass over several sessions' rows (a batch step): hidden [M, H] holds each entry's rows in turn,
         at RoPE positions [M] -> hidden [M, H]; every row as its session alone would get it."""
 
-    def truncate(self, session: str, length: int) -> None:
-        """Drop cached slots from `length` on."""
-
     def commit(self, session: str, kept: list[int], dest: int) -> None:
         """Move the slots `kept` to dest, dest+1, ... (Medusa tree commit) and end the cache there."""
 
@@ -161,9 +158,6 @@ class LocalStage:
         seqs = [SeqRows(c, e.start, e.length, e.mask) for c, e in zip(caches, entries, strict=True)]
         return self.stack.forward_rows(hidden, positions, seqs)
 
-    def truncate(self, session: str, length: int) -> None:
-        self._cache(session).truncate(length)
-
     def commit(self, session: str, kept: list[int], dest: int) -> None:
         self._cache(session).commit(kept, dest)
 
@@ -210,9 +204,6 @@ class Pipeline:
 
     def open(self, session: str, capacity: int, rows: int = 1) -> None:
         self._each("open", session, capacity, rows)
-
-    def truncate(self, session: str, length: int) -> None:
-        self._each("truncate", session, length)
 
     def commit(self, session: str, kept: list[int], dest: int) -> None:
         self._each("commit", session, kept, dest)

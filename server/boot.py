@@ -83,6 +83,8 @@ def observe_runner(runner: ModelRunner, metrics: Metrics) -> None:
     metrics.sequences_open.set_function(lambda: len(runner.open_sessions))
     metrics.shared_passes.set_function(lambda: runner.passes)
     metrics.shared_pass_calls.set_function(lambda: runner.batched_rows)
+    metrics.steps.set_function(lambda: runner.steps)
+    metrics.step_rows.set_function(lambda: runner.step_rows)
     metrics.observe_admission(runner.admission)
 
 

@@ -52,6 +52,9 @@ class Metrics:
                                    "since start", registry=r)
         self.shared_pass_calls = Gauge("edgespec_shared_pass_calls", "request steps those passes carried, since "
                                        "start (over edgespec_shared_passes: requests per shared pass)", registry=r)
+        self.steps = Gauge("edgespec_steps", "forward passes run, since start", registry=r)
+        self.step_rows = Gauge("edgespec_step_rows", "token rows those passes carried, since start (over "
+                               "edgespec_steps: rows per step)", registry=r)
         self.sequences_waiting = Gauge("edgespec_sequences_waiting", "requests waiting for KV cache room now",
                                        registry=r)
         self.queue_admitted = Gauge("edgespec_queue_admitted", "requests that waited for KV cache room and then "

@@ -163,8 +163,10 @@ def test_metrics(http):
     assert m.status_code == 200
     assert m.headers["content-type"].startswith("text/plain")
     for name in ("edgespec_generated_tokens", "edgespec_requests_in_flight", "edgespec_prompt_tokens",
-                 "edgespec_time_to_first_token_seconds", "edgespec_kv_cache_bytes"):
+                 "edgespec_time_to_first_token_seconds", "edgespec_kv_cache_bytes", "edgespec_sequences_open",
+                 "edgespec_sequences_waiting", "edgespec_queue_wait_seconds", "edgespec_queue_refused"):
         assert name in m.text
+    assert metric(http, "edgespec_step_rows") >= metric(http, "edgespec_steps") >= 4  # a row or more per step
     assert metric(http, "edgespec_generated_tokens_total", default) == before + 4
     assert metric(http, "edgespec_requests_total", 'route="/v1/chat/completions",status="200"') == ok_before + 1
     # /metrics needs no key

@@ -288,13 +288,33 @@ def test_local_stage_budget(blocks, monkeypatch):
     stage.open("c", 200)  # fits once the others are gone
 
 
+def test_a_write_ends_the_cache_so_a_rejected_draft_needs_no_truncate(blocks):
+    """The runner truncates without calling a stage (ModelRunner.truncate): a forward written over a rejected
+    draft's slots, and the steps after it, give the bits of a cache that never held the draft."""
+    stage = LocalStage(blocks.stack, kv_budget_bytes=2**30)
+    ids = tokens(14, 5)
+
+    def run(session, part, start):
+        hidden = blocks.ends.embed_tokens(torch.tensor([part]))
+        return stage.forward(session, hidden, torch.arange(start, start + len(part)).unsqueeze(0), start)
+
+    for s in ("drafted", "clean"):
+        stage.open(s, 32)
+        run(s, ids[:10], 0)
+    run("drafted", tokens(4, 9), 10)  # a draft of 4, all rejected: slots 10..13 hold it
+    assert stage.caches["drafted"].length == 14
+    assert torch.equal(run("drafted", ids[10:12], 10), run("clean", ids[10:12], 10))  # over the draft's slots
+    assert stage.caches["drafted"].length == 12  # the write ended the cache
+    assert torch.equal(run("drafted", ids[12:14], 12), run("clean", ids[12:14], 12))
+
+
 def test_local_stage_sessions(blocks):
     stage = LocalStage(blocks.stack, kv_budget_bytes=2**20)
     stage.open("s", 8)
     with pytest.raises(KVCacheError):
         stage.open("s", 8)  # already open
     with pytest.raises(SessionError, match="unknown session 'nope'"):
-        stage.truncate("nope", 0)
+        stage.keep_rows("nope", [0])
     pipe = Pipeline([stage])
     pipe.open("t", 4)
     assert set(stage.caches) == {"s", "t"}

@@ -97,7 +97,7 @@ def test_a_tree_pass_gives_each_node_its_paths_logits(tiny_loaded):
             want = []
             for node in range(len(tree)):
                 seq = [node_tokens[n] for n in tree.ancestors[node]]
-                await runner.truncate(session, start)
+                runner.truncate(session, start)
                 want.append((await runner.forward(session, torch.tensor([seq]), start))[0, -1])
             return got[0], torch.stack(want)
         finally:

@@ -50,7 +50,7 @@ def test_decoding_continues_exactly_after_a_replacement(tiny_loaded):
                 runner.placement_changed()
             await runner.call(swap)
         if i == 8:  # a truncation (a rejected draft) on the new placement, then the same token again
-            await runner.truncate(session, session.length - 1)
+            runner.truncate(session, session.length - 1)
             await runner.forward(session, torch.tensor([[want[i - 1]]]))
 
     try:

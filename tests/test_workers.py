@@ -147,7 +147,7 @@ def test_worker_validates_inputs_and_keeps_other_sessions(worker):
     big = httpx.post(fwd.format("good"), params={"start": 0, "step": 2}, content=b"0" * (65 * 2**20), headers=auth)
     assert big.status_code == 413
     # a stale step is refused; the session itself is untouched by everything above
-    assert httpx.post(url + "/sessions/good/truncate", json={"step": 0, "length": 0}, headers=auth).status_code == 409
+    assert httpx.post(url + "/sessions/good/keep_rows", json={"step": 0, "rows": [0]}, headers=auth).status_code == 409
     info = httpx.get(url + "/info", headers=auth).json()
     assert info["sessions"] == 1
     assert httpx.delete(url + "/sessions/good", headers=auth).status_code == 200

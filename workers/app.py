@@ -71,11 +71,6 @@ class OpenBody(Strict):
     layers: list[int] | None = Field(None, min_length=2, max_length=2, description="[first, last) expected")
 
 
-class TruncateBody(Strict):
-    step: int = Field(ge=0)
-    length: int = Field(ge=0)
-
-
 class CommitBody(Strict):
     step: int = Field(ge=0)
     kept: list[int]
@@ -226,11 +221,6 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
     @app.post("/sessions/{sid}/open", dependencies=auth)
     async def open_session(sid: str, body: OpenBody):
         host.open(sid, body.step, body.capacity, body.rows, body.layers)
-        return {"ok": True}
-
-    @app.post("/sessions/{sid}/truncate", dependencies=auth)
-    async def truncate(sid: str, body: TruncateBody):
-        host.truncate(sid, body.step, body.length)
         return {"ok": True}
 
     @app.post("/sessions/{sid}/commit", dependencies=auth)

@@ -196,9 +196,6 @@ class RemotePipeline:
                 hop = hops[i - 1] if i > 0 else None
                 self.on_hop(link, size, hop["stage"] if hop else None, hop["forward_ms"] if hop else None)
 
-    def truncate(self, session: str, length: int) -> None:
-        self._each(session, "truncate", {"length": length})
-
     def commit(self, session: str, kept: list[int], dest: int) -> None:
         self._each(session, "commit", {"kept": kept, "dest": dest})
 

@@ -59,9 +59,6 @@ class RemoteHeads:
     def release(self, session: str) -> None:
         self._call("DELETE", f"/heads/sessions/{session}")
 
-    def truncate(self, session: str, length: int) -> None:
-        self._call("POST", f"/heads/sessions/{session}/truncate", json={"length": length})
-
     def attend(self, session: str, layer: int, x: torch.Tensor, positions: torch.Tensor, start: int,
                mask: torch.Tensor | None) -> torch.Tensor:
         body = encode({"x": x, "positions": positions, "mask": mask})

@@ -4,7 +4,6 @@ HeadBlocks), the calls HeadSplitPipeline makes on a device, and the schedule its
     POST   /heads/assign    {"groups": {"LAYER": [GROUP, ...]}, "ffns": [LAYER], "dtype", "model",
                              "name", "placement": [LayerPlace...], "peers": {NAME: URL}}
     POST   /heads/sessions/{sid}/open      {"capacity", "rows"}
-    POST   /heads/sessions/{sid}/truncate  {"length"}
     DELETE /heads/sessions/{sid}
     POST   /heads/sessions/{sid}/attend?layer=L&start=S   safetensors {x, positions[, mask]} -> {out}
     POST   /heads/ffn?layer=L                              safetensors {z} -> {x}
@@ -69,10 +68,6 @@ class HeadGroupsBody(Strict):
 class HeadOpenBody(Strict):
     capacity: int = Field(ge=1)
     rows: int = Field(1, ge=1)
-
-
-class HeadTruncateBody(Strict):
-    length: int = Field(ge=0)
 
 
 class HeadHost:
@@ -217,11 +212,6 @@ def add_head_routes(app: FastAPI, host: HeadHost, auth: list) -> None:
     @app.post("/heads/sessions/{sid}/open", dependencies=auth)
     async def open_session(sid: str, body: HeadOpenBody):
         host.held().open(sid, body.capacity, body.rows)
-        return {"ok": True}
-
-    @app.post("/heads/sessions/{sid}/truncate", dependencies=auth)
-    async def truncate(sid: str, body: HeadTruncateBody):
-        host.held().truncate(sid, body.length)
         return {"ok": True}
 
     @app.delete("/heads/sessions/{sid}", dependencies=auth)

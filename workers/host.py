@@ -231,9 +231,6 @@ class StageHost:
         if start < 0:
             raise WireError("start must be >= 0")
 
-    def truncate(self, session: str, step: int, length: int) -> None:
-        self._apply(session, step, self._stage().truncate, session, length)
-
     def commit(self, session: str, step: int, kept: list[int], dest: int) -> None:
         self._apply(session, step, self._stage().commit, session, kept, dest)
 
