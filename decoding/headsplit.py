@@ -62,13 +62,10 @@ class HeadSplitPolicy(NaivePolicy):
         await model.call(model.pipeline.set_epsilon, session.id, float(request.policy_options.get("epsilon",
                                                                                                   self.epsilon)))
 
-    async def summary(self, model: ModelRunner, session) -> dict:
-        def figures() -> dict:
-            pipe = model.pipeline
-            stats = pipe.stats[session.id]
-            return {"headsplit": {"epsilon": pipe.epsilons[session.id],
-                                  "speculating_layers": sum(lp.speculate for lp in pipe.layers),
-                                  "speculations_kept": sum(stats.kept),
-                                  "speculations_discarded": sum(stats.discarded)}}
-
-        return await model.call(figures)
+    def summary(self, model: ModelRunner, session) -> dict:
+        pipe = model.pipeline
+        stats = pipe.stats[session.id]
+        return {"headsplit": {"epsilon": pipe.epsilons[session.id],
+                              "speculating_layers": sum(lp.speculate for lp in pipe.layers),
+                              "speculations_kept": sum(stats.kept),
+                              "speculations_discarded": sum(stats.discarded)}}

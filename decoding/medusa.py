@@ -9,8 +9,6 @@ any other forward pass, and the commit reaches every stage.
 
 from __future__ import annotations
 
-import torch
-
 from decoding.medusa_heads import MedusaModel
 from decoding.medusa_tree import Tree
 from decoding.medusa_verify import descend, typical
@@ -18,6 +16,7 @@ from decoding.sampling import Sampler
 from decoding.stats import StepStats, push_run
 from decoding.text import TextStream
 from decoding.types import GenerationRequest
+from model.engine import Rows
 from model.runner import ModelRunner
 
 
@@ -65,7 +64,6 @@ class MedusaPolicy:
         stats = StepStats(self.name)
         stats.exact = rule is descend
         stats.accepted_lengths = {}
-        want_logprobs = request.sampling.logprobs
         session = await model.open(capacity, prompt=prompt)
         stats.session = session
         stats.cached_prompt_tokens = session.length
@@ -79,42 +77,43 @@ class MedusaPolicy:
             node_tokens = step_tree.tokens(root, candidates)
             return step_tree, node_tokens, step_tree.positions(start), step_tree.mask(start)
 
-        def first(logits, hidden):  # [1, 1, V], [1, P, H]
-            token, lp = sampler.choose_with_logprob(logits[0, -1])
-            return [(token, lp)], inputs(token, hidden[0, -1], len(prompt))
-
         try:
-            step, nxt = await model.prefill(session, prompt, then=first, features=True)
-            tokens = list(prompt)
-            while True:
-                tokens += [t for t, _ in step]
-                event = push_run(text, step, stats, model.wire(session))
+            program = self.program(request, model, session, heads, inputs, rule, sampler, text, stats)
+            async for event in model.engine.run(session, program):
                 yield event
-                if event.finish_reason:
-                    return
-                step_tree, node_tokens, positions, mask = nxt
-                start = session.length
-
-                def check(logits, hidden, step_tree=step_tree, node_tokens=node_tokens, start=start):
-                    # logits [1, T, V] and hidden [1, T, H] at the tree's nodes (model thread). The head runs on
-                    # every node in one product: it reads its 49k rows once, where a row at a time would read
-                    # them once per node the rule visits (measured: 1.5 ms more per step at 5 nodes).
-                    verdict = rule(sampler, step_tree, node_tokens, logits[0])
-                    # each token came from the logits of the path's node before it
-                    lps = [sampler.logprob(logits[0, n], t) if want_logprobs else None
-                           for n, t in zip(verdict.path, verdict.tokens, strict=True)]
-                    end = start + len(verdict.path)
-                    return verdict, lps, inputs(verdict.tokens[-1], hidden[0, verdict.path[-1]], end)
-
-                ids = torch.tensor([node_tokens])  # [1, T]
-                verdict, lps, nxt = await model.forward(session, ids, start, positions, mask, then=check,
-                                                        features=True)
-                kept = [start + n for n in verdict.path]
-                # the cached tokens are a plain run again: the root and the accepted candidates
-                await model.commit(session, kept, start, tokens[:start] + [node_tokens[n] for n in verdict.path])
-                stats.proposed += step_tree.depth
-                stats.accepted += verdict.accepted
-                stats.accepted_lengths[verdict.accepted] = stats.accepted_lengths.get(verdict.accepted, 0) + 1
-                step = list(zip(verdict.tokens, lps, strict=True))
         finally:
             await model.release(session)
+
+    def program(self, request: GenerationRequest, model: ModelRunner, session, heads: MedusaModel, inputs, rule,
+                sampler: Sampler, text: TextStream, stats: StepStats):
+        """The engine's program: the prompt, then per step the tree of the heads' candidates (its plan, with
+        the tree's positions and mask), the accepted path committed into place (its accept)."""
+        prompt, want_logprobs = request.prompt_ids, request.sampling.logprobs
+        out = yield Rows(prompt[session.length:], last_only=True, features=True)
+        token, lp = sampler.choose_with_logprob(out.logits[0, -1])  # [1, 1, V]
+        step, nxt = [(token, lp)], inputs(token, out.hidden[0, -1], len(prompt))
+        tokens = list(prompt)
+        while True:
+            tokens += [t for t, _ in step]
+            event = push_run(text, step, stats, model.wire(session))
+            yield event
+            if event.finish_reason:
+                return
+            step_tree, node_tokens, positions, mask = nxt
+            start = session.length
+            out = yield Rows(node_tokens, start, positions, mask, features=True)
+            # logits [1, T, V] and hidden [1, T, H] at the tree's nodes. The head runs on every node in one
+            # product: it reads its 49k rows once, where a row at a time would read them once per node the rule
+            # visits (measured: 1.5 ms more per step at 5 nodes).
+            verdict = rule(sampler, step_tree, node_tokens, out.logits[0])
+            # each token came from the logits of the path's node before it
+            lps = [sampler.logprob(out.logits[0, n], t) if want_logprobs else None
+                   for n, t in zip(verdict.path, verdict.tokens, strict=True)]
+            nxt = inputs(verdict.tokens[-1], out.hidden[0, verdict.path[-1]], start + len(verdict.path))
+            kept = [start + n for n in verdict.path]
+            # the cached tokens are a plain run again: the root and the accepted candidates
+            model.commit(session, kept, start, tokens[:start] + [node_tokens[n] for n in verdict.path])
+            stats.proposed += step_tree.depth
+            stats.accepted += verdict.accepted
+            stats.accepted_lengths[verdict.accepted] = stats.accepted_lengths.get(verdict.accepted, 0) + 1
+            step = list(zip(verdict.tokens, lps, strict=True))

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import torch
-
 from decoding.sampling import Sampler
 from decoding.stats import StepStats
 from decoding.text import TextStream
 from decoding.types import GenerationRequest, TokenEvent
+from model.engine import Rows
 from model.runner import ModelRunner
 
 
@@ -18,8 +17,8 @@ class NaivePolicy:
     async def started(self, request: GenerationRequest, model: ModelRunner, session) -> None:
         """Called once the session is open (a subclass configures it here)."""
 
-    async def summary(self, model: ModelRunner, session) -> dict:
-        """Figures of the session to add to the final statistics."""
+    def summary(self, model: ModelRunner, session) -> dict:
+        """Figures of the session to add to the final statistics (on the model thread)."""
         return {}
 
     async def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
@@ -31,19 +30,23 @@ class NaivePolicy:
         stats.cached_prompt_tokens = session.length
         try:
             await self.started(request, model, session)
-            def choose(logits):  # logits [1, 1, V], on the model thread
-                return sampler.choose_with_logprob(logits[0, -1])
-
-            token, logprob = await model.prefill(session, request.prompt_ids, then=choose)
-            while True:
-                pushed = text.push(token)
-                stats.tokens_emitted(1, model.wire(session))
-                logprobs = [logprob] if logprob else []
-                if pushed.finish_reason:
-                    final = stats.as_dict(model.wire(session)) | await self.summary(model, session)
-                    yield TokenEvent([token], pushed.text, pushed.finish_reason, logprobs, final)
-                    return
-                yield TokenEvent([token], pushed.text, None, logprobs)
-                token, logprob = await model.forward(session, torch.tensor([[token]]), then=choose)
+            async for event in model.engine.run(session, self.program(request, model, session, sampler, text, stats)):
+                yield event
         finally:
             await model.release(session)
+
+    def program(self, request: GenerationRequest, model: ModelRunner, session, sampler: Sampler, text: TextStream,
+                stats: StepStats):
+        """The engine's program (model/engine.py): the prompt, then one row per step, each sampled."""
+        out = yield Rows(request.prompt_ids[session.length:], last_only=True)
+        while True:
+            token, logprob = sampler.choose_with_logprob(out.logits[0, -1])  # logits [1, 1, V]
+            pushed = text.push(token)
+            stats.tokens_emitted(1, model.wire(session))
+            logprobs = [logprob] if logprob else []
+            if pushed.finish_reason:
+                final = stats.as_dict(model.wire(session)) | self.summary(model, session)
+                yield TokenEvent([token], pushed.text, pushed.finish_reason, logprobs, final)
+                return
+            yield TokenEvent([token], pushed.text, None, logprobs)
+            out = yield Rows([token])

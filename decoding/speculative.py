@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from decoding.draft_cost import DraftCosts, DraftLength, PassCosts, prior_costs
 from decoding.drafters import NgramDrafter
 from decoding.sampling import Sampler
@@ -16,6 +14,7 @@ from decoding.stats import StepStats, push_run
 from decoding.text import TextStream
 from decoding.types import GenerationRequest
 from decoding.verify import verify
+from model.engine import Rows
 from model.runner import ModelRunner
 
 
@@ -74,58 +73,57 @@ class SpeculativePolicy:
         session = await model.open(capacity, prompt=prompt)
         stats.session = session
         stats.cached_prompt_tokens = session.length
-        want_logprobs = request.sampling.logprobs
         try:
-            cached = session.length
-
-            def first(logits, hidden=None):  # [1, 1, V] and [1, T, H], on the model thread
-                if observe:
-                    observe(cached, hidden[0])
-                return [sampler.choose_with_logprob(logits[0, -1])]
-
-            step = await model.prefill(session, prompt, then=first, features=observe is not None)
-            tokens = list(prompt)
-            while True:
-                emitted = [t for t, _ in step]
-                tokens += emitted
-                event = push_run(text, step, stats, model.wire(session))
+            program = self.program(request, model, session, chain, observe, seeded, length, sampler, text, stats)
+            async for event in model.engine.run(session, program):
                 yield event
-                if event.finish_reason:
-                    return
-                # the verification adds one token of its own, and its 1 + K slots must fit the cache
-                budget = min(request.max_tokens - len(text.ids), session.capacity - session.length) - 1
-                # Beside other streams a model drafter's work runs alone between the shared passes (measured: 4
-                # speculative streams 0.917x one stream's aggregate speed, naive ones 1.589x): draft only by
-                # lookup then. Not for seeded sampling, whose answer must not depend on the load.
-                crowded = not seeded and model.others_open(session) > 0
-                drafter, drafts, q = await self._draft(chain, length, tokens, budget, model, stats, crowded)
-
-                start = session.length
-
-                def check(logits, hidden=None, drafts=drafts, q=q, start=start):  # [1, 1 + K, V], model thread
-                    verdict = verify(sampler, logits[0], drafts, q)
-                    if observe:  # the accepted positions' hidden states [1 + accepted, H]
-                        observe(start, hidden[0, :1 + verdict.accepted])
-                    lps = [sampler.logprob(logits[0, j], t) if want_logprobs else None
-                           for j, t in enumerate(verdict.tokens)]
-                    return verdict, lps
-
-                t0 = time.perf_counter()
-                verdict, lps = await model.forward(session, torch.tensor([[emitted[-1], *drafts]]), then=check,
-                                                   features=observe is not None)
-                self.passes.observe(1 + len(drafts), time.perf_counter() - t0)
-                if verdict.accepted < len(drafts):  # roll back the rejected drafts on every stage
-                    model.truncate(session, start + 1 + verdict.accepted)
-                stats.proposed += len(drafts)
-                stats.accepted += verdict.accepted
-                for d in chain:  # a drafter not asked drafted nothing this step
-                    length.update(d.name, len(drafts) if d is drafter else 0, verdict.accepted)
-                step = list(zip(verdict.tokens, lps, strict=True))
         finally:
             await model.release(session)
 
-    async def _draft(self, chain: list, length: DraftLength, tokens: list[int], budget: int, model: ModelRunner,
-                     stats: StepStats, crowded: bool = False):
+    def program(self, request: GenerationRequest, model: ModelRunner, session, chain: list, observe, seeded: bool,
+                length: DraftLength, sampler: Sampler, text: TextStream, stats: StepStats):
+        """The engine's program: the prompt, then per step the last token and the drafts (its plan), verified
+        by the acceptance rule, the rejected slots truncated (its accept)."""
+        prompt, want_logprobs = request.prompt_ids, request.sampling.logprobs
+        cached = session.length
+        out = yield Rows(prompt[cached:], last_only=True, features=observe is not None)
+        if observe:
+            observe(cached, out.hidden[0])
+        step = [sampler.choose_with_logprob(out.logits[0, -1])]
+        tokens = list(prompt)
+        while True:
+            emitted = [t for t, _ in step]
+            tokens += emitted
+            event = push_run(text, step, stats, model.wire(session))
+            yield event
+            if event.finish_reason:
+                return
+            # the verification adds one token of its own, and its 1 + K slots must fit the cache
+            budget = min(request.max_tokens - len(text.ids), session.capacity - session.length) - 1
+            # Beside other sequences a model drafter's work runs alone between the shared steps (measured: 4
+            # speculative streams 0.917x one stream's aggregate speed, naive ones 1.589x): draft only by lookup
+            # then. Not for seeded sampling, whose answer must not depend on the load.
+            crowded = not seeded and model.others_running(session) > 0
+            drafter, drafts, q = self._draft(chain, length, tokens, budget, stats, crowded)
+            start = session.length
+            out = yield Rows([emitted[-1], *drafts], features=observe is not None)
+            verdict = verify(sampler, out.logits[0], drafts, q)  # logits [1, 1 + K, V]
+            if observe:  # the accepted positions' hidden states [1 + accepted, H]
+                observe(start, out.hidden[0, :1 + verdict.accepted])
+            lps = [sampler.logprob(out.logits[0, j], t) if want_logprobs else None
+                   for j, t in enumerate(verdict.tokens)]
+            if out.sequences == 1:  # a pass of its own: what a step of 1 + K rows costs here
+                self.passes.observe(1 + len(drafts), out.seconds)
+            if verdict.accepted < len(drafts):  # the rejected drafts' slots are written over next
+                model.truncate(session, start + 1 + verdict.accepted)
+            stats.proposed += len(drafts)
+            stats.accepted += verdict.accepted
+            for d in chain:  # a drafter not asked drafted nothing this step
+                length.update(d.name, len(drafts) if d is drafter else 0, verdict.accepted)
+            step = list(zip(verdict.tokens, lps, strict=True))
+
+    def _draft(self, chain: list, length: DraftLength, tokens: list[int], budget: int, stats: StepStats,
+               crowded: bool = False):
         """Ask the chain's drafters in turn for as many tokens as pays for each (possibly none): -> (the drafter
         whose drafts they are or None, drafts, their distributions [K, V] or None). `crowded`: skip the drafters
         that compute on the model thread."""
@@ -135,10 +133,7 @@ class SpeculativePolicy:
             if k == 0:
                 continue
             t0 = time.perf_counter()
-            if model_work:  # a model drafter's tensor work
-                drafts, q = await model.call(drafter.propose, tokens, k)
-            else:
-                drafts, q = drafter.propose(tokens, k)
+            drafts, q = drafter.propose(tokens, k)  # on the model thread, in the program
             seconds = time.perf_counter() - t0
             stats.drafter_s += seconds
             self.draft_costs.observe(drafter.name, k, seconds)

@@ -1,22 +1,15 @@
 """The controller's model: token ends (embedding, norm, head) around a stage pipeline.
 
-Policies drive it through async methods; the tensor work runs on the process's ModelThread, so the event
-loop stays free for I/O. Policies run their own tensor work (sampling) there too, through `call`.
-
-Concurrent requests share passes: forward calls of single-row sessions that are waiting at the same time run
-as one pass over all their rows (`Stage.forward_batch`), so the matmuls read the weights once for every
-stream. Waiting calls are not handed over while a pass is under way (the model thread is busy, and the
-sessions in that pass come back right after it); once it is over they wait for the other open sessions'
-calls (they are sampling or sending their last token) at most a quarter of the last pass's time, and at
-least BATCH_WAIT_S. Each row's result is bitwise what its session alone would get
-(tests/test_exact_format.py), so batching changes no answer.
+Tokens are produced by the engine (model/engine.py): policies hand it programs that plan each step's rows
+and accept its output, and every running sequence's rows go through one pass per step. The runner holds the
+sessions (admission, prefix reuse, a rebuild after a re-plan) and runs the passes on the process's
+ModelThread, so the event loop stays free for I/O; policies run their own tensor work there too, through
+`call`. A multi-row session (outline's batch of points) still runs its own passes, through `forward`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +19,7 @@ import torch
 
 from model.admission import Admission
 from model.config import ModelConfig
+from model.engine import Engine, Work
 from model.prefix import PrefixCache
 from model.stack import TokenEnds
 from model.stage import BatchEntry, CapacityError
@@ -61,21 +55,6 @@ class SessionLostError(RuntimeError):
     """The placement changed under a session whose cache cannot be rebuilt from its tokens."""
 
 
-@dataclass
-class _Call:
-    """A forward call waiting to join a shared pass: _forward's arguments and the future of its result."""
-
-    session: Session
-    ids: torch.Tensor
-    positions: torch.Tensor | None
-    start: int
-    mask: torch.Tensor | None
-    last_only: bool
-    then: Callable[..., Any] | None
-    features: bool
-    future: asyncio.Future
-
-
 class ModelRunner:
     """Embedding -> stages -> final norm and head, with per-session KV caches on the stages."""
 
@@ -94,15 +73,8 @@ class ModelRunner:
         self.prefix = options.prefix
         self.admission = options.admission
         self.held: set[str] = set()  # every session holding a cache (kept prefixes aside)
-        self.open_sessions: set[str] = set()  # single-row sessions that may join a shared pass
-        self.waiting: list[_Call] = []  # forward calls not yet handed to the model thread
-        self.first_wait = 0.0  # when the oldest of them arrived
-        self.flush_due = False  # a check of `waiting` is scheduled on the event loop
-        self.running: set[asyncio.Task] = set()  # shared passes under way
-        self.passes = self.batched_rows = 0  # shared passes run, and the calls they carried
         self.steps = self.step_rows = 0  # forward passes of any kind, and the token rows they carried
-        self.last_pass_s = 0.0  # how long the last pass of waiting calls took
-        self.pass_ended = 0.0  # when its results were handed out
+        self.engine = Engine(self)
 
     def placement_changed(self) -> None:
         """The stages were re-assigned and hold no sessions: each is rebuilt at its next forward (model thread)."""
@@ -131,8 +103,6 @@ class ModelRunner:
                     else:
                         await self._run(self.pipeline.open, session.id, capacity, rows)
                     self.held.add(session.id)
-                    if rows == 1:
-                        self.open_sessions.add(session.id)
                     if joined is not None:
                         self.admission.leave(joined, admitted=True)
                     return session
@@ -170,7 +140,6 @@ class ModelRunner:
         """Free the session, or keep it for prefix reuse when it is a plain run of tokens."""
         # Callers release in a `finally` that also runs when the request is cancelled (a client that
         # disconnected mid-stream): shielded, so cancelling it does not leak the session's KV cache.
-        self.open_sessions.discard(session.id)
         self.held.discard(session.id)
         freed = [session]
         if self.prefix is not None and session.tokens is not None and session.generation == self.generation:
@@ -183,41 +152,17 @@ class ModelRunner:
             await self.thread.run_shielded(self.pipeline.release, s.id)
         self.admission.released()
 
-    async def prefill(self, session: Session, prompt: list[int], then: Callable[..., Any] | None = None,
-                      features: bool = False):
-        """The prompt's tokens not cached yet (see open), with the last position's logits (or then(logits)).
-
-        While other sessions are open, a prompt longer than PREFILL_CHUNK goes in chunks of that many tokens,
-        each a call that joins the others' shared pass: a long prompt then delays the running streams by a
-        chunk per step, not by its whole prefill. Chunks give the bits one pass gives (every kernel is
-        row-invariant and each query row attends over exactly its slots); with `features`, then() still gets
-        every prompt position's hidden state."""
-        todo = prompt[session.length:]
-        if session.rows != 1 or len(todo) <= self.PREFILL_CHUNK or len(self.open_sessions) < 2:
-            return await self.forward(session, torch.tensor([todo]), last_only=True, then=then, features=features)
-        earlier = []  # hidden [1, chunk, H] of the chunks before the last
-        while len(todo) > self.PREFILL_CHUNK:
-            chunk, todo = todo[:self.PREFILL_CHUNK], todo[self.PREFILL_CHUNK:]
-            earlier.append(await self.forward(session, torch.tensor([chunk]), last_only=True,
-                                              then=lambda _, hidden: hidden, features=True))
-        last = then
-        if then is not None and features:
-            def last(logits, hidden):
-                return then(logits, torch.cat([*earlier, hidden], dim=1))
-        return await self.forward(session, torch.tensor([todo]), last_only=True, then=last, features=features)
-
-    # Prompt tokens per pass while other streams decode. On a 2-core AVX2 EPYC a pass costs about 2.5 ms per
-    # row past a few rows: chunks of 64 stretched 4 streams' gap between tokens from 24 to 290 ms while a
-    # 485-token prompt went in; with 16 the gap stayed under about 5 steady gaps and the prompt's first token
-    # within 2x its idle time (bench/concurrency.py). Smaller chunks trade the one for the other.
-    PREFILL_CHUNK = 16
+    async def prefill(self, session: Session, prompt: list[int], then: Callable[..., Any] | None = None):
+        """The prompt's tokens not cached yet (see open) in a pass of their own, with the last position's logits
+        (or then(logits)): a multi-row session's shared prompt (outline). Sequences prefill in the engine."""
+        return await self.forward(session, torch.tensor([prompt[session.length:]]), last_only=True, then=then)
 
     def _forward(self, session: Session, ids: torch.Tensor, positions, start: int, mask, last_only: bool, then,
                  features: bool = False):
         # ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32; or then(logits[, hidden])
         if session.generation != self.generation:
             self._rebuild(session, start)
-        plain = self._note_tokens(session, ids, positions, mask, start)
+        plain = self._note_tokens(session, ids[0].tolist() if ids.shape[0] == 1 else [], positions, mask, start)
         if positions is None:
             positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
         # Segments pipeline a prompt's prefill. A verification pass of a few tokens goes in one piece: cut like a
@@ -241,13 +186,13 @@ class ModelRunner:
             return then(logits, hidden) if features else then(logits)
 
     @staticmethod
-    def _note_tokens(session: Session, ids: torch.Tensor, positions, mask, start: int) -> bool:
+    def _note_tokens(session: Session, ids: list[int], positions, mask, start: int) -> bool:
         # Record the ids written at slots start.. (a plain run of tokens can be replayed or reused as a prefix);
         # a tree or a batch of rows is not a plain run. Returns whether this write is plain.
         plain = positions is None and mask is None and session.rows == 1
         if session.tokens is not None:
             if plain:
-                session.tokens[start:] = ids[0].tolist()
+                session.tokens[start:] = ids
             else:
                 session.tokens = None
         return plain
@@ -279,136 +224,46 @@ class ModelRunner:
         then: Callable[..., Any] | None = None,
         features: bool = False,
     ) -> Any:
-        """Run tokens ids [B, T] written at cache slots start.. (default: the session's end).
+        """A pass of its own for tokens ids [B, T] written at cache slots start.. (default: the session's end):
+        a multi-row session's step (outline's batch of points; sequences step in the engine).
 
         positions [B, T] default to the slots; mask [B, T, start+T] defaults to causal. Returns float32
         logits [B, T, V], or [B, 1, V] for the last position only; with `then`, returns then(logits)
-        computed on the model thread (sampling there saves a thread hand-off per token). With `features`,
-        then(logits, hidden) also gets the last layer's output hidden [B, T, H] at every position (before the
-        final norm; a feature drafter reads it).
+        computed on the model thread (sampling there saves a thread hand-off per step). With `features`,
+        then(logits, hidden) also gets the last layer's output hidden [B, T, H] at every position.
         """
         start = session.length if start is None else start
-        if session.rows == 1 and ids.shape[0] == 1 and session.id in self.open_sessions and not self._segmented(
-                ids, positions, mask, last_only):
-            future = asyncio.get_running_loop().create_future()
-            self.waiting.append(_Call(session, ids, positions, start, mask, last_only, then, features, future))
-            if len(self.waiting) == 1:
-                self.first_wait = time.perf_counter()
-            self._schedule_flush()
-            out = await future
-        else:
-            out = await self._run(self._forward, session, ids, positions, start, mask, last_only, then, features)
+        out = await self._run(self._forward, session, ids, positions, start, mask, last_only, then, features)
         session.length = start + ids.shape[1]
         session.passes += 1
         return out
 
-    # The least a call may wait for the other open sessions' calls: streams also spend model-thread time between
-    # their passes (sampling, a draft, rolling back rejected drafts), and with 2 ms two streams fell out of step
-    # and alternated instead of sharing (tests/test_api_http.py's concurrency test, now and then).
-    BATCH_WAIT_S = 0.004
+    def forward_work(self, work: Work) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One sequence's rows in a pass of their own (model thread): (logits, hidden with features)."""
+        ids = torch.tensor([work.ids])
+        return self._forward(work.session, ids, work.positions, work.start, work.mask, work.last_only,
+                             lambda logits, hidden: (logits, hidden if work.features else None), features=True)
 
-    def _segmented(self, ids, positions, mask, last_only) -> bool:
-        # a prompt prefilled in pipelined segments runs on its own (its segments are the pipeline's batch)
-        return bool(self.cuts) and positions is None and mask is None and last_only and ids.shape[1] > 1 and len(
-            self.cuts(ids.shape[1])) > 1
-
-    def _schedule_flush(self) -> None:
-        if not self.flush_due:
-            self.flush_due = True
-            asyncio.get_running_loop().call_soon(self._flush_when_ready)
-
-    def _flush_when_ready(self) -> None:
-        # Hand the waiting calls to the model thread once every open session has one (the step's batch is
-        # whole), or once no pass is under way and they have waited the bound since the later of their arrival
-        # and the last pass's end (the others are busy elsewhere); else look again soon. Handing them over
-        # while a pass runs would only queue them behind it, and the sessions of that pass, back a moment
-        # later, would miss them: over two workers (a 30 ms pass) 4 streams fell into alternating phases
-        # and shared almost no pass (1.12x one stream's speed).
-        self.flush_due = False
-        live = [c for c in self.waiting if not c.future.cancelled()]
-        if not live:
-            self.waiting = []
-            return
-        waited = time.perf_counter() - max(self.first_wait, self.pass_ended)
-        bound = max(self.BATCH_WAIT_S, self.last_pass_s / 4)
-        if len(live) < len(self.open_sessions) and (self.running or waited < bound):
-            self.flush_due = True
-            asyncio.get_running_loop().call_later(self.BATCH_WAIT_S / 4, self._flush_when_ready)
-            return
-        self.waiting = []
-        task = asyncio.ensure_future(self._pass(live))
-        self.running.add(task)  # a reference until it is done: the loop keeps only weak ones
-        task.add_done_callback(self.running.discard)
-
-    async def _pass(self, calls: list[_Call]) -> None:
-        try:
-            results = await self._run(self._forward_shared, calls)
-        except BaseException as exc:  # the model thread's executor is gone (shutdown)
-            results = [exc] * len(calls)
-        for call, result in zip(calls, results, strict=True):
-            if call.future.cancelled():
-                continue
-            if isinstance(result, BaseException):
-                call.future.set_exception(result)
-            else:
-                call.future.set_result(result)
-        self.pass_ended = time.perf_counter()
-
-    def _forward_shared(self, calls: list[_Call]) -> list:
-        # On the model thread: the calls' rows in one pass, each call's result (or exception) in order. A call
-        # whose request was cancelled meanwhile is left out (its session may be released right after).
-        live = [c for c in calls if not c.future.cancelled()]
-        out: dict[int, Any] = {}
-        began = time.perf_counter()
-        if len(live) > 1:
-            try:
-                for call, result in zip(live, self._forward_rows(live), strict=True):
-                    out[id(call)] = result
-                    call.session.shared_with += len(live) - 1
-                self.passes += 1
-                self.batched_rows += len(live)
-            except Exception:  # one session's error (its KV budget, say) must not fail the others: alone
-                out = {}
-        results = []
-        for call in calls:
-            if id(call) in out:
-                results.append(out[id(call)])
-                continue
-            try:
-                results.append(self._forward(call.session, call.ids, call.positions, call.start, call.mask,
-                                             call.last_only, call.then, call.features))
-            except Exception as exc:
-                results.append(exc)
-        self.last_pass_s = time.perf_counter() - began
-        return results
-
-    def _forward_rows(self, calls: list[_Call]) -> list:
-        # _forward for several single-row sessions in one pass: ids [1, T_i] each -> each call's result
-        for call in calls:
-            if call.session.generation != self.generation:
-                self._rebuild(call.session, call.start)
-            self._note_tokens(call.session, call.ids, call.positions, call.mask, call.start)
-        ids = torch.cat([c.ids[0] for c in calls])  # [M]
-        positions = torch.cat([c.positions[0] if c.positions is not None else
-                               torch.arange(c.start, c.start + c.ids.shape[1]) for c in calls])  # [M]
-        entries = [BatchEntry(c.session.id, c.start, c.ids.shape[1], c.mask) for c in calls]
+    def forward_rows(self, works: list[Work]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Several single-row sessions' rows in one pass (model thread): each one's (logits [1, T or 1, V],
+        hidden [1, T, H] with features). A failure leaves no session marked unreplayable: the engine reruns
+        every work alone at once, which rewrites the slots a half-done pass may have written."""
+        for work in works:
+            if work.session.generation != self.generation:
+                self._rebuild(work.session, work.start)
+            self._note_tokens(work.session, work.ids, work.positions, work.mask, work.start)
+        ids = torch.tensor([t for w in works for t in w.ids])  # [M]
+        positions = torch.cat([w.positions[0] if w.positions is not None else
+                               torch.arange(w.start, w.start + len(w.ids)) for w in works])  # [M]
+        entries = [BatchEntry(w.session.id, w.start, len(w.ids), w.mask) for w in works]
         self.steps += 1
         self.step_rows += len(ids)
         with torch.inference_mode():
-            # A failure leaves no session marked unreplayable: _forward_shared reruns every call alone at once,
-            # which rewrites the slots a half-done pass may have written (a failing call marks its own session).
             hidden = self.pipeline.forward_batch(entries, self.ends.embed_tokens(ids[None])[0], positions)
-            parts = hidden.split([c.ids.shape[1] for c in calls])  # [T_i, H] each
-            picked = [p[-1:] if c.last_only else p for c, p in zip(calls, parts, strict=True)]
+            parts = hidden.split([len(w.ids) for w in works])  # [T_i, H] each
+            picked = [p[-1:] if w.last_only else p for w, p in zip(works, parts, strict=True)]
             logits = self.ends.logits(torch.cat(picked)[None])[0].split([len(p) for p in picked])
-            results = []
-            for call, lg, h in zip(calls, logits, parts, strict=True):
-                lg = lg[None]  # [1, T or 1, V]
-                if call.then is None:
-                    results.append(lg)
-                else:
-                    results.append(call.then(lg, h[None]) if call.features else call.then(lg))
-            return results
+            return [(lg[None], h[None] if w.features else None) for w, lg, h in zip(works, logits, parts, strict=True)]
 
     @staticmethod
     def truncate(session: Session, length: int) -> None:
@@ -419,17 +274,15 @@ class ModelRunner:
         if session.tokens is not None:
             del session.tokens[length:]
 
-    def _commit(self, session: Session, kept: list[int], dest: int) -> None:
-        if session.generation == self.generation:  # else the next forward rebuilds the cache from the tokens
-            self.pipeline.commit(session.id, kept, dest)
-
-    async def commit(self, session: Session, kept: list[int], dest: int, tokens: list[int] | None = None) -> None:
+    def commit(self, session: Session, kept: list[int], dest: int, tokens: list[int] | None = None) -> None:
         """Keep the cached slots `kept` (ascending) as slots dest, dest+1, ... and end the session there (the
-        accepted path of a tree pass); `tokens`: the ids now in slots 0.. (a plain run again), if known.
-        Slots already in place are not moved: the stale ones after them are never read (attention reads only
-        up to the end of each write) and get overwritten, so no stage is called."""
-        if kept != list(range(dest, dest + len(kept))):
-            await self._run(self._commit, session, kept, dest)
+        accepted path of a tree pass; on the model thread, from a program); `tokens`: the ids now in slots 0..
+        (a plain run again), if known. Slots already in place are not moved: the stale ones after them are
+        never read (attention reads only up to the end of each write) and get overwritten, so no stage is
+        called."""
+        moved = kept != list(range(dest, dest + len(kept)))
+        if moved and session.generation == self.generation:  # else the next forward rebuilds it from the tokens
+            self.pipeline.commit(session.id, kept, dest)
         session.length = dest + len(kept)
         session.tokens = list(tokens) if tokens is not None else None
 
@@ -444,9 +297,9 @@ class ModelRunner:
         await self._run(self._keep_rows, session, rows)
         session.rows = len(rows)
 
-    def others_open(self, session: Session) -> int:
-        """How many other single-row sessions hold a cache now (streams whose steps share passes with this one)."""
-        return len(self.open_sessions) - (session.id in self.open_sessions)
+    def others_running(self, session: Session) -> int:
+        """How many other sequences run in the engine now (whose steps this one's share)."""
+        return self.engine.running(besides=session)
 
     def wire(self, session: Session) -> dict[str, tuple[int, int]]:
         """Bytes and requests per link that the session's calls have put on the network so far."""

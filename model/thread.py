@@ -20,22 +20,42 @@ class ModelThread:
     def __init__(self, threads: int):
         self._threads = threads
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model", initializer=self._init)
+        self._submitted = self._started = 0  # jobs handed in, and jobs begun: the difference waits
+
+    def pending(self) -> int:
+        """Jobs waiting for the thread (the engine yields it between steps when there are any)."""
+        return self._submitted - self._started
+
+    def _submit(self, fn, *args):
+        self._submitted += 1
+
+        def job():
+            self._started += 1
+            return fn(*args)
+
+        future = self._executor.submit(job)
+        future.add_done_callback(self._count_cancelled)
+        return future
+
+    def _count_cancelled(self, future) -> None:
+        if future.cancelled():  # it will never begin (a cancelled caller, or shutdown)
+            self._started += 1
 
     def _init(self) -> None:
         torch.set_num_threads(self._threads)
 
     def run_sync(self, fn, *args):
         """Run fn(*args) on the model thread and wait for it (start-up, outside any event loop)."""
-        return self._executor.submit(fn, *args).result()
+        return self._submit(fn, *args).result()
 
     async def run(self, fn, *args):
         """Run fn(*args) on the model thread, in turn with every other job."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await asyncio.wrap_future(self._submit(fn, *args))
 
     async def run_shielded(self, fn, *args):
         """Like run, but the job is queued before the first await and survives the caller's cancellation
         (used for releasing a session's cache from a `finally` of a cancelled request)."""
-        await asyncio.shield(asyncio.wrap_future(self._executor.submit(fn, *args)))
+        await asyncio.shield(asyncio.wrap_future(self._submit(fn, *args)))
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -46,11 +46,10 @@ class Metrics:
                                    "since start", registry=r)
         self.prefix_bytes = Gauge("edgespec_prefix_cache_bytes", "KV bytes kept for prefix reuse (estimate)",
                                   registry=r)
-        self.sequences_open = Gauge("edgespec_sequences_open", "single-row sequences holding a KV cache now (what "
-                                    "a shared pass waits for)", registry=r)
-        self.shared_passes = Gauge("edgespec_shared_passes", "forward passes that carried several requests' rows, "
+        self.sequences_running = Gauge("edgespec_sequences_running", "sequences the engine steps now", registry=r)
+        self.shared_passes = Gauge("edgespec_shared_passes", "engine steps that carried several sequences' rows, "
                                    "since start", registry=r)
-        self.shared_pass_calls = Gauge("edgespec_shared_pass_calls", "request steps those passes carried, since "
+        self.shared_pass_calls = Gauge("edgespec_shared_pass_calls", "sequences those steps carried, since "
                                        "start (over edgespec_shared_passes: requests per shared pass)", registry=r)
         self.steps = Gauge("edgespec_steps", "forward passes run, since start", registry=r)
         self.step_rows = Gauge("edgespec_step_rows", "token rows those passes carried, since start (over "

@@ -163,7 +163,7 @@ def test_metrics(http):
     assert m.status_code == 200
     assert m.headers["content-type"].startswith("text/plain")
     for name in ("edgespec_generated_tokens", "edgespec_requests_in_flight", "edgespec_prompt_tokens",
-                 "edgespec_time_to_first_token_seconds", "edgespec_kv_cache_bytes", "edgespec_sequences_open",
+                 "edgespec_time_to_first_token_seconds", "edgespec_kv_cache_bytes", "edgespec_sequences_running",
                  "edgespec_sequences_waiting", "edgespec_queue_wait_seconds", "edgespec_queue_refused"):
         assert name in m.text
     assert metric(http, "edgespec_step_rows") >= metric(http, "edgespec_steps") >= 4  # a row or more per step

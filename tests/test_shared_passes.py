@@ -1,7 +1,7 @@
-"""Concurrent requests share forward passes (model/runner.py): the steps of sessions waiting at the same moment
-run as one pass over all their rows, and every session gets exactly what it gets alone. A long prompt beside
-running streams is prefilled in chunks that join their passes, with the same result as one pass (tiny model,
-float32, the compiled row-invariant kernels)."""
+"""The engine (model/engine.py): concurrent sequences' steps run as one pass over all their rows, and every
+sequence gets exactly what it gets alone. A long prompt beside running sequences is prefilled in chunks
+that join their steps, with the same result as one pass (tiny model, float32, the compiled row-invariant
+kernels)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,23 @@ import asyncio
 
 import torch
 
+from model.engine import Rows
+
+
+def greedy_program(prompt: list[int], n: int, out_tokens: list[int]):
+    """A program of n greedy tokens after `prompt`; the tokens go to out_tokens, and the last yield is them."""
+    out = yield Rows(prompt, last_only=True)
+    for _ in range(n):
+        out_tokens.append(int(out.logits[0, -1].argmax()))
+        out = yield Rows([out_tokens[-1]])
+    yield list(out_tokens)
+
 
 async def greedy(runner, prompt: list[int], n: int) -> list[int]:
-    session = await runner.open(len(prompt) + n + 1, prompt=None)
+    session = await runner.open(len(prompt) + n + 1)
     try:
-        logits = await runner.prefill(session, prompt)
-        out = []
-        for _ in range(n):
-            out.append(int(logits[0, -1].argmax()))
-            logits = await runner.forward(session, torch.tensor([[out[-1]]]))
-        return out
+        events = [e async for e in runner.engine.run(session, greedy_program(prompt, n, []))]
+        return events[-1]
     finally:
         await runner.release(session)
 
@@ -27,30 +34,40 @@ def prompts(vocab: int) -> list[list[int]]:
     return [[(i * 7 + s) % vocab for i in range(5 + 3 * s)] for s in range(4)]
 
 
-def test_concurrent_streams_share_passes_and_decode_as_alone(tiny_loaded):
+def test_concurrent_sequences_share_steps_and_decode_as_alone(tiny_loaded):
     runner = tiny_loaded.runner
     ps = prompts(runner.cfg.vocab_size)
     alone = [asyncio.run(greedy(runner, p, 12)) for p in ps]
-    passes, calls = runner.passes, runner.batched_rows
+    engine = runner.engine
+    steps, calls = engine.shared_steps, engine.shared_calls
 
     async def together():
         return await asyncio.gather(*(greedy(runner, p, 12) for p in ps))
 
     assert asyncio.run(together()) == alone
-    assert runner.passes > passes and runner.batched_rows - calls > runner.passes - passes  # several per pass
+    assert engine.shared_steps > steps and engine.shared_calls - calls > engine.shared_steps - steps  # several each
 
 
-def test_a_long_prompt_beside_running_streams_prefills_in_chunks_with_the_bits_of_one_pass(tiny_loaded):
+def test_a_long_prompt_beside_running_sequences_prefills_in_chunks_with_the_bits_of_one_pass(tiny_loaded):
     runner = tiny_loaded.runner
     vocab = runner.cfg.vocab_size
-    long_prompt = [(i * 13 + 1) % vocab for i in range(3 * runner.PREFILL_CHUNK + 5)]
+    long_prompt = [(i * 13 + 1) % vocab for i in range(3 * runner.engine.PREFILL_CHUNK + 5)]
+
+    def prefill_program(got: list):
+        out = yield Rows(long_prompt, last_only=True, features=True)
+        got.append((out.logits, out.hidden))
 
     async def prefill(with_others: bool):
         others = [await runner.open(64) for _ in range(2 if with_others else 0)]
         session = await runner.open(len(long_prompt) + 1)
+        got: list = []
         try:
-            logits, hidden = await runner.prefill(session, long_prompt, then=lambda lg, h: (lg, h), features=True)
-            return logits, hidden, session.passes
+            streams = [runner.engine.run(s, greedy_program([3, 4], 30, [])) for s in others]
+            drain = [asyncio.ensure_future(_drain(s)) for s in streams]
+            async for _ in runner.engine.run(session, prefill_program(got)):
+                pass
+            await asyncio.gather(*drain)
+            return got[0][0], got[0][1], session.passes
         finally:
             for s in [session, *others]:
                 await runner.release(s)
@@ -66,3 +83,8 @@ def test_a_long_prompt_beside_running_streams_prefills_in_chunks_with_the_bits_o
     assert torch.equal(chunked, whole)  # the first token's logits
     assert chunked_hidden.shape == whole_hidden.shape == (1, len(long_prompt), runner.cfg.hidden_size)
     assert torch.equal(chunked_hidden, whole_hidden)  # every prompt position's features (a feature drafter's)
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass

@@ -10,25 +10,28 @@ bool simd() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("q4_matmul", &q4_matmul, "x [M, K] @ interleaved q4 weight [N, K]^T -> [M, N]");
-  mod.def("q8_matmul", &q8_matmul, "x [M, K] @ interleaved q8 weight [N, K]^T -> [M, N]");
-  mod.def("q8_rows", &q8_rows, "rows ids [n] of an interleaved q8 weight as floats [n, K]");
-  mod.def("f32_matmul", &f32_matmul, "x [M, K] @ float weight [N, K]^T -> [M, N]");
+  // The tensor work runs without the GIL (its arguments are converted before, its result after): a decoder
+  // layer holding it kept the event loop from streaming the tokens of the step before for the whole pass.
+  const auto free = pybind11::call_guard<pybind11::gil_scoped_release>();
+  mod.def("q4_matmul", &q4_matmul, free, "x [M, K] @ interleaved q4 weight [N, K]^T -> [M, N]");
+  mod.def("q8_matmul", &q8_matmul, free, "x [M, K] @ interleaved q8 weight [N, K]^T -> [M, N]");
+  mod.def("q8_rows", &q8_rows, free, "rows ids [n] of an interleaved q8 weight as floats [n, K]");
+  mod.def("f32_matmul", &f32_matmul, free, "x [M, K] @ float weight [N, K]^T -> [M, N]");
   mod.def("rms_norm", &rms_norm, "RMS norm of the rows of x [..., H] times w [H]");
   mod.def("rope", &rope, "rotate-half rotary of x [B, heads, T, hd] by cos, sin [B, 1, T, hd]");
-  mod.def("attention", &attention, "per-row attention over the slots each query row sees");
+  mod.def("attention", &attention, free, "per-row attention over the slots each query row sees");
   mod.def("silu_mul", &silu_mul, "silu(gate) * up of gate_up [..., 2I] -> [..., I]");
   // module_local: the portable build, loaded beside this one in a test, registers its own Linear
   pybind11::class_<Linear>(mod, "Linear", pybind11::module_local(), "a weight in a compiled format: 0 q4, 1 q8, 2 f32")
       .def(pybind11::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t>())
-      .def("__call__", &Linear::operator(), "x [M, K] float -> [M, N]");
+      .def("__call__", &Linear::operator(), free, "x [M, K] float -> [M, N]");
   pybind11::class_<SeqKV>(mod, "SeqKV", pybind11::module_local(), "one sequence's share of a batch of rows")
       .def(pybind11::init<torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>,
                           c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, c10::optional<torch::Tensor>>());
-  mod.def("attention_rows", &attention_rows, "the attention of several sequences' rows in one call");
-  mod.def("decoder_layer_rows", &decoder_layer_rows, "a decoder layer over several sequences' rows in one call");
-  mod.def("attention_block", &attention_block, "a layer's attention (or some of its KV groups) in one call");
-  mod.def("ffn_block", &ffn_block, "SwiGLU FFN in one call");
-  mod.def("decoder_layer", &decoder_layer, "a whole decoder layer in one call");
+  mod.def("attention_rows", &attention_rows, free, "the attention of several sequences' rows in one call");
+  mod.def("decoder_layer_rows", &decoder_layer_rows, free, "a decoder layer over several sequences' rows in one call");
+  mod.def("attention_block", &attention_block, free, "a layer's attention (or some of its KV groups) in one call");
+  mod.def("ffn_block", &ffn_block, free, "SwiGLU FFN in one call");
+  mod.def("decoder_layer", &decoder_layer, free, "a whole decoder layer in one call");
   mod.def("simd", &simd, "whether the AVX2 path was compiled in");
 }

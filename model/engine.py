@@ -1,0 +1,247 @@
+"""The engine: the one place where a sequence's tokens are produced, in steps shared by every running sequence.
+
+A policy writes each request as a program: a generator, run on the model thread, that yields the rows it
+feeds next (`Rows`: its plan), receives the pass's output (`Out`) and decides what to keep of it (its
+accept: the tokens, and a KV operation such as a truncation or a tree commit), and yields the events to
+stream. Each step the engine takes every running program's rows, runs them as one forward pass through the
+stages (a ragged batch: each sequence's rows at its own slots and positions, with its own mask), and hands
+every program its part; the programs then sample with their own parameters and plan the next step, still
+on the model thread, so the next step needs nothing from the event loop. Steps follow one another while no
+other job waits for the model thread (an arriving request's admission, a release), and the event loop only
+streams the events the programs yielded.
+
+A prompt longer than PREFILL_CHUNK that arrives while other sequences run goes PREFILL_CHUNK tokens per step,
+so it delays them by a chunk per step, not by its whole prefill; alone it goes in one pass (over workers,
+in pipelined segments). Each row's result is bitwise what its sequence alone would get (the kernels are
+row-invariant and each query row attends over exactly its slots: tests/test_exact_format.py), so sharing
+steps changes no answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Generator
+from dataclasses import dataclass, field
+
+import torch
+
+_END = object()
+
+
+@dataclass
+class Rows:
+    """What a sequence feeds next: token ids at cache slots start.. (None: the session's end).
+
+    positions [1, T] default to the slots, mask bool [1, T, start+T] to causal; last_only: the logits of the
+    last row only; features: the last layer's hidden states [1, T, H] too (a feature drafter reads them)."""
+
+    ids: list[int]
+    start: int | None = None
+    positions: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    last_only: bool = False
+    features: bool = False
+
+    @property
+    def plain(self) -> bool:
+        """A run of tokens at consecutive slots and positions (one that may be cut into chunks)."""
+        return self.positions is None and self.mask is None
+
+
+@dataclass(frozen=True)
+class Work:
+    """One sequence's rows in a pass, resolved: ids at slots start.., positions [1, T] or None (the slots),
+    mask [1, T, start+T] or None (causal)."""
+
+    session: object  # model.runner.Session
+    ids: list[int]
+    start: int
+    positions: torch.Tensor | None
+    mask: torch.Tensor | None
+    last_only: bool
+    features: bool
+
+
+@dataclass
+class Out:
+    """A pass's output for one sequence: logits float32 [1, T or 1, V]; hidden [1, T, H] with features; the
+    pass's time, and how many sequences it carried."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+    seconds: float
+    sequences: int
+
+
+Program = Generator["Rows | object", "Out | None", None]
+
+
+@dataclass
+class _Sequence:
+    session: object  # model.runner.Session
+    program: Program
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    rows: Rows | None = None  # the rows planned for the next step
+    done: int = 0  # of a long prompt's rows: how many earlier steps have fed
+    earlier: list = field(default_factory=list)  # their hidden states [1, chunk, H], when features are wanted
+    cancelled: bool = False  # the consumer went away (a client that disconnected)
+    finished: bool = False
+
+    def emit(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class Engine:
+    """Runs the programs of every running sequence of one ModelRunner in shared steps."""
+
+    # Prompt tokens per step while other sequences run. On a 2-core AVX2 EPYC a pass costs about 2.5 ms per
+    # row past a few rows: chunks of 64 stretched 4 streams' gap between tokens from 24 to 290 ms while a
+    # 485-token prompt went in; with 16 the gap stayed under about 5 steady gaps and the prompt's first token
+    # within 2x its idle time (bench/concurrency.py). Smaller chunks trade the one for the other.
+    PREFILL_CHUNK = 16
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.live: list[_Sequence] = []  # running sequences (pruned on the event loop)
+        self.task: asyncio.Task | None = None
+        self.shared_steps = self.shared_calls = 0  # steps that carried several sequences, and the sequences
+
+    def running(self, besides=None) -> int:
+        """How many sequences are running now (other than the one of session `besides`)."""
+        return sum(1 for s in self.live if not s.finished and s.session is not besides)
+
+    async def run(self, session, program: Program) -> AsyncIterator:
+        """Run `program` for `session` in the engine's steps; yields what it yields besides Rows. Raises what
+        the program or its passes raised. Leaving early (a cancelled request) stops the program at the next
+        step, on the model thread."""
+        seq = _Sequence(session, program, asyncio.Queue(), asyncio.get_running_loop())
+        self.live.append(seq)
+        self._wake()
+        try:
+            while True:
+                item = await seq.queue.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            seq.cancelled = True
+
+    def _wake(self) -> None:
+        if self.task is None or self.task.done():
+            self.task = asyncio.ensure_future(self._loop())
+
+    async def _loop(self) -> None:
+        try:
+            while True:
+                self.live = [s for s in self.live if not s.finished]
+                if not self.live:
+                    return
+                await self.runner.thread.run(self._steps)
+        except BaseException as exc:  # the model thread is gone (shutdown): fail whoever still waits
+            for seq in self.live:
+                if not seq.finished:
+                    seq.finished = True
+                    seq.emit(exc if isinstance(exc, Exception) else RuntimeError("the engine stopped"))
+            raise
+
+    # on the model thread
+
+    def _steps(self) -> None:
+        # Steps back to back while every running sequence has rows and no other job waits for the thread.
+        while True:
+            batch = [s for s in self.live if self._ready(s)]
+            if not batch:
+                return
+            self._step(batch)
+            if self.runner.thread.pending():
+                return
+
+    def _ready(self, seq: _Sequence) -> bool:
+        if seq.finished:
+            return False
+        if seq.cancelled:
+            seq.finished = True
+            seq.program.close()
+            seq.emit(_END)
+            return False
+        if seq.rows is None:
+            self._advance(seq, None)
+        return not seq.finished
+
+    def _advance(self, seq: _Sequence, out: Out | None) -> None:
+        # Feed the program its output and run it to its next Rows, emitting what it yields on the way.
+        try:
+            item = seq.program.send(out)
+            while not isinstance(item, Rows):
+                seq.emit(item)
+                item = seq.program.send(None)
+            if not item.ids:
+                raise ValueError("a sequence planned no rows")
+            seq.rows = item
+        except StopIteration:
+            self._finish(seq, _END)
+        except Exception as exc:
+            self._finish(seq, exc)
+
+    def _finish(self, seq: _Sequence, last) -> None:
+        seq.finished, seq.rows = True, None
+        seq.emit(last)
+
+    def _step(self, batch: list[_Sequence]) -> None:
+        chunked = len(batch) > 1 or self.running() > 1
+        works = [self._work(seq, chunked) for seq in batch]
+        began = time.perf_counter()
+        results = self._pass(works)
+        seconds = time.perf_counter() - began
+        for seq, work, result in zip(batch, works, results, strict=True):
+            session = seq.session
+            if isinstance(result, Exception):
+                self._finish(seq, result)
+                continue
+            session.length = work.start + len(work.ids)
+            session.passes += 1
+            session.shared_with += len(batch) - 1
+            logits, hidden = result
+            rows = seq.rows
+            if len(work.ids) < len(rows.ids) - seq.done:  # a chunk of a long prompt: more to feed
+                seq.done += len(work.ids)
+                if rows.features:
+                    seq.earlier.append(hidden)
+                continue
+            if seq.earlier:
+                hidden = torch.cat([*seq.earlier, hidden], dim=1)
+            seq.rows, seq.done, seq.earlier = None, 0, []
+            self._advance(seq, Out(logits, hidden, seconds, len(batch)))
+        if len(batch) > 1:
+            self.shared_steps += 1
+            self.shared_calls += len(batch)
+
+    def _work(self, seq: _Sequence, chunked: bool) -> Work:
+        rows, session = seq.rows, seq.session
+        start = (session.length if rows.start is None else rows.start) if seq.done == 0 else session.length
+        ids = rows.ids[seq.done:]
+        if chunked and rows.plain and len(ids) > self.PREFILL_CHUNK:
+            # a chunk: the hidden states of every chunk are kept when the program wants features
+            return Work(session, ids[:self.PREFILL_CHUNK], start, None, None, True, rows.features)
+        return Work(session, ids, start, rows.positions, rows.mask, rows.last_only, rows.features)
+
+    def _pass(self, works: list) -> list:
+        # Every work's (logits, hidden) or exception: one pass over all of them; when that fails, each alone,
+        # so that one sequence's error (its KV budget, say) fails no other.
+        runner = self.runner
+        if len(works) > 1:
+            try:
+                return runner.forward_rows(works)
+            except Exception:
+                pass
+        results = []
+        for work in works:
+            try:
+                results.append(runner.forward_work(work))
+            except Exception as exc:
+                results.append(exc)
+        return results
