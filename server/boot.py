@@ -97,7 +97,7 @@ def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[Loaded
         return loaded, None
     if settings.local_workers:
         config = launch_local_workers(settings.local_workers, settings.model, settings.worker_threads,
-                                      settings.worker_cpus)
+                                      settings.worker_cpus, avoid=settings.port)
     else:
         config = ClusterConfig.from_file(Path(settings.cluster))
     try:

@@ -102,8 +102,10 @@ def _child_setup(cpus: set[int] | None):
     return setup
 
 
-def launch_local_workers(n: int, model: str | None, threads: int, cpus: str | None = None) -> ClusterConfig:
-    """Start n worker processes on loopback with a fresh random token, pinned to CPU sets if given."""
+def launch_local_workers(n: int, model: str | None, threads: int, cpus: str | None = None,
+                         avoid: int | None = None) -> ClusterConfig:
+    """Start n worker processes on loopback with a fresh random token, pinned to CPU sets if given; `avoid`:
+    the controller's own port, free still while it loads (a worker that took it once kept it from serving)."""
     token = secrets.token_urlsafe(24)
     config = ClusterConfig(token, [None] * n, processes=[None] * n)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -112,6 +114,8 @@ def launch_local_workers(n: int, model: str | None, threads: int, cpus: str | No
     def spawn(i: int) -> None:
         # a port found free can be taken before the worker binds it: wait_healthy respawns on a new one
         port, name = free_port(), f"worker{i}"
+        while port == avoid:
+            port = free_port()
         # output goes to the controller's own stderr, so a worker that fails to start says why
         config.processes[i] = subprocess.Popen(worker_command(port, token, name, model, threads),
                                                stdout=sys.stderr, stderr=subprocess.STDOUT, env=env,
