@@ -10,8 +10,8 @@ on the model thread, so the next step needs nothing from the event loop. Steps f
 other job waits for the model thread (an arriving request's admission, a release), and the event loop only
 streams the events the programs yielded.
 
-A prompt longer than PREFILL_CHUNK that arrives while other sequences run goes PREFILL_CHUNK tokens per step,
-so it delays them by a chunk per step, not by its whole prefill; alone it goes in one pass (over workers,
+A long prompt that arrives while other sequences run goes in chunks that fill each step up to STEP_ROWS
+rows, so it delays them by a chunk per step, not by its whole prefill; alone it goes in one pass (over workers,
 in pipelined segments). Each row's result is bitwise what its sequence alone would get (the kernels are
 row-invariant and each query row attends over exactly its slots: tests/test_exact_format.py), so sharing
 steps changes no answer.
@@ -45,7 +45,7 @@ class Rows:
 
     @property
     def plain(self) -> bool:
-        """A run of tokens at consecutive slots and positions (one that may be cut into chunks)."""
+        """A run of tokens at consecutive slots and positions (with last_only, one that may go in chunks)."""
         return self.positions is None and self.mask is None
 
 
@@ -96,11 +96,14 @@ class _Sequence:
 class Engine:
     """Runs the programs of every running sequence of one ModelRunner in shared steps."""
 
-    # Prompt tokens per step while other sequences run. On a 2-core AVX2 EPYC a pass costs about 2.5 ms per
-    # row past a few rows: chunks of 64 stretched 4 streams' gap between tokens from 24 to 290 ms while a
-    # 485-token prompt went in; with 16 the gap stayed under about 5 steady gaps and the prompt's first token
-    # within 2x its idle time (bench/concurrency.py). Smaller chunks trade the one for the other.
-    PREFILL_CHUNK = 16
+    # Rows per step while a prompt goes in beside other sequences: the prompt's chunk is what the others'
+    # rows leave of STEP_ROWS, and at least MIN_CHUNK. On a 2-core AVX2 EPYC a prompt row costs about 2.5 ms
+    # in a step (4 streams' steps took 19 ms alone and 50-70 ms with a 16-token chunk at up to 504 slots):
+    # chunks of 64 had stretched 4 streams' gap between tokens from 24 to 290 ms; a steady number of rows per
+    # step bounds the gap, and the prompt's first token stays within about 2x its idle time
+    # (bench/concurrency.py). Fewer rows trade the one for the other.
+    STEP_ROWS = 16
+    MIN_CHUNK = 4
 
     def __init__(self, runner):
         self.runner = runner
@@ -192,8 +195,14 @@ class Engine:
         seq.emit(last)
 
     def _step(self, batch: list[_Sequence]) -> None:
-        chunked = len(batch) > 1 or self.running() > 1
-        works = [self._work(seq, chunked) for seq in batch]
+        # beside others, a prompt (a plain run wanting the last row's logits) longer than a chunk gets what the
+        # other rows leave of the step
+        crowded = len(batch) > 1 or self.running() > 1
+        long = [crowded and s.rows.plain and s.rows.last_only and len(s.rows.ids) - s.done > self.MIN_CHUNK
+                for s in batch]
+        others = sum(len(s.rows.ids) - s.done for s, cut in zip(batch, long, strict=True) if not cut)
+        chunk = max(self.MIN_CHUNK, (self.STEP_ROWS - others) // max(1, sum(long)))
+        works = [self._work(seq, chunk if cut else None) for seq, cut in zip(batch, long, strict=True)]
         began = time.perf_counter()
         results = self._pass(works)
         seconds = time.perf_counter() - began
@@ -220,13 +229,14 @@ class Engine:
             self.shared_steps += 1
             self.shared_calls += len(batch)
 
-    def _work(self, seq: _Sequence, chunked: bool) -> Work:
+    def _work(self, seq: _Sequence, chunk: int | None) -> Work:
+        # the sequence's rows for this step: all of them, or the next `chunk` of a plain run
         rows, session = seq.rows, seq.session
         start = (session.length if rows.start is None else rows.start) if seq.done == 0 else session.length
         ids = rows.ids[seq.done:]
-        if chunked and rows.plain and len(ids) > self.PREFILL_CHUNK:
+        if chunk is not None and len(ids) > chunk:
             # a chunk: the hidden states of every chunk are kept when the program wants features
-            return Work(session, ids[:self.PREFILL_CHUNK], start, None, None, True, rows.features)
+            return Work(session, ids[:chunk], start, None, None, True, rows.features)
         return Work(session, ids, start, rows.positions, rows.mask, rows.last_only, rows.features)
 
     def _pass(self, works: list) -> list:

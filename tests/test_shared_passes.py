@@ -51,7 +51,7 @@ def test_concurrent_sequences_share_steps_and_decode_as_alone(tiny_loaded):
 def test_a_long_prompt_beside_running_sequences_prefills_in_chunks_with_the_bits_of_one_pass(tiny_loaded):
     runner = tiny_loaded.runner
     vocab = runner.cfg.vocab_size
-    long_prompt = [(i * 13 + 1) % vocab for i in range(3 * runner.engine.PREFILL_CHUNK + 5)]
+    long_prompt = [(i * 13 + 1) % vocab for i in range(3 * (runner.engine.STEP_ROWS - 2) + 5)]
 
     def prefill_program(got: list):
         out = yield Rows(long_prompt, last_only=True, features=True)
@@ -79,7 +79,7 @@ def test_a_long_prompt_beside_running_sequences_prefills_in_chunks_with_the_bits
         chunked, chunked_hidden, chunks = asyncio.run(prefill(True))
     finally:
         runner.prefix = prefix
-    assert (one, chunks) == (1, 4)  # alone in one pass; beside others in chunks of PREFILL_CHUNK
+    assert (one, chunks) == (1, 4)  # alone in one pass; beside 2 decode rows, in chunks of STEP_ROWS - 2
     assert torch.equal(chunked, whole)  # the first token's logits
     assert chunked_hidden.shape == whole_hidden.shape == (1, len(long_prompt), runner.cfg.hidden_size)
     assert torch.equal(chunked_hidden, whole_hidden)  # every prompt position's features (a feature drafter's)
