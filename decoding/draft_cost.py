@@ -22,8 +22,8 @@ PROBE_EVERY = 16  # steps that drafted nothing before one draft of one token re-
 
 
 class PassCosts:
-    """Seconds per target pass by its token count (an average over recent passes); shared by the requests of
-    one policy, since the cost is the model's and the machine's, not the prompt's."""
+    """Seconds per target pass by its token rows, every sequence's in the step (an average over recent passes);
+    shared by the requests of one policy, since the cost is the model's and the machine's, not the prompt's."""
 
     def __init__(self):
         self.seconds: dict[int, float] = {}
@@ -91,25 +91,26 @@ class DraftLength:
         kept, rejected = self.kept.get(name, 0), self.rejected.get(name, 0)
         return (kept + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (kept + rejected + PRIOR_WEIGHT)
 
-    def choose(self, name: str, budget: int) -> int:
-        """Tokens to ask drafter `name` for (at most `budget`)."""
+    def choose(self, name: str, budget: int, besides: int = 0) -> int:
+        """Tokens to ask drafter `name` for (at most `budget`); besides: the other sequences' rows expected in
+        the same step (a draft's rows lengthen a shared step for all of them)."""
         if self.fixed is not None:
             return min(self.fixed, budget)
-        k = self.best(name, min(self.k_max, budget))
+        k = self.best(name, min(self.k_max, budget), besides)
         if k == 0 and budget > 0 and self.idle.get(name, 0) >= PROBE_EVERY:
             k = 1  # a stale low acceptance must not switch drafting off for good
         return k
 
-    def best(self, name: str, k_max: int) -> int:
+    def best(self, name: str, k_max: int, besides: int = 0) -> int:
         if not self.passes.seconds:  # the process's first step
             return min(self.k_start, k_max)
-        if 1 not in self.passes.seconds:  # a single-token step next: the baseline every K is weighed against
+        if besides + 1 not in self.passes.seconds:  # a plain step next: the baseline every K is weighed against
             return 0
         a, per_draft = self.acceptance(name), self.drafts.get(name)
         best_k, best_rate, expected = 0, 0.0, 0.0
         for k in range(0, k_max + 1):
             expected += a ** k  # 1 + a + ... + a^k
-            rate = expected / (self.passes.get(1 + k) + k * per_draft)
+            rate = expected / (self.passes.get(besides + 1 + k) + k * per_draft)
             if rate > best_rate and k >= min(self.k_min, k_max):
                 best_k, best_rate = k, rate
         return best_k

@@ -90,7 +90,7 @@ class SpeculativePolicy:
         if observe:
             observe(cached, out.hidden[0])
         step = [sampler.choose_with_logprob(out.logits[0, -1])]
-        tokens = list(prompt)
+        tokens, besides = list(prompt), 0
         while True:
             emitted = [t for t, _ in step]
             tokens += emitted
@@ -104,7 +104,7 @@ class SpeculativePolicy:
             # speculative streams 0.917x one stream's aggregate speed, naive ones 1.589x): draft only by lookup
             # then. Not for seeded sampling, whose answer must not depend on the load.
             crowded = not seeded and model.others_running(session) > 0
-            drafter, drafts, q = self._draft(chain, length, tokens, budget, stats, crowded)
+            drafter, drafts, q = self._draft(chain, length, tokens, budget, stats, crowded, besides)
             start = session.length
             out = yield Rows([emitted[-1], *drafts], features=observe is not None)
             verdict = verify(sampler, out.logits[0], drafts, q)  # logits [1, 1 + K, V]
@@ -112,8 +112,11 @@ class SpeculativePolicy:
                 observe(start, out.hidden[0, :1 + verdict.accepted])
             lps = [sampler.logprob(out.logits[0, j], t) if want_logprobs else None
                    for j, t in enumerate(verdict.tokens)]
-            if out.sequences == 1:  # a pass of its own: what a step of 1 + K rows costs here
-                self.passes.observe(1 + len(drafts), out.seconds)
+            # what a step of that many rows costs here; the others' rows, what the next step will likely carry
+            # (compute-bound here: 4 streams' extra rows cost about 2.5 ms each in a 19 ms step, so a draft
+            # beside them pays only at high acceptance). Seeded sampling weighs K alone, whatever the load.
+            self.passes.observe(out.rows, out.seconds)
+            besides = 0 if seeded else out.rows - (1 + len(drafts))
             if verdict.accepted < len(drafts):  # the rejected drafts' slots are written over next
                 model.truncate(session, start + 1 + verdict.accepted)
             stats.proposed += len(drafts)
@@ -123,13 +126,13 @@ class SpeculativePolicy:
             step = list(zip(verdict.tokens, lps, strict=True))
 
     def _draft(self, chain: list, length: DraftLength, tokens: list[int], budget: int, stats: StepStats,
-               crowded: bool = False):
+               crowded: bool = False, besides: int = 0):
         """Ask the chain's drafters in turn for as many tokens as pays for each (possibly none): -> (the drafter
         whose drafts they are or None, drafts, their distributions [K, V] or None). `crowded`: skip the drafters
-        that compute on the model thread."""
+        that compute on the model thread; besides: the other sequences' rows expected in the step."""
         for drafter in chain:
             model_work = getattr(drafter, "on_model_thread", False)
-            k = length.choose(drafter.name, budget) if budget > 0 and not (crowded and model_work) else 0
+            k = length.choose(drafter.name, budget, besides) if budget > 0 and not (crowded and model_work) else 0
             if k == 0:
                 continue
             t0 = time.perf_counter()

@@ -66,12 +66,13 @@ class Work:
 @dataclass
 class Out:
     """A pass's output for one sequence: logits float32 [1, T or 1, V]; hidden [1, T, H] with features; the
-    pass's time, and how many sequences it carried."""
+    pass's time, and how many sequences and token rows it carried."""
 
     logits: torch.Tensor
     hidden: torch.Tensor | None
     seconds: float
     sequences: int
+    rows: int
 
 
 Program = Generator["Rows | object", "Out | None", None]
@@ -206,6 +207,7 @@ class Engine:
         began = time.perf_counter()
         results = self._pass(works)
         seconds = time.perf_counter() - began
+        step_rows = sum(len(w.ids) for w in works)
         for seq, work, result in zip(batch, works, results, strict=True):
             session = seq.session
             if isinstance(result, Exception):
@@ -224,7 +226,7 @@ class Engine:
             if seq.earlier:
                 hidden = torch.cat([*seq.earlier, hidden], dim=1)
             seq.rows, seq.done, seq.earlier = None, 0, []
-            self._advance(seq, Out(logits, hidden, seconds, len(batch)))
+            self._advance(seq, Out(logits, hidden, seconds, len(batch), step_rows))
         if len(batch) > 1:
             self.shared_steps += 1
             self.shared_calls += len(batch)
