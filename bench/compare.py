@@ -8,9 +8,9 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.distributed import start
-from bench.plot import bar_chart
-from bench.run import run_bench
+from edgespec.bench.distributed import start
+from edgespec.bench.plot import bar_chart
+from edgespec.bench.run import run_bench
 
 SHARED_PROMPTS = Path(__file__).parents[2] / "shared" / "data" / "prompts"
 KEYS = ("ratio_to_naive", "median_decode_tokens_per_s", "median_tokens_per_step", "median_acceptance_rate")

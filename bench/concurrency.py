@@ -20,10 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-
-from bench.plot import bar_chart
-from bench.prompts import load_prompts
-from bench.run import stream_one
+from edgespec.bench.plot import bar_chart
+from edgespec.bench.prompts import load_prompts
+from edgespec.bench.run import stream_one
 
 
 def burst(url: str, model: str, prompts: list[str], policy: str, max_tokens: int) -> dict:

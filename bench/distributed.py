@@ -17,20 +17,19 @@ import time
 from pathlib import Path
 
 import httpx
+from edgespec.bench.plot import bar_chart
+from edgespec.bench.prompts import load_prompts
+from edgespec.bench.run import stream_one, summarise
+from edgespec.workers.cluster import free_port
 from rich.console import Console
 from rich.progress import Progress
-
-from bench.plot import bar_chart
-from bench.prompts import load_prompts
-from bench.run import stream_one, summarise
-from workers.cluster import free_port
 
 
 def start(args: list[str], log: Path, cpus: set[int] | None = None) -> tuple[subprocess.Popen, str]:
     """`edgespec serve` with these arguments (pinned to `cpus` if given), once healthy."""
     port = free_port()
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), *args],
+    proc = subprocess.Popen([sys.executable, "-m", "edgespec.server.cli", "serve", "--port", str(port), *args],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, preexec_fn=pin)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300

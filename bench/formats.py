@@ -16,19 +16,18 @@ import time
 from pathlib import Path
 
 import torch
+from edgespec.model.config import ModelConfig
+from edgespec.model.linear import linear_bytes, weight_format
+from edgespec.model.source import resolve_model
+from edgespec.model.stack import LayerStack, TokenEnds
+from edgespec.model.weights import open_source
 from rich.console import Console
 from rich.table import Table
-
-from model.config import ModelConfig
-from model.linear import linear_bytes, weight_format
-from model.source import resolve_model
-from model.stack import LayerStack, TokenEnds
-from model.weights import open_source
 
 
 def held_out(tokenizer, data: Path, tasks: int) -> list[tuple[list[int], int]]:
     """(ids of prompt + answer, index where the answer starts) for the last `tasks` seed tasks."""
-    from decoding.outline import chat_ids
+    from edgespec.decoding.outline import chat_ids
 
     rows = [json.loads(line) for line in data.read_text().splitlines() if line.strip()][-tasks:]
     out = []

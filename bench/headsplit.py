@@ -29,22 +29,21 @@ from pathlib import Path
 
 import httpx
 import torch
+from edgespec.bench.distributed import start
+from edgespec.bench.plot import bar_chart
+from edgespec.decoding.distill_data import generate_answers, training_prompts
+from edgespec.decoding.headsplit_profile import held_out_perplexity, load_profile
+from edgespec.decoding.outline import chat_ids
+from edgespec.model.config import ModelConfig
+from edgespec.model.source import resolve_model
+from edgespec.model.stack import LayerStack, TokenEnds
+from edgespec.model.timing import model_card
+from edgespec.model.weights import open_source
+from edgespec.planning.headsplit import LayerPlace, head_card, place, profiled_alphas, profiled_devices, spread
+from edgespec.workers.cluster import launch_local_workers, wait_healthy
+from edgespec.workers.head_client import remote_headsplit
 from rich.console import Console
 from rich.table import Table
-
-from bench.distributed import start
-from bench.plot import bar_chart
-from decoding.distill_data import generate_answers, training_prompts
-from decoding.headsplit_profile import held_out_perplexity, load_profile
-from decoding.outline import chat_ids
-from model.config import ModelConfig
-from model.source import resolve_model
-from model.stack import LayerStack, TokenEnds
-from model.timing import model_card
-from model.weights import open_source
-from planning.headsplit import LayerPlace, head_card, place, profiled_alphas, profiled_devices, spread
-from workers.cluster import launch_local_workers, wait_healthy
-from workers.head_client import remote_headsplit
 
 PROMPT = "What are some tips for staying healthy while working from home?"
 DISTILL = Path.home() / ".cache" / "edgespec" / "distill"

@@ -25,10 +25,10 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.plot import bar_chart
-from planning.headsplit import HeadDevice, LayerPlace, group_params, head_card, place
-from planning.profile import LinkProfile, ModelCard
-from planning.testbeds import CONFIG, MODELS_DIR, DeviceSpec, device_spec, head_params, load_card, load_specs
+from edgespec.bench.plot import bar_chart
+from edgespec.planning.headsplit import HeadDevice, LayerPlace, group_params, head_card, place
+from edgespec.planning.profile import LinkProfile, ModelCard
+from edgespec.planning.testbeds import CONFIG, MODELS_DIR, DeviceSpec, device_spec, head_params, load_card, load_specs
 
 PROFILE = CONFIG / "profiles" / "smollm2-135m-instruct-headsplit.json"
 

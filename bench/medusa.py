@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bench.compare import SHARED_PROMPTS, compare, report
+from edgespec.bench.compare import SHARED_PROMPTS, compare, report
 
 SETS = {"vicuna80": SHARED_PROMPTS / "vicuna80.jsonl", "wizardlm": SHARED_PROMPTS / "wizardlm_testset.jsonl"}
 

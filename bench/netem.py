@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.plot import bar_chart
+from edgespec.bench.plot import bar_chart
 
 PREFIX = "es"  # namespace and link names: es-lan, es-ctl, es-w0, ...
 SUBNET = "10.231.0"
@@ -81,7 +81,7 @@ class Lan:
 
 
 def spawn(ns: str, args: list[str], log: Path) -> subprocess.Popen:
-    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "server.cli", *args]
+    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "edgespec.server.cli", *args]
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
@@ -131,7 +131,7 @@ def run_rate(args, rate: str, out: Path) -> dict:
         url = f"http://{lan.ip('ctl')}:8000"
         wait_health(f"{PREFIX}-ctl", url, 300, procs)
         bench_out = out / rate
-        sh(sys.executable, "-m", "server.cli", "bench", "--url", url, "--prompts", args.prompts, "--policies",
+        sh(sys.executable, "-m", "edgespec.server.cli", "bench", "--url", url, "--prompts", args.prompts, "--policies",
            "naive", "--max-tokens", str(args.max_tokens), "--out", str(bench_out),
            *(["--limit", str(args.limit)] if args.limit else []), ns=f"{PREFIX}-ctl")
         result = json.loads((bench_out / "results.json").read_text())["policies"]["naive"]

@@ -19,14 +19,13 @@ import time
 from pathlib import Path
 
 import torch
-
-from bench.versus import machine_info
-from model.blocks import SeqRows
-from model.config import ModelConfig
-from model.linear import Kernel, weight_format
-from model.source import resolve_model
-from model.stack import LayerStack, TokenEnds
-from model.weights import open_source
+from edgespec.bench.versus import machine_info
+from edgespec.model.blocks import SeqRows
+from edgespec.model.config import ModelConfig
+from edgespec.model.linear import Kernel, weight_format
+from edgespec.model.source import resolve_model
+from edgespec.model.stack import LayerStack, TokenEnds
+from edgespec.model.weights import open_source
 
 
 def median_ms(fn, repeats: int) -> float:

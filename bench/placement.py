@@ -18,13 +18,12 @@ import sys
 from pathlib import Path
 
 import httpx
+from edgespec.bench.distributed import start
+from edgespec.bench.plot import bar_chart
+from edgespec.bench.prompts import load_prompts
+from edgespec.bench.run import stream_one, summarise
 from rich.console import Console
 from rich.progress import Progress
-
-from bench.distributed import start
-from bench.plot import bar_chart
-from bench.prompts import load_prompts
-from bench.run import stream_one, summarise
 
 HOG = "while True: pass"
 

@@ -19,12 +19,11 @@ import time
 from pathlib import Path
 
 import httpx
+from edgespec.bench.distributed import start
+from edgespec.bench.plot import bar_chart
+from edgespec.bench.prompts import load_prompts
 from rich.console import Console
 from rich.progress import Progress
-
-from bench.distributed import start
-from bench.plot import bar_chart
-from bench.prompts import load_prompts
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"
 QUESTIONS = ["Turn on the kitchen lights.", "Is the front door locked?", "What is the temperature upstairs?"]
@@ -78,8 +77,8 @@ def main(argv: list[str] | None = None) -> None:
         for name, extra in setups.items():  # one after the other: the second reuses the profile the first measured
             procs[name], url = start([*extra, "--reprofile"] if not procs else extra, out / f"{name}.log")
             clients[name] = httpx.Client(base_url=url, timeout=600)
-        from model.load import load_tokenizer
-        from model.source import resolve_model
+        from edgespec.model.load import load_tokenizer
+        from edgespec.model.source import resolve_model
 
         tokenizer = load_tokenizer(resolve_model(None))
         tokens = corpus_tokens(tokenizer)

@@ -13,8 +13,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from bench.prompts import prompt_text
-from decoding.router import SUITS, UNSUITED, route
+from edgespec.bench.prompts import prompt_text
+from edgespec.decoding.router import SUITS, UNSUITED, route
 
 
 def evaluate(data: Path) -> dict:

@@ -12,11 +12,10 @@ import time
 from pathlib import Path
 
 import httpx
+from edgespec.bench.prompts import load_prompts
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
-
-from bench.prompts import load_prompts
 
 
 def decoding_field(policy: str) -> str | dict:
@@ -119,7 +118,7 @@ def run_bench(args) -> dict:
     for policy in policies:
         results["policies"][policy] = summarise(runs[policy])
     if args.transformers_baseline:
-        from bench.hf_baseline import run_transformers
+        from edgespec.bench.hf_baseline import run_transformers
 
         hf = run_transformers(args.model, args.dtype, prompts, args.max_tokens, console)
         results["transformers_generate"] = {
@@ -130,7 +129,7 @@ def run_bench(args) -> dict:
         }
     _add_ratios(results)
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    from bench.plot import plot_results
+    from edgespec.bench.plot import plot_results
 
     plot_results(results, out / "decode_tokens_per_s.png")
     _print_table(console, results)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bench.compare import SHARED_PROMPTS, compare, report
+from edgespec.bench.compare import SHARED_PROMPTS, compare, report
 
 SETS = {"extraction20": Path(__file__).parent / "prompts" / "extraction20.jsonl",
         "vicuna80": SHARED_PROMPTS / "vicuna80.jsonl"}

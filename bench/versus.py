@@ -31,13 +31,12 @@ import time
 from pathlib import Path
 
 import httpx
+from edgespec.bench.llamacpp import ServerProcess, free_port, llama_python, llamacpp_argv, llamacpp_version
+from edgespec.bench.prompts import load_prompts
+from edgespec.bench.run import decoding_field
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
-
-from bench.llamacpp import ServerProcess, free_port, llama_python, llamacpp_argv, llamacpp_version
-from bench.prompts import load_prompts
-from bench.run import decoding_field
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA = "llama.cpp"
@@ -185,7 +184,7 @@ def gguf_format(gguf: Path) -> str:
 
 
 def edgespec_argv(fmt: str, port: int, extra: list[str]) -> list[str]:
-    argv = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    argv = [sys.executable, "-m", "edgespec.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--log-level", "warning"]
     if fmt != "default":
         argv += ["--weights", fmt]
@@ -207,7 +206,7 @@ def _split(names: str) -> list[str]:
 
 
 def run_versus(args) -> dict:
-    from model.source import default_gguf
+    from edgespec.model.source import default_gguf
 
     console = Console()
     if not console.is_terminal and console.width < 130:  # piped into a log: do not squeeze the table
@@ -295,7 +294,7 @@ def run_versus(args) -> dict:
     with open(out / "versus_requests.jsonl", "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
-    from bench.plot import plot_versus
+    from edgespec.bench.plot import plot_versus
 
     if results["configurations"]:
         plot_versus(results, out / "versus.png")

@@ -3,9 +3,9 @@ whose answer is a list of independent points), else the server's default policy.
 
 from __future__ import annotations
 
-from decoding.router import route
-from decoding.types import GenerationRequest
-from model.runner import ModelRunner
+from edgespec.decoding.router import route
+from edgespec.decoding.types import GenerationRequest
+from edgespec.model.runner import ModelRunner
 
 
 class AutoPolicy:

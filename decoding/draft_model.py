@@ -12,17 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from decoding.sampling import Sampler
-from decoding.types import SamplingParams
-from model.config import ModelConfig
-from model.kv_cache import KVCache
-from model.linear import weight_format
-from model.load import load_tokenizer
-from model.prefix import common_prefix
-from model.source import resolve_model
-from model.stack import LayerStack, TokenEnds
-from model.weights import open_source
+from edgespec.decoding.sampling import Sampler
+from edgespec.decoding.types import SamplingParams
+from edgespec.model.config import ModelConfig
+from edgespec.model.kv_cache import KVCache
+from edgespec.model.linear import weight_format
+from edgespec.model.load import load_tokenizer
+from edgespec.model.prefix import common_prefix
+from edgespec.model.source import resolve_model
+from edgespec.model.stack import LayerStack, TokenEnds
+from edgespec.model.weights import open_source
 
 
 def runs(layers: list[int]) -> list[tuple[int, int]]:

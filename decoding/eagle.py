@@ -22,17 +22,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from edgespec.decoding.draft_model import draft_sampler
+from edgespec.decoding.target_fit import check_target, restricted_head, target_metadata
+from edgespec.decoding.types import SamplingParams
+from edgespec.model.blocks import DecoderLayer, Rotary
+from edgespec.model.config import ModelConfig
+from edgespec.model.kv_cache import KVCache
+from edgespec.model.linear import pack_linears
+from edgespec.model.stack import TokenEnds
 from safetensors.torch import load_file, save_file
 from torch import nn
-
-from decoding.draft_model import draft_sampler
-from decoding.target_fit import check_target, restricted_head, target_metadata
-from decoding.types import SamplingParams
-from model.blocks import DecoderLayer, Rotary
-from model.config import ModelConfig
-from model.kv_cache import KVCache
-from model.linear import pack_linears
-from model.stack import TokenEnds
 
 
 class FeatureNet(nn.Module):

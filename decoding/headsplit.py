@@ -14,9 +14,9 @@ import math
 from collections.abc import Callable
 from contextlib import aclosing
 
-from decoding.naive import NaivePolicy
-from decoding.types import GenerationRequest
-from model.runner import ModelRunner
+from edgespec.decoding.naive import NaivePolicy
+from edgespec.decoding.types import GenerationRequest
+from edgespec.model.runner import ModelRunner
 
 
 class LazyRunner:

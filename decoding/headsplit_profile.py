@@ -17,16 +17,15 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from edgespec.decoding.distill_data import generate_answers, training_prompts
+from edgespec.model.config import ModelConfig
+from edgespec.model.drift import acceptance, drift, speculating_forward, time_blocks
+from edgespec.model.source import resolve_model
+from edgespec.model.stack import LayerStack, TokenEnds
+from edgespec.model.timing import model_card
+from edgespec.model.weights import open_source
 from rich.console import Console
 from rich.progress import track
-
-from decoding.distill_data import generate_answers, training_prompts
-from model.config import ModelConfig
-from model.drift import acceptance, drift, speculating_forward, time_blocks
-from model.source import resolve_model
-from model.stack import LayerStack, TokenEnds
-from model.timing import model_card
-from model.weights import open_source
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PROFILES = Path(__file__).resolve().parents[1] / "config" / "profiles"

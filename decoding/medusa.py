@@ -9,15 +9,15 @@ any other forward pass, and the commit reaches every stage.
 
 from __future__ import annotations
 
-from decoding.medusa_heads import MedusaModel
-from decoding.medusa_tree import Tree
-from decoding.medusa_verify import descend, typical
-from decoding.sampling import Sampler
-from decoding.stats import StepStats, push_run
-from decoding.text import TextStream
-from decoding.types import GenerationRequest
-from model.engine import Rows
-from model.runner import ModelRunner
+from edgespec.decoding.medusa_heads import MedusaModel
+from edgespec.decoding.medusa_tree import Tree
+from edgespec.decoding.medusa_verify import descend, typical
+from edgespec.decoding.sampling import Sampler
+from edgespec.decoding.stats import StepStats, push_run
+from edgespec.decoding.text import TextStream
+from edgespec.decoding.types import GenerationRequest
+from edgespec.model.engine import Rows
+from edgespec.model.runner import ModelRunner
 
 
 class MedusaPolicy:

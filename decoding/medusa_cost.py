@@ -16,12 +16,11 @@ import time
 from pathlib import Path
 
 import torch
-
-from decoding.medusa_heads import MedusaModel
-from decoding.medusa_tree import Tree
-from model.load import load_local
-from model.source import resolve_model
-from model.thread import ModelThread
+from edgespec.decoding.medusa_heads import MedusaModel
+from edgespec.decoding.medusa_tree import Tree
+from edgespec.model.load import load_local
+from edgespec.model.source import resolve_model
+from edgespec.model.thread import ModelThread
 
 
 def measure_verify_cost(model: str | None, heads: Path, sizes) -> dict[int, float]:
@@ -29,7 +28,7 @@ def measure_verify_cost(model: str | None, heads: Path, sizes) -> dict[int, floa
     bfloat16 as `edgespec serve` does: a forward pass of n tokens after 300 cached ones with a tree mask, the
     LM head on all of them, an argmax on two (the root and one accepted node) and the Medusa heads on one.
     n = 1 is a plain naive step. Runs in a subprocess."""
-    out = subprocess.run([sys.executable, "-m", "decoding.medusa_cost", model or "", str(heads),
+    out = subprocess.run([sys.executable, "-m", "edgespec.decoding.medusa_cost", model or "", str(heads),
                           *map(str, sorted(set(sizes)))], check=True, capture_output=True, text=True,
                          env={**os.environ, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "50000")})
     return {int(n): s for n, s in json.loads(out.stdout.splitlines()[-1]).items()}

@@ -17,9 +17,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-
-from decoding.medusa_tree import Tree
-from decoding.sampling import Sampler
+from edgespec.decoding.medusa_tree import Tree
+from edgespec.decoding.sampling import Sampler
 
 
 @dataclass

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from decoding.sampling import Sampler
-from decoding.stats import StepStats
-from decoding.text import TextStream
-from decoding.types import GenerationRequest, TokenEvent
-from model.engine import Rows
-from model.runner import ModelRunner
+from edgespec.decoding.sampling import Sampler
+from edgespec.decoding.stats import StepStats
+from edgespec.decoding.text import TextStream
+from edgespec.decoding.types import GenerationRequest, TokenEvent
+from edgespec.model.engine import Rows
+from edgespec.model.runner import ModelRunner
 
 
 class NaivePolicy:

@@ -18,15 +18,15 @@ from __future__ import annotations
 from contextlib import aclosing
 from itertools import zip_longest
 
-from decoding.naive import NaivePolicy
-from decoding.outline_batch import expand
-from decoding.outline_text import cut_outline, expansion_messages, outline_messages, parse_outline
-from decoding.outline_verify import MedusaRows, NgramRows, RootOnly
-from decoding.sampling import Sampler
-from decoding.stats import StepStats
-from decoding.text import TextStream
-from decoding.types import GenerationRequest, TokenEvent
-from model.runner import ModelRunner
+from edgespec.decoding.naive import NaivePolicy
+from edgespec.decoding.outline_batch import expand
+from edgespec.decoding.outline_text import cut_outline, expansion_messages, outline_messages, parse_outline
+from edgespec.decoding.outline_verify import MedusaRows, NgramRows, RootOnly
+from edgespec.decoding.sampling import Sampler
+from edgespec.decoding.stats import StepStats
+from edgespec.decoding.text import TextStream
+from edgespec.decoding.types import GenerationRequest, TokenEvent
+from edgespec.model.runner import ModelRunner
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:

@@ -19,14 +19,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import torch
-
-from decoding.medusa_tree import Tree
-from decoding.medusa_verify import descend
-from decoding.outline_verify import RootOnly
-from decoding.sampling import Sampler
-from decoding.stats import StepStats
-from decoding.types import TokenLogprob
-from model.runner import ModelRunner
+from edgespec.decoding.medusa_tree import Tree
+from edgespec.decoding.medusa_verify import descend
+from edgespec.decoding.outline_verify import RootOnly
+from edgespec.decoding.sampling import Sampler
+from edgespec.decoding.stats import StepStats
+from edgespec.decoding.types import TokenLogprob
+from edgespec.model.runner import ModelRunner
 
 PAD = 0  # any id: pad slots are never seen by a real token
 

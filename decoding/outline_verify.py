@@ -12,10 +12,9 @@ remaining rows get candidates.
 from __future__ import annotations
 
 import torch
-
-from decoding.drafters import NgramDrafter
-from decoding.medusa_heads import MedusaModel
-from decoding.medusa_tree import Tree
+from edgespec.decoding.drafters import NgramDrafter
+from edgespec.decoding.medusa_heads import MedusaModel
+from edgespec.decoding.medusa_tree import Tree
 
 # (row, root, hidden [H], history): a live row, the token it chose last (not cached yet), the last layer's output
 # where that token was chosen, and the row's tokens so far (prompt, instruction and output, the root last)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from decoding.types import GenerationRequest, TokenEvent
-from model.runner import ModelRunner
+from edgespec.decoding.types import GenerationRequest, TokenEvent
+from edgespec.model.runner import ModelRunner
 
 
 class UnknownPolicyError(ValueError):
@@ -36,12 +36,12 @@ def build_policies(draft_models: dict | None = None, default_drafter: str | None
     (decoding.medusa_heads), without which `medusa` refuses requests and says why; default: the server's
     default policy, which `outline` falls back to; headsplit: the `headsplit` runner (decoding.headsplit.LazyRunner),
     without which `headsplit` refuses requests."""
-    from decoding.auto import AutoPolicy
-    from decoding.headsplit import HeadSplitPolicy
-    from decoding.medusa import MedusaPolicy
-    from decoding.naive import NaivePolicy
-    from decoding.outline import OutlinePolicy
-    from decoding.speculative import SpeculativePolicy
+    from edgespec.decoding.auto import AutoPolicy
+    from edgespec.decoding.headsplit import HeadSplitPolicy
+    from edgespec.decoding.medusa import MedusaPolicy
+    from edgespec.decoding.naive import NaivePolicy
+    from edgespec.decoding.outline import OutlinePolicy
+    from edgespec.decoding.speculative import SpeculativePolicy
 
     policies = [NaivePolicy(), SpeculativePolicy(draft_models, default_drafter, *draft_k), MedusaPolicy(medusa),
                 HeadSplitPolicy(headsplit, headsplit_epsilon)]

@@ -9,8 +9,7 @@ logits.
 from __future__ import annotations
 
 import torch
-
-from decoding.types import SamplingParams, TokenLogprob
+from edgespec.decoding.types import SamplingParams, TokenLogprob
 
 
 class Sampler:

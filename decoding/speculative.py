@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import time
 
-from decoding.draft_cost import DraftCosts, DraftLength, PassCosts, prior_costs
-from decoding.drafters import NgramDrafter
-from decoding.sampling import Sampler
-from decoding.stats import StepStats, push_run
-from decoding.text import TextStream
-from decoding.types import GenerationRequest
-from decoding.verify import verify
-from model.engine import Rows
-from model.runner import ModelRunner
+from edgespec.decoding.draft_cost import DraftCosts, DraftLength, PassCosts, prior_costs
+from edgespec.decoding.drafters import NgramDrafter
+from edgespec.decoding.sampling import Sampler
+from edgespec.decoding.stats import StepStats, push_run
+from edgespec.decoding.text import TextStream
+from edgespec.decoding.types import GenerationRequest
+from edgespec.decoding.verify import verify
+from edgespec.model.engine import Rows
+from edgespec.model.runner import ModelRunner
 
 
 class SpeculativePolicy:

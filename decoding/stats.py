@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from decoding.text import TextStream
-from decoding.types import TokenEvent
+from edgespec.decoding.text import TextStream
+from edgespec.decoding.types import TokenEvent
 
 
 class StepStats:

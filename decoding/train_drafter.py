@@ -25,17 +25,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from edgespec.decoding.distill_data import final_hidden, generate_answers, training_prompts
+from edgespec.decoding.eagle import FeatureDrafter, FeatureDraftModel, FeatureNet
+from edgespec.decoding.target_fit import SHIPPED
+from edgespec.decoding.types import SamplingParams
+from edgespec.model.config import ModelConfig
+from edgespec.model.source import resolve_model
+from edgespec.model.stack import TokenEnds
+from edgespec.model.weights import TensorSource, open_source
 from rich.console import Console
 from rich.progress import track
-
-from decoding.distill_data import final_hidden, generate_answers, training_prompts
-from decoding.eagle import FeatureDrafter, FeatureDraftModel, FeatureNet
-from decoding.target_fit import SHIPPED
-from decoding.types import SamplingParams
-from model.config import ModelConfig
-from model.source import resolve_model
-from model.stack import TokenEnds
-from model.weights import TensorSource, open_source
 
 
 class Example:

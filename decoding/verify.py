@@ -19,8 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from decoding.sampling import Sampler
+from edgespec.decoding.sampling import Sampler
 
 
 @dataclass

@@ -13,7 +13,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from model.stage import CapacityError
+from edgespec.model.stage import CapacityError
 
 
 class QueueFullError(CapacityError):

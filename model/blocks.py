@@ -12,11 +12,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from edgespec.model.config import ModelConfig, rope_inv_freq
+from edgespec.model.kv_cache import KVCache
+from edgespec.model.linear import Kernel, compiled
 from torch import nn
-
-from model.config import ModelConfig, rope_inv_freq
-from model.kv_cache import KVCache
-from model.linear import Kernel, compiled
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
-from model.blocks import FFN, AttentionBlock, causal_mask
-from model.kv_cache import KVCache
-from model.linear import pack_linears
-from model.stack import LayerStack
-from model.timing import median_ms
+from edgespec.model.blocks import FFN, AttentionBlock, causal_mask
+from edgespec.model.kv_cache import KVCache
+from edgespec.model.linear import pack_linears
+from edgespec.model.stack import LayerStack
+from edgespec.model.timing import median_ms
 
 
 def relative_drift(z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

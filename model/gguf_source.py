@@ -18,8 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from model.quant import Matrix, dequantized, q4_from_gguf, q4_from_q4k, q8_from_gguf, quantize_q8, take_cols
+from edgespec.model.quant import Matrix, dequantized, q4_from_gguf, q4_from_q4k, q8_from_gguf, quantize_q8, take_cols
 
 _LAYER = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",

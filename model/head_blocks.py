@@ -7,13 +7,12 @@ with their caches (`export`, then `reshape` on both devices).
 from __future__ import annotations
 
 import torch
-
-from model.blocks import FFN, AttentionBlock, RMSNorm, Rotary, causal_mask
-from model.config import ModelConfig
-from model.kv_cache import KVCache
-from model.linear import WeightFormat, as_format, linear_bytes
-from model.stage import SessionError
-from model.weights import TensorSource, load_attention, load_ffn
+from edgespec.model.blocks import FFN, AttentionBlock, RMSNorm, Rotary, causal_mask
+from edgespec.model.config import ModelConfig
+from edgespec.model.kv_cache import KVCache
+from edgespec.model.linear import WeightFormat, as_format, linear_bytes
+from edgespec.model.stage import SessionError
+from edgespec.model.weights import TensorSource, load_attention, load_ffn
 
 GroupKV = dict[str, dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]]  # session -> layer -> group -> (k, v)
 

@@ -27,13 +27,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-
-from model.config import ModelConfig
-from model.drift import relative_drift
-from model.head_blocks import HeadBlocks
-from model.stage import forward_each, segments_in_turn
-from model.weights import TensorSource
-from planning.headsplit import LayerPlace
+from edgespec.model.config import ModelConfig
+from edgespec.model.drift import relative_drift
+from edgespec.model.head_blocks import HeadBlocks
+from edgespec.model.stage import forward_each, segments_in_turn
+from edgespec.model.weights import TensorSource
+from edgespec.planning.headsplit import LayerPlace
 
 log = logging.getLogger(__name__)
 

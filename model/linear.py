@@ -23,9 +23,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from edgespec.model.quant import Q4, Q8, Interleaved, Matrix, as_q8, dequantized, quantize_q4
 from torch import nn
-
-from model.quant import Q4, Q8, Interleaved, Matrix, as_q8, dequantized, quantize_q4
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,7 @@ def weight_format(name: str) -> WeightFormat:
 @functools.cache
 def compiled():
     """The module of compiled kernels (built once per machine: model/kernels)."""
-    from model.kernels import load
+    from edgespec.model.kernels import load
 
     return load()
 

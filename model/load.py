@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from model.config import ModelConfig
-from model.linear import weight_format
-from model.runner import ModelRunner, RunnerOptions
-from model.source import ModelFiles
-from model.stack import LayerStack, TokenEnds
-from model.stage import LocalStage, Pipeline
-from model.thread import ModelThread
-from model.weights import open_source
+from edgespec.model.config import ModelConfig
+from edgespec.model.linear import weight_format
+from edgespec.model.runner import ModelRunner, RunnerOptions
+from edgespec.model.source import ModelFiles
+from edgespec.model.stack import LayerStack, TokenEnds
+from edgespec.model.stage import LocalStage, Pipeline
+from edgespec.model.thread import ModelThread
+from edgespec.model.weights import open_source
 
 
 @dataclass

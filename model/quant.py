@@ -115,7 +115,7 @@ class Interleaved:
         """Rows `ids` [...] as floats [..., K] without unpacking the rest (a tied embedding's lookup); Q8 only,
         the same values as Q8.dequantize_rows."""
         assert self.m is None, "row lookup is for Q8 tables"
-        from model.kernels import load  # compiled: the same lookup in torch ops took 100 us per token
+        from edgespec.model.kernels import load  # compiled: the same lookup in torch ops took 100 us per token
 
         return load().q8_rows(self.words, self.d, ids.reshape(-1)).view(*ids.shape, self.shape[1])
 

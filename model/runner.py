@@ -16,14 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from model.admission import Admission
-from model.config import ModelConfig
-from model.engine import Engine, Work
-from model.prefix import PrefixCache
-from model.stack import TokenEnds
-from model.stage import BatchEntry, CapacityError
-from model.thread import ModelThread
+from edgespec.model.admission import Admission
+from edgespec.model.config import ModelConfig
+from edgespec.model.engine import Engine, Work
+from edgespec.model.prefix import PrefixCache
+from edgespec.model.stack import TokenEnds
+from edgespec.model.stage import BatchEntry, CapacityError
+from edgespec.model.thread import ModelThread
 
 
 @dataclass

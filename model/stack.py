@@ -7,14 +7,13 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from edgespec.model.blocks import DecoderLayer, RMSNorm, Rotary, SeqRows
+from edgespec.model.config import ModelConfig
+from edgespec.model.kv_cache import KVCache
+from edgespec.model.linear import Q8Linear, WeightFormat, as_format, head_matrix, make_linear
+from edgespec.model.quant import Q8, Interleaved, Matrix
+from edgespec.model.weights import load_layer
 from torch import nn
-
-from model.blocks import DecoderLayer, RMSNorm, Rotary, SeqRows
-from model.config import ModelConfig
-from model.kv_cache import KVCache
-from model.linear import Q8Linear, WeightFormat, as_format, head_matrix, make_linear
-from model.quant import Q8, Interleaved, Matrix
-from model.weights import load_layer
 
 
 class LayerStack(nn.Module):

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-from model.blocks import SeqRows
-from model.kv_cache import KVCache, KVCacheError
-from model.stack import LayerStack
+from edgespec.model.blocks import SeqRows
+from edgespec.model.kv_cache import KVCache, KVCacheError
+from edgespec.model.stack import LayerStack
 
 
 class CapacityError(RuntimeError):

@@ -11,11 +11,10 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-
-from model.config import ModelConfig
-from model.linear import WeightFormat, as_format, bytes_per_param
-from model.stack import LayerStack, TokenEnds
-from planning.profile import Curve, ModelCard
+from edgespec.model.config import ModelConfig
+from edgespec.model.linear import WeightFormat, as_format, bytes_per_param
+from edgespec.model.stack import LayerStack, TokenEnds
+from edgespec.planning.profile import Curve, ModelCard
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 CONTEXTS = (0, 2048)  # attention's cost is linear in the context: two points suffice

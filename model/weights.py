@@ -8,11 +8,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from edgespec.model.config import ModelConfig
+from edgespec.model.linear import WeightFormat, as_format, make_linear
+from edgespec.model.quant import cat_rows
 from safetensors import safe_open
-
-from model.config import ModelConfig
-from model.linear import WeightFormat, as_format, make_linear
-from model.quant import cat_rows
 
 
 class TensorSource:
@@ -64,12 +63,12 @@ class TensorSource:
 def open_source(files):
     """The tensor source of a ModelFiles (or a model folder): its GGUF file when it came from one, else its
     safetensors."""
-    from model.source import ModelFiles, resolve_model
+    from edgespec.model.source import ModelFiles, resolve_model
 
     if not isinstance(files, ModelFiles):
         files = resolve_model(str(files))
     if files.gguf is not None:
-        from model.gguf_source import GGUFSource
+        from edgespec.model.gguf_source import GGUFSource
 
         cfg = ModelConfig.from_folder(files.folder)
         return GGUFSource(files.gguf, cfg.n_heads, cfg.n_kv_heads)

@@ -10,9 +10,9 @@ import json
 import sys
 from pathlib import Path
 
-from planning.plan import InfeasibleError, PlanOptions, make_plan
-from planning.profile import ClusterProfile
-from planning.report import even_baseline, plan_summary, plan_table, plot_plan
+from edgespec.planning.plan import InfeasibleError, PlanOptions, make_plan
+from edgespec.planning.profile import ClusterProfile
+from edgespec.planning.report import even_baseline, plan_summary, plan_table, plot_plan
 
 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from planning.profile import ModelCard
+from edgespec.planning.profile import ModelCard
 
 ALPHA_MIN = 0.7
 

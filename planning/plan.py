@@ -10,9 +10,9 @@ import itertools
 import math
 from dataclasses import asdict, dataclass, field
 
-from planning.layers import partition_layers
-from planning.profile import ClusterProfile, DeviceProfile
-from planning.sequence import choose_segments, min_segment
+from edgespec.planning.layers import partition_layers
+from edgespec.planning.profile import ClusterProfile, DeviceProfile
+from edgespec.planning.sequence import choose_segments, min_segment
 
 GIB = 2**30
 MAX_ORDERS = 2000  # ordered subsets searched exhaustively up to this many; beyond, fastest-first
@@ -214,7 +214,7 @@ def make_plan(profile: ClusterProfile, options: PlanOptions | None = None) -> Pl
 
 def even_plan(profile: ClusterProfile, options: PlanOptions | None = None) -> Plan:
     """Layers split evenly over all workers in the given order (the baseline the DP is compared with)."""
-    from planning.split import even_split
+    from edgespec.planning.split import even_split
 
     options = options or PlanOptions()
     card, n = profile.model, len(profile.workers)

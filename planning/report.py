@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import math
 
+from edgespec.planning.plan import GIB, InfeasibleError, Plan, PlanOptions, even_plan
+from edgespec.planning.profile import ClusterProfile
 from rich.table import Table
-
-from planning.plan import GIB, InfeasibleError, Plan, PlanOptions, even_plan
-from planning.profile import ClusterProfile
 
 
 def even_baseline(profile: ClusterProfile, options: PlanOptions) -> tuple[Plan | None, str]:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from planning.profile import ClusterProfile, Curve, DeviceProfile, LinkProfile, ModelCard
+from edgespec.planning.profile import ClusterProfile, Curve, DeviceProfile, LinkProfile, ModelCard
 
 CONFIG = Path(__file__).resolve().parents[1] / "config"
 DEVICES_TOML = CONFIG / "devices.toml"
@@ -206,8 +206,8 @@ def noisy_points(curve: Curve, factor: float = 2.0) -> list[tuple[int, int]]:
 
 def _summary(profile: ClusterProfile) -> str:
     """One line: DP vs even predicted decode ms/token, or why it does not fit."""
-    from planning.plan import InfeasibleError, make_plan
-    from planning.report import even_baseline
+    from edgespec.planning.plan import InfeasibleError, make_plan
+    from edgespec.planning.report import even_baseline
 
     try:
         dp = make_plan(profile)

@@ -7,33 +7,33 @@ import logging
 import os
 from pathlib import Path
 
-from decoding.draft_model import DraftModel
-from decoding.eagle import FeatureDraftModel
-from decoding.headsplit import LazyRunner
-from decoding.headsplit_profile import load_profile
-from decoding.medusa_heads import MedusaModel
-from decoding.target_fit import SHIPPED
-from model.admission import Admission
-from model.config import ModelConfig
-from model.headsplit import HeadSplitPipeline, MemoryWatch
-from model.linear import weight_format
-from model.load import LoadedModel, load_local, load_with_pipeline
-from model.prefix import PrefixCache
-from model.runner import ModelRunner, RunnerOptions
-from model.source import ModelFiles, resolve_model
-from model.thread import ModelThread
-from model.timing import model_card
-from model.weights import open_source
-from planning.headsplit import head_card, place, profiled_alphas, profiled_devices
-from planning.plan import Plan, PlanOptions
-from planning.profile import ClusterProfile
-from server.metrics import Metrics
-from server.replanner import ClusterManager, prefill_cuts
-from server.settings import ServeSettings
-from workers.client import RemotePipeline, ResultMailbox
-from workers.cluster import ClusterConfig, launch_local_workers, parse_ranges, wait_healthy
-from workers.head_client import remote_headsplit
-from workers.profiler import Device, ProfileOptions, cache_path, profile_cluster
+from edgespec.decoding.draft_model import DraftModel
+from edgespec.decoding.eagle import FeatureDraftModel
+from edgespec.decoding.headsplit import LazyRunner
+from edgespec.decoding.headsplit_profile import load_profile
+from edgespec.decoding.medusa_heads import MedusaModel
+from edgespec.decoding.target_fit import SHIPPED
+from edgespec.model.admission import Admission
+from edgespec.model.config import ModelConfig
+from edgespec.model.headsplit import HeadSplitPipeline, MemoryWatch
+from edgespec.model.linear import weight_format
+from edgespec.model.load import LoadedModel, load_local, load_with_pipeline
+from edgespec.model.prefix import PrefixCache
+from edgespec.model.runner import ModelRunner, RunnerOptions
+from edgespec.model.source import ModelFiles, resolve_model
+from edgespec.model.thread import ModelThread
+from edgespec.model.timing import model_card
+from edgespec.model.weights import open_source
+from edgespec.planning.headsplit import head_card, place, profiled_alphas, profiled_devices
+from edgespec.planning.plan import Plan, PlanOptions
+from edgespec.planning.profile import ClusterProfile
+from edgespec.server.metrics import Metrics
+from edgespec.server.replanner import ClusterManager, prefill_cuts
+from edgespec.server.settings import ServeSettings
+from edgespec.workers.client import RemotePipeline, ResultMailbox
+from edgespec.workers.cluster import ClusterConfig, launch_local_workers, parse_ranges, wait_healthy
+from edgespec.workers.head_client import remote_headsplit
+from edgespec.workers.profiler import Device, ProfileOptions, cache_path, profile_cluster
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from planning.cli import add_plan_parser
+from edgespec.planning.cli import add_plan_parser
 
 # model/linear.py's weight formats (the CLI parses arguments without importing torch)
 FORMATS = ["auto", "q4_1", "q8_0", "float32", "bfloat16", "float16"]
@@ -217,13 +217,12 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
-
-    from decoding.policy import build_policies
-    from server.app import create_app
-    from server.boot import headsplit_runner, load_draft_models, load_medusa, load_served_model
-    from server.metrics import Metrics
-    from server.service import CompletionService
-    from server.settings import ServeSettings
+    from edgespec.decoding.policy import build_policies
+    from edgespec.server.app import create_app
+    from edgespec.server.boot import headsplit_runner, load_draft_models, load_medusa, load_served_model
+    from edgespec.server.metrics import Metrics
+    from edgespec.server.service import CompletionService
+    from edgespec.server.settings import ServeSettings
 
     settings = ServeSettings(**_overrides(args))
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -254,9 +253,8 @@ def serve(args: argparse.Namespace) -> None:
 
 def worker(args: argparse.Namespace) -> None:
     import uvicorn
-
-    from workers.app import create_worker_app
-    from workers.settings import WorkerSettings
+    from edgespec.workers.app import create_worker_app
+    from edgespec.workers.settings import WorkerSettings
 
     settings = WorkerSettings(**_overrides(args))
     app = create_worker_app(settings)
@@ -264,55 +262,55 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def profile(args: argparse.Namespace) -> None:
-    from workers.profile_cli import run_profile
+    from edgespec.workers.profile_cli import run_profile
 
     run_profile(args)
 
 
 def plan(args: argparse.Namespace) -> None:
-    from planning.cli import run_plan
+    from edgespec.planning.cli import run_plan
 
     sys.exit(run_plan(args))
 
 
 def bench(args: argparse.Namespace) -> None:
-    from bench.run import run_bench
+    from edgespec.bench.run import run_bench
 
     run_bench(args)
 
 
 def eval_formats(args: argparse.Namespace) -> None:
-    from bench.formats import run
+    from edgespec.bench.formats import run
 
     run(args)
 
 
 def bench_peer(args: argparse.Namespace) -> None:
-    from bench.versus import run_versus
+    from edgespec.bench.versus import run_versus
 
     run_versus(args)
 
 
 def train_drafter(args: argparse.Namespace) -> None:
-    from decoding.train_drafter import train
+    from edgespec.decoding.train_drafter import train
 
     train(args)
 
 
 def train_medusa(args: argparse.Namespace) -> None:
-    from decoding.train_medusa import train
+    from edgespec.decoding.train_medusa import train
 
     train(args)
 
 
 def profile_headsplit(args: argparse.Namespace) -> None:
-    from decoding.headsplit_profile import profile
+    from edgespec.decoding.headsplit_profile import profile
 
     profile(args)
 
 
 def compare_headsplit(args: argparse.Namespace) -> None:
-    from bench.headsplit import run
+    from edgespec.bench.headsplit import run
 
     run(args)
 

@@ -6,7 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from decoding.types import TokenEvent, TokenLogprob
+from edgespec.decoding.types import TokenEvent, TokenLogprob
 
 
 def _byte_decoder(tokenizer) -> dict[str, int] | None:

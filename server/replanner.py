@@ -16,14 +16,13 @@ import math
 from dataclasses import dataclass, replace
 
 import httpx
-
-from planning.plan import InfeasibleError, Plan, PlanOptions, even_plan, make_plan
-from planning.profile import ClusterProfile
-from server.metrics import Metrics
-from server.settings import ServeSettings
-from workers.client import RemotePipeline, WorkerRef
-from workers.cluster import ClusterConfig
-from workers.profiler import Device, ProfileOptions, profile_workers
+from edgespec.planning.plan import InfeasibleError, Plan, PlanOptions, even_plan, make_plan
+from edgespec.planning.profile import ClusterProfile
+from edgespec.server.metrics import Metrics
+from edgespec.server.settings import ServeSettings
+from edgespec.workers.client import RemotePipeline, WorkerRef
+from edgespec.workers.cluster import ClusterConfig
+from edgespec.workers.profiler import Device, ProfileOptions, profile_workers
 
 log = logging.getLogger(__name__)
 MISSES_TO_LOSE = 2

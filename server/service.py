@@ -5,16 +5,16 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from decoding.policy import UnknownPolicyError, select_policy
-from decoding.types import GenerationRequest, SamplingParams, TokenEvent
-from model.admission import QueueFullError
-from model.load import LoadedModel
-from model.runner import SessionLostError
-from model.stage import CapacityError, StageFailure
-from server.errors import APIError
-from server.metrics import Metrics
-from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.settings import ServeSettings
+from edgespec.decoding.policy import UnknownPolicyError, select_policy
+from edgespec.decoding.types import GenerationRequest, SamplingParams, TokenEvent
+from edgespec.model.admission import QueueFullError
+from edgespec.model.load import LoadedModel
+from edgespec.model.runner import SessionLostError
+from edgespec.model.stage import CapacityError, StageFailure
+from edgespec.server.errors import APIError
+from edgespec.server.metrics import Metrics
+from edgespec.server.protocol import ChatCompletionRequest, CompletionRequest
+from edgespec.server.settings import ServeSettings
 
 RETRY_AFTER_S = 5  # what a 503 of a full admission queue suggests: about one answer's time here
 

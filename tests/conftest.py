@@ -36,7 +36,7 @@ def server_url(tmp_path_factory):
     Q8_0 head, what `edgespec serve` serves), API key `test-key`."""
     port = _free_port()
     log_path = tmp_path_factory.mktemp("server") / "serve.log"
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--api-key", API_KEY]
+    cmd = [sys.executable, "-m", "edgespec.server.cli", "serve", "--port", str(port), "--api-key", API_KEY]
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -83,9 +83,9 @@ def tiny(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_loaded(tiny):
     """That model in-process (float32). Tests that swap its runner's pipeline, cuts or prefix cache put them back."""
-    from model.load import load_local
-    from model.source import resolve_model
-    from model.thread import ModelThread
+    from edgespec.model.load import load_local
+    from edgespec.model.source import resolve_model
+    from edgespec.model.thread import ModelThread
 
     model = load_local(resolve_model(tiny), "float32", 1.0, ModelThread(1))
     yield model

@@ -11,11 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from model.config import ModelConfig
-from model.kv_cache import KVCache
-from model.stack import LayerStack, TokenEnds
-from model.weights import open_source
+from edgespec.model.config import ModelConfig
+from edgespec.model.kv_cache import KVCache
+from edgespec.model.stack import LayerStack, TokenEnds
+from edgespec.model.weights import open_source
 
 TINY_CONFIG = {
     "hidden_size": 64,
@@ -62,16 +61,15 @@ def make_tiny_model(folder: Path | str, seed: int = 0, **overrides) -> Path:
 
 def smollm2_folder() -> Path:
     """The SmolLM2-135M-Instruct cache folder (config and tokenizer of the packaged GGUF, which holds its weights)."""
-    from model.source import resolve_model
+    from edgespec.model.source import resolve_model
 
     return resolve_model(None).folder
 
 
 def load_reference(folder: Path | str):
     """transformers' model for `folder` in float32, in eval mode (a GGUF's cache folder: from its GGUF file)."""
+    from edgespec.model.source import resolve_model
     from transformers import AutoModelForCausalLM
-
-    from model.source import resolve_model
 
     gguf = resolve_model(str(folder)).gguf
     if gguf is not None:
@@ -138,7 +136,7 @@ def load_blocks(folder: Path | str, dtype: torch.dtype = torch.float32) -> Block
 
 def make_feature_drafter(folder: Path | str, out: Path, seed: int = 0, every: int = 2) -> Path:
     """A random feature drafter (decoding/eagle.py) for the model in `folder`, proposing every `every`-th id."""
-    from decoding.eagle import FeatureNet
+    from edgespec.decoding.eagle import FeatureNet
 
     cfg = ModelConfig.from_folder(Path(folder))
     ends = TokenEnds.load(open_source(Path(folder)), cfg, torch.float32)
@@ -152,7 +150,7 @@ def make_medusa_heads(folder: Path | str, out: Path, vocab: list[int], tree: lis
                       seed: int = 0) -> Path:
     """Random Medusa heads (decoding/medusa_heads.py) for the model in `folder`, proposing only `vocab`: a small
     vocabulary that holds the tokens a test generates makes the trees hit often."""
-    from decoding.medusa_heads import MedusaNet
+    from edgespec.decoding.medusa_heads import MedusaNet
 
     cfg = ModelConfig.from_folder(Path(folder))
     ends = TokenEnds.load(open_source(Path(folder)), cfg, torch.float32)
@@ -170,8 +168,8 @@ def continuation_table(runner, prompt: list[int], sampling: dict, length: int) -
     settings `sampling` (keep the support small: top_k), enumerated with one forward pass per prefix."""
     import asyncio
 
-    from decoding.sampling import Sampler
-    from decoding.types import SamplingParams
+    from edgespec.decoding.sampling import Sampler
+    from edgespec.decoding.types import SamplingParams
 
     async def build() -> dict:
         session = await runner.open(len(prompt) + length + 1)

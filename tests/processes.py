@@ -22,12 +22,12 @@ def free_port() -> int:
 
 
 class Proc:
-    """A child process of `python -m server.cli ...` with its log; stopped by stop()."""
+    """A child process of `python -m edgespec.server.cli ...` with its log; stopped by stop()."""
 
     def __init__(self, args: list[str], log: Path, env: dict | None = None):
         self.args, self.log = args, log
         with open(log, "ab") as f:
-            self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", *args], cwd=REPO, stdout=f,
+            self.proc = subprocess.Popen([sys.executable, "-m", "edgespec.server.cli", *args], cwd=REPO, stdout=f,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=None if env is None else {**os.environ, **env})
 

@@ -9,11 +9,10 @@ import asyncio
 import httpx
 import pytest
 import torch
+from edgespec.model.admission import Admission, QueueFullError
+from edgespec.model.config import ModelConfig
+from edgespec.model.stage import CapacityError
 from test_prefill import stages
-
-from model.admission import Admission, QueueFullError
-from model.config import ModelConfig
-from model.stage import CapacityError
 
 
 @pytest.fixture

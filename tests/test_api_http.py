@@ -9,8 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
-from server.settings import ServeSettings
+from edgespec.server.settings import ServeSettings
 
 pytestmark = pytest.mark.slow
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-
-from server.settings import ServeSettings
+from edgespec.server.settings import ServeSettings
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from bench.llamacpp import child_pids, llama_python, llamacpp_argv, peak_rss_bytes, vm_hwm_bytes
-from bench.versus import LLAMA, LLAMA_REQUEST, edgespec_argv, gguf_format, machine_info, stream_chat, summarise
+from edgespec.bench.llamacpp import child_pids, llama_python, llamacpp_argv, peak_rss_bytes, vm_hwm_bytes
+from edgespec.bench.versus import LLAMA, LLAMA_REQUEST, edgespec_argv, gguf_format, machine_info, stream_chat, summarise
 
 
 def _record(server, fmt, policy, prompt, tokens, rate, ttft=100.0, counted="usage"):
@@ -96,7 +95,7 @@ def test_command_lines(monkeypatch, tmp_path):
         "/py", "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", "8123",
         "--n_threads", "2", "--n_ctx", "2048"]
     argv = edgespec_argv("q8_0", 9000, ["--threads", "2"])
-    assert argv[1:4] == ["-m", "server.cli", "serve"]
+    assert argv[1:4] == ["-m", "edgespec.server.cli", "serve"]
     assert argv[argv.index("--weights") + 1] == "q8_0" and argv[-2:] == ["--threads", "2"]
     assert "--weights" not in edgespec_argv("default", 9000, [])
     python = tmp_path / "python"

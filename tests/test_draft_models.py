@@ -9,17 +9,16 @@ import json
 import shutil
 
 import pytest
+from edgespec.decoding.draft_model import DraftModel, check_tokenizer, runs
+from edgespec.decoding.eagle import FeatureDraftModel
+from edgespec.decoding.naive import NaivePolicy
+from edgespec.decoding.speculative import SpeculativePolicy
+from edgespec.decoding.types import GenerationRequest, SamplingParams
+from edgespec.model.load import load_local, load_tokenizer
+from edgespec.model.source import resolve_model
+from edgespec.model.thread import ModelThread
 from model_fixtures import chi_square_pvalue, continuation_table, make_feature_drafter, smollm2_folder
 from processes import REPO, tiny_chat_model
-
-from decoding.draft_model import DraftModel, check_tokenizer, runs
-from decoding.eagle import FeatureDraftModel
-from decoding.naive import NaivePolicy
-from decoding.speculative import SpeculativePolicy
-from decoding.types import GenerationRequest, SamplingParams
-from model.load import load_local, load_tokenizer
-from model.source import resolve_model
-from model.thread import ModelThread
 
 PROMPT = [(i % 7) + 100 for i in range(30)]
 
@@ -105,8 +104,9 @@ def test_a_draft_model_with_another_tokenizer_is_refused(folders, tmp_path):
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(folders[0]), "--port", "0",
-                          "--draft-model", f"odd={odd}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-m", "edgespec.server.cli", "serve", "--model", str(folders[0]),
+                          "--port", "0", "--draft-model", f"odd={odd}"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
     assert run.returncode == 2 and "does not share the served model's tokenizer" in run.stderr
 
 

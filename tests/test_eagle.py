@@ -10,20 +10,19 @@ import sys
 
 import pytest
 import torch
+from edgespec.decoding.eagle import FeatureDrafter, FeatureDraftModel
+from edgespec.decoding.naive import NaivePolicy
+from edgespec.decoding.speculative import SpeculativePolicy
+from edgespec.decoding.target_fit import SHIPPED
+from edgespec.decoding.types import GenerationRequest, SamplingParams
+from edgespec.model.config import ModelConfig
+from edgespec.model.load import load_local
+from edgespec.model.source import resolve_model
+from edgespec.model.stack import TokenEnds
+from edgespec.model.thread import ModelThread
+from edgespec.model.weights import open_source
 from model_fixtures import make_feature_drafter, smollm2_folder
 from processes import REPO, tiny_chat_model
-
-from decoding.eagle import FeatureDrafter, FeatureDraftModel
-from decoding.naive import NaivePolicy
-from decoding.speculative import SpeculativePolicy
-from decoding.target_fit import SHIPPED
-from decoding.types import GenerationRequest, SamplingParams
-from model.config import ModelConfig
-from model.load import load_local
-from model.source import resolve_model
-from model.stack import TokenEnds
-from model.thread import ModelThread
-from model.weights import open_source
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +86,7 @@ def test_weights_for_another_model_are_refused(target, tmp_path):
     assert shipped, "the trained drafter for SmolLM2 ships with the package"
     with pytest.raises(ValueError, match="hidden size 576"):
         FeatureDraftModel.load("eagle", shipped[0], ends_of(folder))
-    run = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(other), "--port", "0",
+    run = subprocess.run([sys.executable, "-m", "edgespec.server.cli", "serve", "--model", str(other), "--port", "0",
                           "--eagle", str(path)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "trained for another model" in run.stderr
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from edgespec.model.blocks import SeqRows
+from edgespec.model.config import ModelConfig
+from edgespec.model.linear import weight_format
+from edgespec.model.stack import LayerStack, TokenEnds
+from edgespec.model.weights import open_source
 from model_fixtures import make_tiny_model, smollm2_folder
-
-from model.blocks import SeqRows
-from model.config import ModelConfig
-from model.linear import weight_format
-from model.stack import LayerStack, TokenEnds
-from model.weights import open_source
 
 
 def load(folder, fmt: str):

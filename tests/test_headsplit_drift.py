@@ -6,9 +6,8 @@ measures every block."""
 from __future__ import annotations
 
 import torch
-
-from model.blocks import causal_mask
-from model.drift import acceptance, drift, speculating_forward, time_blocks
+from edgespec.model.blocks import causal_mask
+from edgespec.model.drift import acceptance, drift, speculating_forward, time_blocks
 
 
 def test_drift_is_the_relative_change_the_ffn_makes(tiny_loaded):

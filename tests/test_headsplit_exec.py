@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from model.drift import speculating_forward
-from model.head_blocks import HeadBlocks
-from model.headsplit import HeadSplitPipeline, MemoryWatch, blocks_of
-from model.timing import model_card
-from model.weights import open_source
-from planning.headsplit import LayerPlace, head_card, place, profiled_devices
+from edgespec.model.drift import speculating_forward
+from edgespec.model.head_blocks import HeadBlocks
+from edgespec.model.headsplit import HeadSplitPipeline, MemoryWatch, blocks_of
+from edgespec.model.timing import model_card
+from edgespec.model.weights import open_source
+from edgespec.planning.headsplit import LayerPlace, head_card, place, profiled_devices
 
 IDS = [(i * 11) % 70 + 100 for i in range(14)]
 

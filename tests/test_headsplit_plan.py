@@ -6,8 +6,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-
-from planning.headsplit import (
+from edgespec.planning.headsplit import (
     HeadCard,
     HeadDevice,
     InfeasibleError,

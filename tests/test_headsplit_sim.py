@@ -4,11 +4,10 @@ on hand-checkable cases."""
 from __future__ import annotations
 
 import pytest
-
-from bench.headsplit_sim import block_costs, layer_based_ms, scaled_blocks, timeline_ms
-from planning.headsplit import HeadDevice, LayerPlace
-from planning.profile import ModelCard
-from planning.testbeds import DeviceSpec
+from edgespec.bench.headsplit_sim import block_costs, layer_based_ms, scaled_blocks, timeline_ms
+from edgespec.planning.headsplit import HeadDevice, LayerPlace
+from edgespec.planning.profile import ModelCard
+from edgespec.planning.testbeds import DeviceSpec
 
 CARD = ModelCard("m", n_layers=3, hidden_size=64, n_heads=4, n_kv_heads=2, head_dim=16, layer_params=40_000,
                  ends_params=10_000, context=256)

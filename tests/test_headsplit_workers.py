@@ -11,16 +11,15 @@ import secrets
 import httpx
 import pytest
 import torch
+from edgespec.model.config import ModelConfig
+from edgespec.model.headsplit import HeadSplitPipeline, blocks_of
+from edgespec.model.stack import LayerStack, TokenEnds
+from edgespec.model.weights import open_source
+from edgespec.planning.headsplit import LayerPlace
+from edgespec.workers.head_client import remote_headsplit
 from model_fixtures import smollm2_folder
 from processes import start_worker
 from test_headsplit_exec import watch_for
-
-from model.config import ModelConfig
-from model.headsplit import HeadSplitPipeline, blocks_of
-from model.stack import LayerStack, TokenEnds
-from model.weights import open_source
-from planning.headsplit import LayerPlace
-from workers.head_client import remote_headsplit
 
 IDS = [(i * 13) % 300 + 400 for i in range(12)]
 

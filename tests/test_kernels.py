@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from model.kernels import load
-from model.quant import Interleaved, quantize_q4, quantize_q8
+from edgespec.model.kernels import load
+from edgespec.model.quant import Interleaved, quantize_q4, quantize_q8
 
 N, K = 100, 256  # N not a multiple of 8: the last weight group is partial
 

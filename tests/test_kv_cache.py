@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from edgespec.model.kv_cache import KVCache, KVCacheError
+from edgespec.model.stage import CapacityError, LocalStage, Pipeline, SessionError
 from model_fixtures import load_blocks, make_tiny_model
-
-from model.kv_cache import KVCache, KVCacheError
-from model.stage import CapacityError, LocalStage, Pipeline, SessionError
 
 TOL = 1e-5
 

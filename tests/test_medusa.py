@@ -11,15 +11,14 @@ import sys
 
 import pytest
 import torch
+from edgespec.decoding.medusa import MedusaPolicy
+from edgespec.decoding.medusa_heads import MedusaModel
+from edgespec.decoding.medusa_tree import Tree, grow_tree
+from edgespec.decoding.naive import NaivePolicy
+from edgespec.decoding.target_fit import SHIPPED
+from edgespec.decoding.types import GenerationRequest, SamplingParams
 from model_fixtures import chi_square_pvalue, continuation_table, make_medusa_heads, make_tiny_model, smollm2_folder
 from processes import REPO, tiny_chat_model
-
-from decoding.medusa import MedusaPolicy
-from decoding.medusa_heads import MedusaModel
-from decoding.medusa_tree import Tree, grow_tree
-from decoding.naive import NaivePolicy
-from decoding.target_fit import SHIPPED
-from decoding.types import GenerationRequest, SamplingParams
 
 PROMPT = [(i % 7) + 100 for i in range(30)]
 WIDE = [[0], [1], [2], [3], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 1, 0], [1, 0, 0]]
@@ -179,6 +178,6 @@ def test_heads_for_another_model_are_refused(tiny, tiny_loaded, tmp_path):
     assert shipped, "the trained heads for SmolLM2 ship with the package"
     with pytest.raises(ValueError, match="hidden size 576"):
         MedusaModel.load(shipped[0], tiny_loaded.runner.ends)
-    run = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(tiny), "--port", "0",
+    run = subprocess.run([sys.executable, "-m", "edgespec.server.cli", "serve", "--model", str(tiny), "--port", "0",
                           "--medusa", str(path)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "trained for another model" in run.stderr

@@ -8,14 +8,13 @@ import asyncio
 import json
 
 import pytest
-
-from decoding.naive import NaivePolicy
-from decoding.outline import OutlinePolicy, chat_ids, common_prefix
-from decoding.outline_text import cut_outline, expansion_messages, outline_messages, parse_outline
-from decoding.types import GenerationRequest, SamplingParams
-from model.load import load_local
-from model.source import resolve_model
-from model.thread import ModelThread
+from edgespec.decoding.naive import NaivePolicy
+from edgespec.decoding.outline import OutlinePolicy, chat_ids, common_prefix
+from edgespec.decoding.outline_text import cut_outline, expansion_messages, outline_messages, parse_outline
+from edgespec.decoding.types import GenerationRequest, SamplingParams
+from edgespec.model.load import load_local
+from edgespec.model.source import resolve_model
+from edgespec.model.thread import ModelThread
 
 
 def run(policy, loaded, prompt, max_tokens, question=None, options=None):
@@ -58,10 +57,10 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def verifiers(smollm2):
-    from decoding.medusa import MedusaPolicy
-    from decoding.medusa_heads import MedusaModel
-    from decoding.speculative import SpeculativePolicy
-    from decoding.target_fit import SHIPPED
+    from edgespec.decoding.medusa import MedusaPolicy
+    from edgespec.decoding.medusa_heads import MedusaModel
+    from edgespec.decoding.speculative import SpeculativePolicy
+    from edgespec.decoding.target_fit import SHIPPED
 
     path = next(SHIPPED.glob("smollm2-135m-instruct-medusa.safetensors"))
     heads = smollm2.runner.thread.run_sync(MedusaModel.load, path, smollm2.runner.ends)
@@ -136,7 +135,7 @@ def test_outline_over_two_workers_equals_in_process(smollm2, tmp_path):
 @pytest.mark.parametrize("question, chose", [("Write a Python function that sorts a list.", "naive"),
                                              (None, "naive"), ("How can I sleep better?", "outline")])
 def test_auto_routes_per_request(tiny_loaded, question, chose):
-    from decoding.auto import AutoPolicy
+    from edgespec.decoding.auto import AutoPolicy
 
     prompt = chat_ids(tiny_loaded.tokenizer, [{"role": "user", "content": question or "hi"}])
     events = run(AutoPolicy(OutlinePolicy(), NaivePolicy()), tiny_loaded, prompt, 8, question)
@@ -144,8 +143,8 @@ def test_auto_routes_per_request(tiny_loaded, question, chose):
 
 
 def test_bad_outline_options_are_refused():
-    from decoding.medusa import MedusaPolicy
-    from decoding.speculative import SpeculativePolicy
+    from edgespec.decoding.medusa import MedusaPolicy
+    from edgespec.decoding.speculative import SpeculativePolicy
 
     policy = OutlinePolicy(verifiers={"medusa": MedusaPolicy(None), "speculative": SpeculativePolicy()})
     policy.check({"verify": "speculative", "pass_tokens": 16})

@@ -8,15 +8,14 @@ import asyncio
 
 import pytest
 import torch
+from edgespec.decoding.medusa_heads import MedusaModel
+from edgespec.decoding.naive import NaivePolicy
+from edgespec.decoding.outline_batch import expand
+from edgespec.decoding.outline_verify import MedusaRows, NgramRows
+from edgespec.decoding.sampling import Sampler
+from edgespec.decoding.stats import StepStats
+from edgespec.decoding.types import GenerationRequest, SamplingParams
 from model_fixtures import make_medusa_heads
-
-from decoding.medusa_heads import MedusaModel
-from decoding.naive import NaivePolicy
-from decoding.outline_batch import expand
-from decoding.outline_verify import MedusaRows, NgramRows
-from decoding.sampling import Sampler
-from decoding.stats import StepStats
-from decoding.types import GenerationRequest, SamplingParams
 
 PREFIX = [(i % 11) + 200 for i in range(40)]
 SUFFIXES = [[300, 301, 302], [310, 311, 312, 313, 314, 315, 316], [320], [330, 331, 332, 333, 334]]

@@ -8,12 +8,11 @@ import asyncio
 
 import pytest
 import torch
-
-from model.config import ModelConfig
-from model.prefix import PrefixCache, common_prefix
-from model.stack import LayerStack
-from model.stage import CapacityError, LocalStage, Pipeline
-from model.weights import open_source
+from edgespec.model.config import ModelConfig
+from edgespec.model.prefix import PrefixCache, common_prefix
+from edgespec.model.stack import LayerStack
+from edgespec.model.stage import CapacityError, LocalStage, Pipeline
+from edgespec.model.weights import open_source
 
 PROMPT = [(7 * i + 3) % 500 + 10 for i in range(37)]  # 37 tokens: no cut size below divides it
 

@@ -10,10 +10,9 @@ import threading
 import httpx
 import pytest
 import torch
+from edgespec.workers.wire import encode
 from model_fixtures import make_feature_drafter, make_medusa_heads
 from processes import greedy, model_id, start_server, start_worker
-
-from workers.wire import encode
 
 SYSTEM = "You are a helpful assistant for a smart home. " * 12  # about 130 tokens
 QUESTIONS = ["Turn on the kitchen lights.", "Is the front door locked?"]
@@ -150,8 +149,8 @@ def test_speculative_over_workers_equals_naive(tiny, tmp_path):
 def test_medusa_over_workers_equals_naive(tiny, tiny_loaded, tmp_path):
     import asyncio
 
-    from decoding.naive import NaivePolicy
-    from decoding.types import GenerationRequest, SamplingParams
+    from edgespec.decoding.naive import NaivePolicy
+    from edgespec.decoding.types import GenerationRequest, SamplingParams
 
     prompt = [(i % 7) + 100 for i in range(30)]
     request = GenerationRequest(prompt, 40, SamplingParams(temperature=0.0))

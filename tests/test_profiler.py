@@ -8,14 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from edgespec.planning.profile import ClusterProfile
 from processes import REPO, greedy, start_server
-
-from planning.profile import ClusterProfile
 
 
 def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "edgespec.server.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def test_profile_then_plan(tiny, tmp_path):

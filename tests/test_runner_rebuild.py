@@ -7,12 +7,11 @@ import asyncio
 
 import pytest
 import torch
-
-from model.config import ModelConfig
-from model.runner import SessionLostError
-from model.stack import LayerStack
-from model.stage import LocalStage, Pipeline
-from model.weights import open_source
+from edgespec.model.config import ModelConfig
+from edgespec.model.runner import SessionLostError
+from edgespec.model.stack import LayerStack
+from edgespec.model.stage import LocalStage, Pipeline
+from edgespec.model.weights import open_source
 
 
 def split_pipeline(folder, cut: int) -> Pipeline:

@@ -6,9 +6,8 @@ import math
 
 import pytest
 import torch
-
-from decoding.sampling import Sampler
-from decoding.types import SamplingParams
+from edgespec.decoding.sampling import Sampler
+from edgespec.decoding.types import SamplingParams
 
 DIST = [0.5, 0.3, 0.15, 0.05]
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import torch
-
-from model.engine import Rows
+from edgespec.model.engine import Rows
 
 
 def greedy_program(prompt: list[int], n: int, out_tokens: list[int]):

@@ -7,14 +7,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from edgespec.decoding.draft_cost import PROBE_EVERY, DraftCosts, DraftLength, PassCosts
+from edgespec.decoding.drafters import NgramDrafter
+from edgespec.decoding.naive import NaivePolicy
+from edgespec.decoding.speculative import SpeculativePolicy
+from edgespec.decoding.types import GenerationRequest, SamplingParams
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from decoding.draft_cost import PROBE_EVERY, DraftCosts, DraftLength, PassCosts
-from decoding.drafters import NgramDrafter
-from decoding.naive import NaivePolicy
-from decoding.speculative import SpeculativePolicy
-from decoding.types import GenerationRequest, SamplingParams
 
 # Repetitive prompts: the n-gram drafter finds matches, so runs of accepted drafts happen.
 PROMPTS = [[(i % 7) + 100 for i in range(40)], [5, 6, 7, 8] * 6 + [9, 10], list(range(300, 340))]

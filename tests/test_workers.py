@@ -12,11 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
+from edgespec.workers.host import StageHost, StepError
+from edgespec.workers.settings import WorkerSettings
+from edgespec.workers.wire import BatchMessage, decode, decode_batch, encode, encode_batch
 from processes import greedy, model_id, start_server, start_worker
-
-from workers.host import StageHost, StepError
-from workers.settings import WorkerSettings
-from workers.wire import BatchMessage, decode, decode_batch, encode, encode_batch
 
 PROMPTS = ["Name three rivers.", "Write a haiku about the sea, please, with care."]
 
@@ -226,7 +225,7 @@ def test_local_worker_respawns_when_its_port_was_taken(tiny, monkeypatch):
     import asyncio
     import socket
 
-    from workers import cluster
+    from edgespec.workers import cluster
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -17,22 +17,21 @@ from contextlib import asynccontextmanager
 
 import httpx
 import torch
+from edgespec.model.kv_cache import KVCacheError
+from edgespec.model.stage import CapacityError, SessionError
+from edgespec.model.timing import CONTEXTS, TOKENS
+from edgespec.workers.auth import bearer_ok
+from edgespec.workers.client import NODELAY
+from edgespec.workers.head_client import Reach
+from edgespec.workers.head_routes import HeadHost, add_head_routes
+from edgespec.workers.host import AssignmentError, NotAssignedError, StageHost, StepError
+from edgespec.workers.probe import measure_link
+from edgespec.workers.settings import WorkerSettings
+from edgespec.workers.wire import WireError, decode_batch
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
-
-from model.kv_cache import KVCacheError
-from model.stage import CapacityError, SessionError
-from model.timing import CONTEXTS, TOKENS
-from workers.auth import bearer_ok
-from workers.client import NODELAY
-from workers.head_client import Reach
-from workers.head_routes import HeadHost, add_head_routes
-from workers.host import AssignmentError, NotAssignedError, StageHost, StepError
-from workers.probe import measure_link
-from workers.settings import WorkerSettings
-from workers.wire import WireError, decode_batch
 
 log = logging.getLogger(__name__)
 SMALL_BODY = 64 * 2**10  # outputs up to this size are written to the socket at once

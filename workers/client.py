@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import httpx
 import torch
-
-from model.stage import CapacityError, StageFailure
-from workers.wire import BatchMessage, decode, encode, encode_batch
+from edgespec.model.stage import CapacityError, StageFailure
+from edgespec.workers.wire import BatchMessage, decode, encode, encode_batch
 
 # A forward call may be written as headers, then body; with Nagle's algorithm on, a small second write can
 # wait for the peer's delayed ACK. On loopback here it made no measurable difference, but on a real link

@@ -67,7 +67,7 @@ def free_port() -> int:
 
 def worker_command(port: int, token: str, name: str, model: str | None, threads: int) -> list[str]:
     # --token=VALUE: a random token may start with "-", which argparse would take for an option
-    cmd = [sys.executable, "-m", "server.cli", "worker", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "edgespec.server.cli", "worker", "--host", "127.0.0.1", "--port", str(port),
            f"--token={token}", "--name", name, "--threads", str(threads)]
     return cmd + (["--model", model] if model else [])
 

@@ -16,13 +16,12 @@ from dataclasses import asdict
 
 import httpx
 import torch
-
-from model.config import ModelConfig
-from model.headsplit import HeadSplitPipeline, SpeculationStats, blocks_of
-from model.stage import StageFailure
-from planning.headsplit import LayerPlace
-from workers.client import NODELAY, WorkerRef, _message
-from workers.wire import decode, decode_group_kv, encode, encode_group_kv
+from edgespec.model.config import ModelConfig
+from edgespec.model.headsplit import HeadSplitPipeline, SpeculationStats, blocks_of
+from edgespec.model.stage import StageFailure
+from edgespec.planning.headsplit import LayerPlace
+from edgespec.workers.client import NODELAY, WorkerRef, _message
+from edgespec.workers.wire import decode, decode_group_kv, encode, encode_group_kv
 
 OCTETS = {"content-type": "application/octet-stream"}
 

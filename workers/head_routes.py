@@ -26,19 +26,18 @@ import asyncio
 import math
 
 import torch
+from edgespec.model.config import ModelConfig
+from edgespec.model.head_blocks import HeadBlocks
+from edgespec.model.headsplit import HeadSplitPipeline, SpeculationStats, blocks_of, check_placement, devices_named
+from edgespec.model.linear import weight_format
+from edgespec.model.source import resolve_model
+from edgespec.model.stage import SessionError
+from edgespec.model.weights import open_source
+from edgespec.planning.headsplit import LayerPlace
+from edgespec.workers.host import NotAssignedError
+from edgespec.workers.wire import WireError, decode, decode_group_kv, encode, encode_group_kv
 from fastapi import FastAPI, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from model.config import ModelConfig
-from model.head_blocks import HeadBlocks
-from model.headsplit import HeadSplitPipeline, SpeculationStats, blocks_of, check_placement, devices_named
-from model.linear import weight_format
-from model.source import resolve_model
-from model.stage import SessionError
-from model.weights import open_source
-from planning.headsplit import LayerPlace
-from workers.host import NotAssignedError
-from workers.wire import WireError, decode, decode_group_kv, encode, encode_group_kv
 
 
 class Strict(BaseModel):

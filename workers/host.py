@@ -14,16 +14,15 @@ import uuid
 from dataclasses import asdict, dataclass
 
 import torch
-
-from model.config import ModelConfig
-from model.linear import bytes_per_param, linear_bytes, weight_format
-from model.source import resolve_model
-from model.stack import LayerStack
-from model.stage import BatchEntry, LocalStage
-from model.timing import PROFILE_LAYERS, time_layers
-from model.weights import open_source
-from workers.settings import WorkerSettings
-from workers.wire import BatchMessage, WireError, decode, encode, encode_batch
+from edgespec.model.config import ModelConfig
+from edgespec.model.linear import bytes_per_param, linear_bytes, weight_format
+from edgespec.model.source import resolve_model
+from edgespec.model.stack import LayerStack
+from edgespec.model.stage import BatchEntry, LocalStage
+from edgespec.model.timing import PROFILE_LAYERS, time_layers
+from edgespec.model.weights import open_source
+from edgespec.workers.settings import WorkerSettings
+from edgespec.workers.wire import BatchMessage, WireError, decode, encode, encode_batch
 
 
 class StepError(ValueError):

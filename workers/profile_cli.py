@@ -6,15 +6,14 @@ import argparse
 import asyncio
 from pathlib import Path
 
+from edgespec.model.config import ModelConfig
+from edgespec.model.source import resolve_model
+from edgespec.planning.profile import ClusterProfile
+from edgespec.workers.cluster import ClusterConfig, launch_local_workers, wait_healthy
+from edgespec.workers.profiler import Device, ProfileOptions, profile_cluster, steps
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-
-from model.config import ModelConfig
-from model.source import resolve_model
-from planning.profile import ClusterProfile
-from workers.cluster import ClusterConfig, launch_local_workers, wait_healthy
-from workers.profiler import Device, ProfileOptions, profile_cluster, steps
 
 
 def _ints(text: str | None, default: tuple[int, ...]) -> tuple[int, ...]:

@@ -17,16 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-
-from model.config import ModelConfig
-from model.linear import weight_format
-from model.source import ModelFiles
-from model.stack import LayerStack, TokenEnds
-from model.timing import CONTEXTS, PROFILE_LAYERS, TOKENS, model_card, profile_points, time_ends, time_layers
-from model.weights import open_source
-from planning.profile import ClusterProfile, Curve, DeviceProfile, LinkProfile
-from workers.host import resident_bytes, total_memory_bytes
-from workers.probe import measure_link
+from edgespec.model.config import ModelConfig
+from edgespec.model.linear import weight_format
+from edgespec.model.source import ModelFiles
+from edgespec.model.stack import LayerStack, TokenEnds
+from edgespec.model.timing import CONTEXTS, PROFILE_LAYERS, TOKENS, model_card, profile_points, time_ends, time_layers
+from edgespec.model.weights import open_source
+from edgespec.planning.profile import ClusterProfile, Curve, DeviceProfile, LinkProfile
+from edgespec.workers.host import resident_bytes, total_memory_bytes
+from edgespec.workers.probe import measure_link
 
 CONTROLLER = "controller"
 

@@ -4,7 +4,7 @@ one call each), `bind.cpp` (the Python module).
 
 `load()` builds the extension with the flags this CPU supports (AVX2 + FMA on x86 where present, the
 portable C++ loops elsewhere, aarch64 included) into `model/kernels/build/`, and returns the module.
-`python -m model.kernels` builds it ahead of time (the README's install commands run it), so a server's
+`python -m edgespec.model.kernels` builds it ahead of time (the README's install commands run it), so a server's
 first start does not pay the 20-40 s of compiling.
 """
 
@@ -54,7 +54,7 @@ def build_folder(key: str) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
         return folder
     except OSError:
-        from model.source import cache_root
+        from edgespec.model.source import cache_root
 
         folder = cache_root() / "kernels" / key
         folder.mkdir(parents=True, exist_ok=True)

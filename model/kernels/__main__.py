@@ -1,5 +1,5 @@
-"""`python -m model.kernels`: compile the CPU kernels now (the install commands run this)."""
+"""`python -m edgespec.model.kernels`: compile the CPU kernels now (the install commands run this)."""
 
-from model.kernels import load
+from edgespec.model.kernels import load
 
 print(f"CPU kernels ready ({'AVX2' if load().simd() else 'portable'} path)")
