@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+
 from edgespec.bench.plot import bar_chart
 from edgespec.bench.prompts import load_prompts
 from edgespec.bench.run import stream_one

@@ -17,12 +17,13 @@ import time
 from pathlib import Path
 
 import httpx
+from rich.console import Console
+from rich.progress import Progress
+
 from edgespec.bench.plot import bar_chart
 from edgespec.bench.prompts import load_prompts
 from edgespec.bench.run import stream_one, summarise
 from edgespec.workers.cluster import free_port
-from rich.console import Console
-from rich.progress import Progress
 
 
 def start(args: list[str], log: Path, cpus: set[int] | None = None) -> tuple[subprocess.Popen, str]:

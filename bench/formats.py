@@ -16,13 +16,14 @@ import time
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.table import Table
+
 from edgespec.model.config import ModelConfig
 from edgespec.model.linear import linear_bytes, weight_format
 from edgespec.model.source import resolve_model
 from edgespec.model.stack import LayerStack, TokenEnds
 from edgespec.model.weights import open_source
-from rich.console import Console
-from rich.table import Table
 
 
 def held_out(tokenizer, data: Path, tasks: int) -> list[tuple[list[int], int]]:

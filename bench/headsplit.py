@@ -29,6 +29,9 @@ from pathlib import Path
 
 import httpx
 import torch
+from rich.console import Console
+from rich.table import Table
+
 from edgespec.bench.distributed import start
 from edgespec.bench.plot import bar_chart
 from edgespec.decoding.distill_data import generate_answers, training_prompts
@@ -42,8 +45,6 @@ from edgespec.model.weights import open_source
 from edgespec.planning.headsplit import LayerPlace, head_card, place, profiled_alphas, profiled_devices, spread
 from edgespec.workers.cluster import launch_local_workers, wait_healthy
 from edgespec.workers.head_client import remote_headsplit
-from rich.console import Console
-from rich.table import Table
 
 PROMPT = "What are some tips for staying healthy while working from home?"
 DISTILL = Path.home() / ".cache" / "edgespec" / "distill"

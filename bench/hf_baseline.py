@@ -23,8 +23,9 @@ class _Clock:
 
 
 def run_transformers(model: str | None, dtype: str, prompts: list[str], max_tokens: int, console: Console) -> list:
-    from edgespec.model.source import resolve_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from edgespec.model.source import resolve_model
 
     files = resolve_model(model)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]

@@ -18,13 +18,14 @@ import time
 from pathlib import Path
 
 import httpx
+from transformers import AutoTokenizer
+
 from edgespec.bench.compare import SHARED_PROMPTS
 from edgespec.bench.distributed import start
 from edgespec.bench.plot import bar_chart
 from edgespec.bench.prompts import prompt_text
 from edgespec.decoding.router import route
 from edgespec.model.source import resolve_model
-from transformers import AutoTokenizer
 
 POLICIES = {"naive": "naive", "outline": "outline",
             "outline+speculative": {"policy": "outline", "verify": "speculative"},

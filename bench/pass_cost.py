@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from edgespec.bench.versus import machine_info
 from edgespec.model.blocks import SeqRows
 from edgespec.model.config import ModelConfig

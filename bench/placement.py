@@ -18,12 +18,13 @@ import sys
 from pathlib import Path
 
 import httpx
+from rich.console import Console
+from rich.progress import Progress
+
 from edgespec.bench.distributed import start
 from edgespec.bench.plot import bar_chart
 from edgespec.bench.prompts import load_prompts
 from edgespec.bench.run import stream_one, summarise
-from rich.console import Console
-from rich.progress import Progress
 
 HOG = "while True: pass"
 

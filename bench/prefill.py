@@ -19,11 +19,12 @@ import time
 from pathlib import Path
 
 import httpx
+from rich.console import Console
+from rich.progress import Progress
+
 from edgespec.bench.distributed import start
 from edgespec.bench.plot import bar_chart
 from edgespec.bench.prompts import load_prompts
-from rich.console import Console
-from rich.progress import Progress
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"
 QUESTIONS = ["Turn on the kitchen lights.", "Is the front door locked?", "What is the temperature upstairs?"]

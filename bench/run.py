@@ -12,10 +12,11 @@ import time
 from pathlib import Path
 
 import httpx
-from edgespec.bench.prompts import load_prompts
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+
+from edgespec.bench.prompts import load_prompts
 
 
 def decoding_field(policy: str) -> str | dict:

@@ -31,12 +31,13 @@ import time
 from pathlib import Path
 
 import httpx
-from edgespec.bench.llamacpp import ServerProcess, free_port, llama_python, llamacpp_argv, llamacpp_version
-from edgespec.bench.prompts import load_prompts
-from edgespec.bench.run import decoding_field
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+
+from edgespec.bench.llamacpp import ServerProcess, free_port, llama_python, llamacpp_argv, llamacpp_version
+from edgespec.bench.prompts import load_prompts
+from edgespec.bench.run import decoding_field
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA = "llama.cpp"

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from edgespec.decoding.sampling import Sampler
 from edgespec.decoding.types import SamplingParams
 from edgespec.model.config import ModelConfig

@@ -22,6 +22,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
 from edgespec.decoding.draft_model import draft_sampler
 from edgespec.decoding.target_fit import check_target, restricted_head, target_metadata
 from edgespec.decoding.types import SamplingParams
@@ -30,8 +33,6 @@ from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache
 from edgespec.model.linear import pack_linears
 from edgespec.model.stack import TokenEnds
-from safetensors.torch import load_file, save_file
-from torch import nn
 
 
 class FeatureNet(nn.Module):

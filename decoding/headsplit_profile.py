@@ -17,6 +17,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.progress import track
+
 from edgespec.decoding.distill_data import generate_answers, training_prompts
 from edgespec.model.config import ModelConfig
 from edgespec.model.drift import acceptance, drift, speculating_forward, time_blocks
@@ -24,8 +27,6 @@ from edgespec.model.source import resolve_model
 from edgespec.model.stack import LayerStack, TokenEnds
 from edgespec.model.timing import model_card
 from edgespec.model.weights import open_source
-from rich.console import Console
-from rich.progress import track
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PROFILES = Path(__file__).resolve().parents[1] / "config" / "profiles"

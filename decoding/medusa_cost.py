@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from edgespec.decoding.medusa_heads import MedusaModel
 from edgespec.decoding.medusa_tree import Tree
 from edgespec.model.load import load_local

@@ -19,13 +19,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
 from edgespec.decoding.medusa_tree import Tree
 from edgespec.decoding.target_fit import check_target, restricted_head, target_metadata
 from edgespec.model.config import ModelConfig
 from edgespec.model.linear import pack_linears
 from edgespec.model.stack import TokenEnds
-from safetensors.torch import load_file, save_file
-from torch import nn
 
 DEFAULT_TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0]]  # used when a file names none
 

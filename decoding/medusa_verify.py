@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+
 from edgespec.decoding.medusa_tree import Tree
 from edgespec.decoding.sampling import Sampler
 

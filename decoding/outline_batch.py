@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import torch
+
 from edgespec.decoding.medusa_tree import Tree
 from edgespec.decoding.medusa_verify import descend
 from edgespec.decoding.outline_verify import RootOnly

@@ -12,6 +12,7 @@ remaining rows get candidates.
 from __future__ import annotations
 
 import torch
+
 from edgespec.decoding.drafters import NgramDrafter
 from edgespec.decoding.medusa_heads import MedusaModel
 from edgespec.decoding.medusa_tree import Tree

@@ -9,6 +9,7 @@ logits.
 from __future__ import annotations
 
 import torch
+
 from edgespec.decoding.types import SamplingParams, TokenLogprob
 
 

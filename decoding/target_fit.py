@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 import torch
-from edgespec.model.stack import TokenEnds
 from torch import nn
+
+from edgespec.model.stack import TokenEnds
 
 SHIPPED = Path(__file__).parent / "trained"  # add-ons trained for the embedded model, in the repository
 

@@ -25,6 +25,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import track
+
 from edgespec.decoding.distill_data import final_hidden, generate_answers, training_prompts
 from edgespec.decoding.eagle import FeatureDrafter, FeatureDraftModel, FeatureNet
 from edgespec.decoding.target_fit import SHIPPED
@@ -33,8 +36,6 @@ from edgespec.model.config import ModelConfig
 from edgespec.model.source import resolve_model
 from edgespec.model.stack import TokenEnds
 from edgespec.model.weights import TensorSource, open_source
-from rich.console import Console
-from rich.progress import track
 
 
 class Example:

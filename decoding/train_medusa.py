@@ -20,14 +20,15 @@ import time
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.progress import track
+from safetensors.torch import load_file
+
 from edgespec.decoding.medusa_cost import measure_verify_cost
 from edgespec.decoding.medusa_heads import DEFAULT_TREE, MedusaNet
 from edgespec.decoding.medusa_tree import grow_tree
 from edgespec.decoding.target_fit import SHIPPED
 from edgespec.decoding.train_drafter import DistillSet, Example, batches, cosine_schedule, distill_set
-from rich.console import Console
-from rich.progress import track
-from safetensors.torch import load_file
 
 RANKS = 16  # ranks beyond this count as misses in the tree statistics
 

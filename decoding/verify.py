@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from edgespec.decoding.sampling import Sampler
 
 

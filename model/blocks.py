@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from edgespec.model.config import ModelConfig, rope_inv_freq
 from edgespec.model.kv_cache import KVCache
 from edgespec.model.linear import Kernel, compiled
-from torch import nn
 
 
 @dataclass(frozen=True)

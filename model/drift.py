@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
 from edgespec.model.blocks import FFN, AttentionBlock, causal_mask
 from edgespec.model.kv_cache import KVCache
 from edgespec.model.linear import pack_linears

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from edgespec.model.quant import Matrix, dequantized, q4_from_gguf, q4_from_q4k, q8_from_gguf, quantize_q8, take_cols
 
 _LAYER = {

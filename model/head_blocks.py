@@ -7,6 +7,7 @@ with their caches (`export`, then `reshape` on both devices).
 from __future__ import annotations
 
 import torch
+
 from edgespec.model.blocks import FFN, AttentionBlock, RMSNorm, Rotary, causal_mask
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache

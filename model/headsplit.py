@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
 from edgespec.model.config import ModelConfig
 from edgespec.model.drift import relative_drift
 from edgespec.model.head_blocks import HeadBlocks

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from edgespec.model.quant import Q4, Q8, Interleaved, Matrix, as_q8, dequantized, quantize_q4
 from torch import nn
+
+from edgespec.model.quant import Q4, Q8, Interleaved, Matrix, as_q8, dequantized, quantize_q4
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from edgespec.model.admission import Admission
 from edgespec.model.config import ModelConfig
 from edgespec.model.engine import Engine, Work

@@ -7,13 +7,14 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from edgespec.model.blocks import DecoderLayer, RMSNorm, Rotary, SeqRows
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache
 from edgespec.model.linear import Q8Linear, WeightFormat, as_format, head_matrix, make_linear
 from edgespec.model.quant import Q8, Interleaved, Matrix
 from edgespec.model.weights import load_layer
-from torch import nn
 
 
 class LayerStack(nn.Module):

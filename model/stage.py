@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
 from edgespec.model.blocks import SeqRows
 from edgespec.model.kv_cache import KVCache, KVCacheError
 from edgespec.model.stack import LayerStack

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+
 from edgespec.model.config import ModelConfig
 from edgespec.model.linear import WeightFormat, as_format, bytes_per_param
 from edgespec.model.stack import LayerStack, TokenEnds

@@ -8,10 +8,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+
 from edgespec.model.config import ModelConfig
 from edgespec.model.linear import WeightFormat, as_format, make_linear
 from edgespec.model.quant import cat_rows
-from safetensors import safe_open
 
 
 class TensorSource:

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import math
 
+from rich.table import Table
+
 from edgespec.planning.plan import GIB, InfeasibleError, Plan, PlanOptions, even_plan
 from edgespec.planning.profile import ClusterProfile
-from rich.table import Table
 
 
 def even_baseline(profile: ClusterProfile, options: PlanOptions) -> tuple[Plan | None, str]:

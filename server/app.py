@@ -6,16 +6,17 @@ import asyncio
 import json
 from contextlib import aclosing, asynccontextmanager
 
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
+from starlette.datastructures import Headers
+
 from edgespec.server.errors import APIError, error_response, install_error_handlers
 from edgespec.server.protocol import ChatCompletionRequest, CompletionRequest, JoinRequest
 from edgespec.server.render import Renderer
 from edgespec.server.service import CompletionService
 from edgespec.workers.auth import bearer_ok
 from edgespec.workers.cluster import cluster_health
-from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from sse_starlette import EventSourceResponse
-from starlette.datastructures import Headers
 
 
 def _dumps(obj) -> str:

@@ -217,6 +217,7 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
+
     from edgespec.decoding.policy import build_policies
     from edgespec.server.app import create_app
     from edgespec.server.boot import headsplit_runner, load_draft_models, load_medusa, load_served_model
@@ -253,6 +254,7 @@ def serve(args: argparse.Namespace) -> None:
 
 def worker(args: argparse.Namespace) -> None:
     import uvicorn
+
     from edgespec.workers.app import create_worker_app
     from edgespec.workers.settings import WorkerSettings
 

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, replace
 
 import httpx
+
 from edgespec.planning.plan import InfeasibleError, Plan, PlanOptions, even_plan, make_plan
 from edgespec.planning.profile import ClusterProfile
 from edgespec.server.metrics import Metrics

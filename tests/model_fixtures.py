@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache
 from edgespec.model.stack import LayerStack, TokenEnds
@@ -68,8 +69,9 @@ def smollm2_folder() -> Path:
 
 def load_reference(folder: Path | str):
     """transformers' model for `folder` in float32, in eval mode (a GGUF's cache folder: from its GGUF file)."""
-    from edgespec.model.source import resolve_model
     from transformers import AutoModelForCausalLM
+
+    from edgespec.model.source import resolve_model
 
     gguf = resolve_model(str(folder)).gguf
     if gguf is not None:

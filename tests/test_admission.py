@@ -9,10 +9,11 @@ import asyncio
 import httpx
 import pytest
 import torch
+from test_prefill import stages
+
 from edgespec.model.admission import Admission, QueueFullError
 from edgespec.model.config import ModelConfig
 from edgespec.model.stage import CapacityError
-from test_prefill import stages
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+
 from edgespec.server.settings import ServeSettings
 
 pytestmark = pytest.mark.slow

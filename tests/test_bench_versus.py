@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from edgespec.bench.llamacpp import child_pids, llama_python, llamacpp_argv, peak_rss_bytes, vm_hwm_bytes
 from edgespec.bench.versus import LLAMA, LLAMA_REQUEST, edgespec_argv, gguf_format, machine_info, stream_chat, summarise
 

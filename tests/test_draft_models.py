@@ -9,6 +9,9 @@ import json
 import shutil
 
 import pytest
+from model_fixtures import chi_square_pvalue, continuation_table, make_feature_drafter, smollm2_folder
+from processes import REPO, tiny_chat_model
+
 from edgespec.decoding.draft_model import DraftModel, check_tokenizer, runs
 from edgespec.decoding.eagle import FeatureDraftModel
 from edgespec.decoding.naive import NaivePolicy
@@ -17,8 +20,6 @@ from edgespec.decoding.types import GenerationRequest, SamplingParams
 from edgespec.model.load import load_local, load_tokenizer
 from edgespec.model.source import resolve_model
 from edgespec.model.thread import ModelThread
-from model_fixtures import chi_square_pvalue, continuation_table, make_feature_drafter, smollm2_folder
-from processes import REPO, tiny_chat_model
 
 PROMPT = [(i % 7) + 100 for i in range(30)]
 

@@ -10,6 +10,9 @@ import sys
 
 import pytest
 import torch
+from model_fixtures import make_feature_drafter, smollm2_folder
+from processes import REPO, tiny_chat_model
+
 from edgespec.decoding.eagle import FeatureDrafter, FeatureDraftModel
 from edgespec.decoding.naive import NaivePolicy
 from edgespec.decoding.speculative import SpeculativePolicy
@@ -21,8 +24,6 @@ from edgespec.model.source import resolve_model
 from edgespec.model.stack import TokenEnds
 from edgespec.model.thread import ModelThread
 from edgespec.model.weights import open_source
-from model_fixtures import make_feature_drafter, smollm2_folder
-from processes import REPO, tiny_chat_model
 
 
 @pytest.fixture(scope="module")

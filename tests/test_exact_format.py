@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_fixtures import make_tiny_model, smollm2_folder
+
 from edgespec.model.blocks import SeqRows
 from edgespec.model.config import ModelConfig
 from edgespec.model.linear import weight_format
 from edgespec.model.stack import LayerStack, TokenEnds
 from edgespec.model.weights import open_source
-from model_fixtures import make_tiny_model, smollm2_folder
 
 
 def load(folder, fmt: str):

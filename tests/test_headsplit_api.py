@@ -58,8 +58,9 @@ def test_headsplit_in_process_equals_naive(server_url):
 
 
 def test_headsplit_over_two_workers_with_speculating_layers(tmp_path):
-    from edgespec.decoding.headsplit_profile import load_profile
     from processes import start_server
+
+    from edgespec.decoding.headsplit_profile import load_profile
 
     # epsilon 0.3 in config: the shipped profile puts most layers over alpha_min; with its FFN times raised past
     # a loopback round trip (on this machine an FFN takes a fraction of one), the placement speculates there. A

@@ -6,6 +6,7 @@ measures every block."""
 from __future__ import annotations
 
 import torch
+
 from edgespec.model.blocks import causal_mask
 from edgespec.model.drift import acceptance, drift, speculating_forward, time_blocks
 

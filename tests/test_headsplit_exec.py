@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from edgespec.model.drift import speculating_forward
 from edgespec.model.head_blocks import HeadBlocks
 from edgespec.model.headsplit import HeadSplitPipeline, MemoryWatch, blocks_of

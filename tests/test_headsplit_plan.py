@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
 from edgespec.planning.headsplit import (
     HeadCard,
     HeadDevice,

@@ -4,6 +4,7 @@ on hand-checkable cases."""
 from __future__ import annotations
 
 import pytest
+
 from edgespec.bench.headsplit_sim import block_costs, layer_based_ms, scaled_blocks, timeline_ms
 from edgespec.planning.headsplit import HeadDevice, LayerPlace
 from edgespec.planning.profile import ModelCard

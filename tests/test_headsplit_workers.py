@@ -11,15 +11,16 @@ import secrets
 import httpx
 import pytest
 import torch
+from model_fixtures import smollm2_folder
+from processes import start_worker
+from test_headsplit_exec import watch_for
+
 from edgespec.model.config import ModelConfig
 from edgespec.model.headsplit import HeadSplitPipeline, blocks_of
 from edgespec.model.stack import LayerStack, TokenEnds
 from edgespec.model.weights import open_source
 from edgespec.planning.headsplit import LayerPlace
 from edgespec.workers.head_client import remote_headsplit
-from model_fixtures import smollm2_folder
-from processes import start_worker
-from test_headsplit_exec import watch_for
 
 IDS = [(i * 13) % 300 + 400 for i in range(12)]
 

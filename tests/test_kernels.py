@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from edgespec.model.kernels import load
 from edgespec.model.quant import Interleaved, quantize_q4, quantize_q8
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_fixtures import load_blocks, make_tiny_model
+
 from edgespec.model.kv_cache import KVCache, KVCacheError
 from edgespec.model.stage import CapacityError, LocalStage, Pipeline, SessionError
-from model_fixtures import load_blocks, make_tiny_model
 
 TOL = 1e-5
 

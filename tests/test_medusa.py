@@ -11,14 +11,15 @@ import sys
 
 import pytest
 import torch
+from model_fixtures import chi_square_pvalue, continuation_table, make_medusa_heads, make_tiny_model, smollm2_folder
+from processes import REPO, tiny_chat_model
+
 from edgespec.decoding.medusa import MedusaPolicy
 from edgespec.decoding.medusa_heads import MedusaModel
 from edgespec.decoding.medusa_tree import Tree, grow_tree
 from edgespec.decoding.naive import NaivePolicy
 from edgespec.decoding.target_fit import SHIPPED
 from edgespec.decoding.types import GenerationRequest, SamplingParams
-from model_fixtures import chi_square_pvalue, continuation_table, make_medusa_heads, make_tiny_model, smollm2_folder
-from processes import REPO, tiny_chat_model
 
 PROMPT = [(i % 7) + 100 for i in range(30)]
 WIDE = [[0], [1], [2], [3], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 1, 0], [1, 0, 0]]

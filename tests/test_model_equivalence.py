@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from edgespec.model.config import ModelConfig
 from model_fixtures import LLAMA3_ROPE, load_blocks, load_reference, make_tiny_model, smollm2_folder
+
+from edgespec.model.config import ModelConfig
 
 TOL = 1e-4
 # The real model's logits reach about 30: our float32 kernels (model/kernels) sum in a fixed 8-lane order,

@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import pytest
+
 from edgespec.decoding.naive import NaivePolicy
 from edgespec.decoding.outline import OutlinePolicy, chat_ids, common_prefix
 from edgespec.decoding.outline_text import cut_outline, expansion_messages, outline_messages, parse_outline

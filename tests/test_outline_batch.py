@@ -8,6 +8,8 @@ import asyncio
 
 import pytest
 import torch
+from model_fixtures import make_medusa_heads
+
 from edgespec.decoding.medusa_heads import MedusaModel
 from edgespec.decoding.naive import NaivePolicy
 from edgespec.decoding.outline_batch import expand
@@ -15,7 +17,6 @@ from edgespec.decoding.outline_verify import MedusaRows, NgramRows
 from edgespec.decoding.sampling import Sampler
 from edgespec.decoding.stats import StepStats
 from edgespec.decoding.types import GenerationRequest, SamplingParams
-from model_fixtures import make_medusa_heads
 
 PREFIX = [(i % 11) + 200 for i in range(40)]
 SUFFIXES = [[300, 301, 302], [310, 311, 312, 313, 314, 315, 316], [320], [330, 331, 332, 333, 334]]

@@ -4,6 +4,7 @@ and empty lines dropped, the cap, the fallback signal; router decisions on clear
 from __future__ import annotations
 
 import pytest
+
 from edgespec.decoding.outline_text import MAX_POINTS, cut_outline, expansion_messages, outline_messages, parse_outline
 from edgespec.decoding.router import route
 

@@ -9,10 +9,11 @@ import time
 from collections import Counter
 
 import pytest
-from edgespec.planning.layers import partition_layers
-from edgespec.planning.sequence import choose_segments, min_segment, partition_sequence
 from hypothesis import assume, find, given, settings
 from hypothesis import strategies as st
+
+from edgespec.planning.layers import partition_layers
+from edgespec.planning.sequence import choose_segments, min_segment, partition_sequence
 
 TOL = 1e-12
 MAX_CUT_SETS = 1000  # brute force enumerates this many cut sets at most per instance

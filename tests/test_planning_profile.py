@@ -6,12 +6,13 @@ import math
 
 import pytest
 import torch
+from model_fixtures import smollm2_folder
+
 from edgespec.model.config import ModelConfig
 from edgespec.model.timing import model_card
 from edgespec.planning.plan import InfeasibleError, PlanOptions, even_plan, make_plan
 from edgespec.planning.profile import ClusterProfile, Curve, DeviceProfile, LinkProfile, ModelCard
 from edgespec.planning.split import even_split
-from model_fixtures import smollm2_folder
 
 GIB = 2**30
 CARD = ModelCard("card", n_layers=12, hidden_size=256, n_heads=4, n_kv_heads=4, head_dim=64, layer_params=10**6,

@@ -13,13 +13,14 @@ import itertools
 import json
 
 import pytest
+from rich.console import Console
+
 from edgespec.planning.cli import add_plan_parser, run_plan
 from edgespec.planning.plan import GIB, InfeasibleError, PlanOptions, make_plan
 from edgespec.planning.profile import ClusterProfile, Curve, DeviceProfile, ModelCard
 from edgespec.planning.report import even_baseline, plan_summary, plan_table
 from edgespec.planning.testbeds import MODELS_DIR, derive_environment, device_spec, load_card, load_specs, noisy_points
 from edgespec.planning.testbeds import main as derive_cli
-from rich.console import Console
 
 # SmolLM2-135M: 30 layers, hidden 576, 9 heads, 3 KV heads of 64, MLP 1536, tied 49152-token embedding
 SMOL = ModelCard("SmolLM2-135M", 30, 576, 9, 3, 64, 576 * (576 + 192 + 192 + 576) + 3 * 576 * 1536 + 2 * 576,

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 import torch
+
 from edgespec.model.config import ModelConfig
 from edgespec.model.prefix import PrefixCache, common_prefix
 from edgespec.model.stack import LayerStack

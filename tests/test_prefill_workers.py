@@ -10,9 +10,10 @@ import threading
 import httpx
 import pytest
 import torch
-from edgespec.workers.wire import encode
 from model_fixtures import make_feature_drafter, make_medusa_heads
 from processes import greedy, model_id, start_server, start_worker
+
+from edgespec.workers.wire import encode
 
 SYSTEM = "You are a helpful assistant for a smart home. " * 12  # about 130 tokens
 QUESTIONS = ["Turn on the kitchen lights.", "Is the front door locked?"]

@@ -8,8 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from edgespec.planning.profile import ClusterProfile
 from processes import REPO, greedy, start_server
+
+from edgespec.planning.profile import ClusterProfile
 
 
 def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:

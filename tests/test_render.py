@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from edgespec.decoding.types import TokenEvent, TokenLogprob
-from edgespec.server.render import Renderer
 from model_fixtures import smollm2_folder
 from transformers import AutoTokenizer
+
+from edgespec.decoding.types import TokenEvent, TokenLogprob
+from edgespec.server.render import Renderer
 
 
 def test_logprob_bytes_of_a_token_that_ends_inside_a_character():

@@ -16,10 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from processes import greedy, model_id, start_server, start_worker
+
 from edgespec.model.config import ModelConfig
 from edgespec.model.timing import model_card
 from edgespec.planning.profile import ClusterProfile, Curve, DeviceProfile, LinkProfile
-from processes import greedy, model_id, start_server, start_worker
 
 PROMPT = "Tell me a long story about a lighthouse keeper."
 KIB = 1024

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 import torch
+
 from edgespec.model.config import ModelConfig
 from edgespec.model.runner import SessionLostError
 from edgespec.model.stack import LayerStack

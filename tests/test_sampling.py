@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from edgespec.decoding.sampling import Sampler
 from edgespec.decoding.types import SamplingParams
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import torch
+
 from edgespec.model.engine import Rows
 
 

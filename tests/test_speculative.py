@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from edgespec.decoding.draft_cost import PROBE_EVERY, DraftCosts, DraftLength, PassCosts
 from edgespec.decoding.drafters import NgramDrafter
 from edgespec.decoding.naive import NaivePolicy
 from edgespec.decoding.speculative import SpeculativePolicy
 from edgespec.decoding.types import GenerationRequest, SamplingParams
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 # Repetitive prompts: the n-gram drafter finds matches, so runs of accepted drafts happen.
 PROMPTS = [[(i % 7) + 100 for i in range(40)], [5, 6, 7, 8] * 6 + [9, 10], list(range(300, 340))]

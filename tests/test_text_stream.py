@@ -6,8 +6,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from edgespec.decoding.text import Pushed, TextStream
 from model_fixtures import smollm2_folder
+
+from edgespec.decoding.text import Pushed, TextStream
 
 TEXTS = [
     "Hello world. The END of it all",

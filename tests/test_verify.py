@@ -13,10 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from scipy import stats
+
 from edgespec.decoding.sampling import Sampler
 from edgespec.decoding.types import SamplingParams
 from edgespec.decoding.verify import Verdict, verify
-from scipy import stats
 
 V, K, N, ALPHA = 5, 2, 6000, 1e-3
 TARGET = torch.tensor([[1.0, 0.5, 0.0, -0.5, 2.0], [0.2, 1.5, -1.0, 0.7, 0.0], [0.0, 0.0, 1.0, 1.0, -1.0],

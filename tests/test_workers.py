@@ -12,10 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
+from processes import greedy, model_id, start_server, start_worker
+
 from edgespec.workers.host import StageHost, StepError
 from edgespec.workers.settings import WorkerSettings
 from edgespec.workers.wire import BatchMessage, decode, decode_batch, encode, encode_batch
-from processes import greedy, model_id, start_server, start_worker
 
 PROMPTS = ["Name three rivers.", "Write a haiku about the sea, please, with care."]
 

@@ -17,6 +17,11 @@ from contextlib import asynccontextmanager
 
 import httpx
 import torch
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
 from edgespec.model.kv_cache import KVCacheError
 from edgespec.model.stage import CapacityError, SessionError
 from edgespec.model.timing import CONTEXTS, TOKENS
@@ -28,10 +33,6 @@ from edgespec.workers.host import AssignmentError, NotAssignedError, StageHost, 
 from edgespec.workers.probe import measure_link
 from edgespec.workers.settings import WorkerSettings
 from edgespec.workers.wire import WireError, decode_batch
-from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger(__name__)
 SMALL_BODY = 64 * 2**10  # outputs up to this size are written to the socket at once

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import httpx
 import torch
+
 from edgespec.model.stage import CapacityError, StageFailure
 from edgespec.workers.wire import BatchMessage, decode, encode, encode_batch
 

@@ -16,6 +16,7 @@ from dataclasses import asdict
 
 import httpx
 import torch
+
 from edgespec.model.config import ModelConfig
 from edgespec.model.headsplit import HeadSplitPipeline, SpeculationStats, blocks_of
 from edgespec.model.stage import StageFailure

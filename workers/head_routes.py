@@ -26,6 +26,9 @@ import asyncio
 import math
 
 import torch
+from fastapi import FastAPI, Request, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from edgespec.model.config import ModelConfig
 from edgespec.model.head_blocks import HeadBlocks
 from edgespec.model.headsplit import HeadSplitPipeline, SpeculationStats, blocks_of, check_placement, devices_named
@@ -36,8 +39,6 @@ from edgespec.model.weights import open_source
 from edgespec.planning.headsplit import LayerPlace
 from edgespec.workers.host import NotAssignedError
 from edgespec.workers.wire import WireError, decode, decode_group_kv, encode, encode_group_kv
-from fastapi import FastAPI, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class Strict(BaseModel):

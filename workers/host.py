@@ -14,6 +14,7 @@ import uuid
 from dataclasses import asdict, dataclass
 
 import torch
+
 from edgespec.model.config import ModelConfig
 from edgespec.model.linear import bytes_per_param, linear_bytes, weight_format
 from edgespec.model.source import resolve_model

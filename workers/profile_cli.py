@@ -6,14 +6,15 @@ import argparse
 import asyncio
 from pathlib import Path
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
 from edgespec.model.config import ModelConfig
 from edgespec.model.source import resolve_model
 from edgespec.planning.profile import ClusterProfile
 from edgespec.workers.cluster import ClusterConfig, launch_local_workers, wait_healthy
 from edgespec.workers.profiler import Device, ProfileOptions, profile_cluster, steps
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 
 def _ints(text: str | None, default: tuple[int, ...]) -> tuple[int, ...]:

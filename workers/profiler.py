@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
 from edgespec.model.config import ModelConfig
 from edgespec.model.linear import weight_format
 from edgespec.model.source import ModelFiles
