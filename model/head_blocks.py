@@ -12,7 +12,7 @@ from edgespec.model.blocks import FFN, AttentionBlock, RMSNorm, Rotary, causal_m
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache
 from edgespec.model.linear import WeightFormat, as_format, linear_bytes
-from edgespec.model.stage import SessionError
+from edgespec.model.stage import SessionError, check_room
 from edgespec.model.weights import TensorSource, load_attention, load_ffn
 
 GroupKV = dict[str, dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]]  # session -> layer -> group -> (k, v)
@@ -32,6 +32,7 @@ class HeadBlocks:
         self.ffn: dict[int, tuple[RMSNorm, FFN]] = {}
         self.sessions: dict[str, dict[int, KVCache]] = {}  # session -> layer -> the cache of its groups here
         self.capacity: dict[str, int] = {}  # session -> its slots
+        self.kv_budget_bytes: int | None = None  # the bound of the caches here (limit_kv); None: none
         self.reshape(groups, ffns, {})
 
     def _norm(self, name: str) -> RMSNorm:
@@ -96,10 +97,18 @@ class HeadBlocks:
                 out.setdefault(session, {})[layer] = {g: self._group_kv(caches[layer], held.index(g)) for g in gs}
         return out
 
+    def limit_kv(self, nbytes: int) -> None:
+        """Bound the bytes this device's caches may hold (a session's whole capacity is held from its open):
+        an open that would cross it is refused with the layer pipeline's CapacityError."""
+        self.kv_budget_bytes = nbytes
+
     def open(self, session: str, capacity: int, rows: int = 1) -> None:
+        caches = {layer: KVCache(1, block.n_kv, self.cfg.head_dim, capacity, self.dtype, rows=rows)
+                  for layer, (_, block) in self.attn.items()}
+        if self.kv_budget_bytes is not None:
+            check_room(self.kv_bytes(), sum(c.nbytes for c in caches.values()), self.kv_budget_bytes)
         self.capacity[session] = capacity
-        self.sessions[session] = {layer: KVCache(1, block.n_kv, self.cfg.head_dim, capacity, self.dtype, rows=rows)
-                                  for layer, (_, block) in self.attn.items()}
+        self.sessions[session] = caches
 
     def release(self, session: str) -> None:
         self.sessions.pop(session, None)

@@ -109,12 +109,16 @@ class HeadSplitPipeline:
 
     @classmethod
     def local(cls, src: TensorSource, cfg: ModelConfig, dtype: torch.dtype, layers: list[LayerPlace],
-              epsilon: float = 0.05) -> HeadSplitPipeline:
-        """Every device of the placement as HeadBlocks in this process."""
+              epsilon: float = 0.05, kv_budget_bytes: int | None = None) -> HeadSplitPipeline:
+        """Every device of the placement as HeadBlocks in this process; kv_budget_bytes: the bound of all their
+        caches (each device gets an equal share: the placement spreads the KV groups)."""
         check_placement(layers, cfg)
         names = sorted(devices_named(layers))
-        return cls({name: HeadBlocks(src, cfg, dtype, *blocks_of(layers, name)) for name in names}, layers, cfg,
-                   epsilon)
+        devices = {name: HeadBlocks(src, cfg, dtype, *blocks_of(layers, name)) for name in names}
+        if kv_budget_bytes is not None:
+            for device in devices.values():
+                device.limit_kv(kv_budget_bytes // len(devices))
+        return cls(devices, layers, cfg, epsilon)
 
     def open(self, session: str, capacity: int, rows: int = 1, epsilon: float | None = None) -> None:
         if rows != 1:

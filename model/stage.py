@@ -30,6 +30,13 @@ class StageFailure(RuntimeError):
         self.status = status
 
 
+def check_room(used: int, nbytes: int, budget: int) -> None:
+    """CapacityError, naming the numbers, when `nbytes` more KV bytes do not fit `budget` with `used` held."""
+    if used + nbytes > budget:
+        raise CapacityError(f"the KV cache needs {nbytes / 2**20:.1f} MiB more but only {(budget - used) / 2**20:.1f} "
+                            f"of {budget / 2**20:.1f} MiB are free")
+
+
 class SessionError(KeyError):
     """An operation names a session the stage does not hold."""
 
@@ -125,14 +132,8 @@ class LocalStage:
             raise SessionError(f"unknown session {session!r}") from None
 
     def _check_room(self, nbytes: int) -> None:
-        if nbytes == 0:  # most decoding steps write into storage they have: no sum over every cache
-            return
-        used = self.kv_bytes()
-        if used + nbytes > self.kv_budget_bytes:
-            raise CapacityError(
-                f"the KV cache needs {nbytes / 2**20:.1f} MiB more but only "
-                f"{(self.kv_budget_bytes - used) / 2**20:.1f} of {self.kv_budget_bytes / 2**20:.1f} MiB are free"
-            )
+        if nbytes:  # most decoding steps write into storage they have: no sum over every cache
+            check_room(self.kv_bytes(), nbytes, self.kv_budget_bytes)
 
     def _add(self, session: str, make) -> None:
         if session in self.caches:

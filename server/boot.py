@@ -146,7 +146,7 @@ def headsplit_runner(settings: ServeSettings, loaded: LoadedModel, cluster: Clus
             layers = place(profiled_devices(record, {"local": 2**62}, context), card, alphas, lambda a, b: 0.0,
                            context)
             pipe = HeadSplitPipeline.local(open_source(loaded.files), cfg, dtype, layers,
-                                           settings.headsplit_epsilon)
+                                           settings.headsplit_epsilon, int(settings.kv_cache_gib * 2**30))
         else:
             urls = {m.name: m.url for m in cluster.members.values() if m.up}
             profile = cluster.profile
@@ -166,7 +166,8 @@ def headsplit_runner(settings: ServeSettings, loaded: LoadedModel, cluster: Clus
         log.info("headsplit placement: %s", "; ".join(
             f"{i}: groups {lp.groups}, proj {lp.proj}, ffn {lp.ffn}{', speculates' if lp.speculate else ''}"
             for i, lp in enumerate(layers)))
-        return ModelRunner(cfg, loaded.runner.ends, pipe, loaded.runner.thread)
+        admission = Admission(settings.max_waiting, settings.queue_timeout_s)
+        return ModelRunner(cfg, loaded.runner.ends, pipe, loaded.runner.thread, RunnerOptions(admission=admission))
 
     return LazyRunner(build)
 

@@ -11,6 +11,7 @@ import torch
 from edgespec.model.drift import speculating_forward
 from edgespec.model.head_blocks import HeadBlocks
 from edgespec.model.headsplit import HeadSplitPipeline, MemoryWatch, blocks_of
+from edgespec.model.stage import CapacityError
 from edgespec.model.timing import model_card
 from edgespec.model.weights import open_source
 from edgespec.planning.headsplit import LayerPlace, head_card, place, profiled_devices
@@ -134,3 +135,18 @@ def test_a_device_past_its_memory_threshold_moves_groups_with_their_caches(tiny_
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="unknown devices"):
         pipe.move_to([LayerPlace({"z": list(range(cfg.n_kv_heads))}, "z", "z") for _ in range(cfg.n_layers)])
+
+
+def test_the_kv_budget_bounds_the_devices_caches_as_the_layer_pipeline_does(tiny_loaded, src):
+    """HeadSplit's caches have the layer pipeline's bound: an open that would cross it gets a CapacityError
+    naming the numbers (the API's 503, after the admission queue), and the sessions held stay intact."""
+    cfg = tiny_loaded.cfg
+    per_slot = cfg.kv_bytes_per_token()  # float32 keys and values of every layer
+    pipe = HeadSplitPipeline.local(src, cfg, torch.float32, placements(cfg.n_layers, False)["2 devices"],
+                                   kv_budget_bytes=100 * per_slot)
+    pipe.open("a", 60)  # each device holds its share of the 60 slots
+    with pytest.raises(CapacityError, match="MiB more but only"):
+        pipe.open("b", 60)
+    assert "b" not in next(iter(pipe.devices.values())).sessions and pipe.kv_bytes() == 60 * per_slot
+    pipe.release("a")
+    pipe.open("b", 60)  # fits once the other is gone

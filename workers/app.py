@@ -188,7 +188,8 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
         return _error(400, f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}")
 
     auth = [Depends(require_token)]
-    add_head_routes(app, HeadHost(settings.model, lambda threads: Reach(settings.token, threads)), auth)
+    add_head_routes(app, HeadHost(settings.model, lambda threads: Reach(settings.token, threads),
+                                  int(settings.memory_budget_gib * 2**30)), auth)
 
     @app.get("/health", dependencies=auth)
     async def health():

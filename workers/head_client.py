@@ -19,7 +19,7 @@ import torch
 
 from edgespec.model.config import ModelConfig
 from edgespec.model.headsplit import HeadSplitPipeline, SpeculationStats, blocks_of
-from edgespec.model.stage import StageFailure
+from edgespec.model.stage import CapacityError, StageFailure
 from edgespec.planning.headsplit import LayerPlace
 from edgespec.workers.client import NODELAY, WorkerRef, _message
 from edgespec.workers.wire import decode, decode_group_kv, encode, encode_group_kv
@@ -41,6 +41,8 @@ class RemoteHeads:
             r = self.http.request(method, self.worker.url + path, **kwargs)
         except httpx.HTTPError as exc:
             raise StageFailure(f"worker {self.worker.name} is unreachable: {type(exc).__name__}: {exc}", 503) from exc
+        if r.status_code == 507:  # the worker's memory budget is full: the same error as in-process
+            raise CapacityError(f"worker {self.worker.name}: {_message(r)}")
         if r.status_code != 200:
             raise StageFailure(f"worker {self.worker.name} answered {r.status_code}: {_message(r)}",
                                503 if r.status_code >= 500 else 502)

@@ -74,9 +74,11 @@ class HeadHost:
     """The worker's HeadSplit blocks, and the schedule over them and its peers where it gathers. Peers are
     reached through `connect(threads)` (workers/head_client.py's Reach, with this worker's token)."""
 
-    def __init__(self, default_model: str | None, connect):
+    def __init__(self, default_model: str | None, connect, memory_budget_bytes: int | None = None):
+        """memory_budget_bytes: the worker's bound of weights plus caches (its --memory-budget-gib)."""
         self.default_model = default_model
         self.connect = connect
+        self.memory_budget_bytes = memory_budget_bytes
         self.blocks: HeadBlocks | None = None
         self.pipeline: HeadSplitPipeline | None = None
         self.name: str | None = None
@@ -99,6 +101,8 @@ class HeadHost:
                 raise ValueError(f"the placement names devices with no URL: {sorted(missing)}")
         self.close()  # free the old blocks and connections first
         self.blocks = HeadBlocks(open_source(files), cfg, fmt, groups, ffns)
+        if self.memory_budget_bytes is not None:  # the caches get what the blocks' weights leave
+            self.blocks.limit_kv(self.memory_budget_bytes - self.blocks.memory_bytes())
         self.name = name
         if layers is not None:
             reach = self.connect(len(peers or {}) + 2)  # a thread per device, and the previous layer's FFN
