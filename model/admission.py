@@ -26,11 +26,12 @@ class Admission:
 
     max_waiting: int = 64
     timeout_s: float = 60.0
-    waiting: int = 0  # requests waiting for room now
-    admitted: int = 0  # requests that waited and then fit, since start
-    refused: int = 0  # requests turned away by a full queue or a wait that ran out, since start
-    waited_s: float = 0.0  # their time in the queue, summed
-    _wakeups: list[asyncio.Future] = field(default_factory=list)
+    # the queue's state and counters, not settings
+    waiting: int = field(default=0, init=False)  # requests waiting for room now
+    admitted: int = field(default=0, init=False)  # requests that waited and then fit, since start
+    refused: int = field(default=0, init=False)  # requests turned away by a full queue or a wait that ran out
+    waited_s: float = field(default=0.0, init=False)  # the admitted requests' time in the queue, summed
+    _wakeups: list[asyncio.Future] = field(default_factory=list, init=False)
 
     def join(self, reason: CapacityError) -> float:
         """Queue the request that just got `reason`; returns when it joined (time.monotonic). Every join is

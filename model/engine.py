@@ -198,7 +198,7 @@ class Engine:
     def _step(self, batch: list[_Sequence]) -> None:
         # beside others, a prompt (a plain run wanting the last row's logits) longer than a chunk gets what the
         # other rows leave of the step
-        crowded = len(batch) > 1 or self.running() > 1
+        crowded = self.running() > 1
         long = [crowded and s.rows.plain and s.rows.last_only and len(s.rows.ids) - s.done > self.MIN_CHUNK
                 for s in batch]
         others = sum(len(s.rows.ids) - s.done for s, cut in zip(batch, long, strict=True) if not cut)
@@ -234,7 +234,8 @@ class Engine:
     def _work(self, seq: _Sequence, chunk: int | None) -> Work:
         # the sequence's rows for this step: all of them, or the next `chunk` of a plain run
         rows, session = seq.rows, seq.session
-        start = (session.length if rows.start is None else rows.start) if seq.done == 0 else session.length
+        # a later chunk goes on from where the earlier ones ended
+        start = rows.start if seq.done == 0 and rows.start is not None else session.length
         ids = rows.ids[seq.done:]
         if chunk is not None and len(ids) > chunk:
             # a chunk: the hidden states of every chunk are kept when the program wants features
