@@ -5,8 +5,9 @@
 Takes the vicuna80 prompts the router (decoding/router.py) sends to outline and runs on each in turn (greedy,
 streamed) naive, outline, and outline composed with each verification policy. Writes DIR/outline.json (per
 setup and policy: median latency, the median of per-prompt latency ratios naive / policy, the answers' median
-lengths, fallbacks), DIR/outline.png (those ratios), DIR/SETUP_runs.json (every answer) and
-DIR/side_by_side.md with the first ten naive and outline answers, for a reader to judge their quality.
+lengths, fallbacks, and of the outline answers' points how many end mid-sentence), DIR/outline.png (those
+ratios), DIR/SETUP_runs.json (every answer) and DIR/side_by_side.md with the first ten naive and outline
+answers, for a reader to judge their quality.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from edgespec.bench.compare import SHARED_PROMPTS
 from edgespec.bench.distributed import start
 from edgespec.bench.plot import bar_chart
 from edgespec.bench.prompts import prompt_text
+from edgespec.decoding.outline_points import ends_sentence
 from edgespec.decoding.router import route
 from edgespec.model.source import resolve_model
 
@@ -44,6 +46,14 @@ def answer(client: httpx.Client, model: str, prompt: str, policy, max_tokens: in
                 parts += [c["delta"].get("content") or "" for c in chunk.get("choices", [])]
                 stats = chunk.get("decoding") or stats
     return {"text": "".join(parts), "latency_s": time.perf_counter() - start, "decoding": stats}
+
+
+def cut_points(run: dict) -> tuple[int, int]:
+    """(points that end mid-sentence, points) of an outline answer ((0, 0) for a fallback's prose)."""
+    if "fallback" in (run["decoding"] or {}).get("outline", {"fallback": "not outline"}):
+        return 0, 0
+    points = [line for line in run["text"].split("\n") if line.strip()]
+    return sum(1 for line in points if not ends_sentence(line)), len(points)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
                 r["naive"]["latency_s"] / r[name]["latency_s"] for r in runs), 3),
             "median_answer_tokens": statistics.median(r[name]["answer_tokens"] for r in runs),
             "fallbacks": sum(1 for r in runs if "fallback" in (r[name]["decoding"] or {}).get("outline", {})),
+            "points_cut_mid_sentence": [sum(cut_points(r[name])[i] for r in runs) for i in (0, 1)],
             "median_tokens_per_step": round(statistics.median(
                 r[name]["decoding"]["tokens_per_step"] or 0 for r in runs), 4),
         } for name in POLICIES}

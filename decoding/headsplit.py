@@ -52,15 +52,19 @@ class HeadSplitPolicy(NaivePolicy):
         if isinstance(eps, bool) or not isinstance(eps, int | float) or not math.isfinite(eps) or eps < 0:
             raise ValueError(f"epsilon must be a finite number >= 0, got {eps!r}")
 
-    async def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
+    def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
+        return self._generate(request, tokenizer)
+
+    async def _generate(self, request: GenerationRequest, tokenizer):
         runner = await self.runner.get()
         async with aclosing(super().generate(request, runner, tokenizer)) as events:  # releases on disconnect
             async for event in events:
                 yield event
 
-    async def started(self, request: GenerationRequest, model: ModelRunner, session) -> None:
+    async def prepare(self, request: GenerationRequest, model: ModelRunner, tokenizer, session):
         await model.call(model.pipeline.set_epsilon, session.id, float(request.policy_options.get("epsilon",
                                                                                                   self.epsilon)))
+        return await super().prepare(request, model, tokenizer, session)
 
     def summary(self, model: ModelRunner, session) -> dict:
         pipe = model.pipeline

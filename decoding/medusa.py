@@ -13,6 +13,7 @@ from edgespec.decoding.medusa_heads import MedusaModel
 from edgespec.decoding.medusa_tree import Tree
 from edgespec.decoding.medusa_verify import descend, typical
 from edgespec.decoding.sampling import Sampler
+from edgespec.decoding.sequence import Prepared, run_alone
 from edgespec.decoding.stats import StepStats, push_run
 from edgespec.decoding.text import TextStream
 from edgespec.decoding.types import GenerationRequest
@@ -46,10 +47,20 @@ class MedusaPolicy:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= hi:
                 raise ValueError(f"{key} must be a number in (0, {hi}], got {value!r}")
 
-    async def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
+    def _tree(self, request: GenerationRequest) -> Tree:
         options = request.policy_options
-        heads = self.heads
-        tree = Tree(options["tree"]) if "tree" in options else heads.tree
+        return Tree(options["tree"]) if "tree" in options else self.heads.tree
+
+    def capacity(self, request: GenerationRequest, model: ModelRunner) -> int:
+        return min(len(request.prompt_ids) + request.max_tokens + len(self._tree(request)),
+                   model.cfg.max_position_embeddings)
+
+    def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
+        return run_alone(self, request, model, tokenizer)
+
+    async def prepare(self, request: GenerationRequest, model: ModelRunner, tokenizer, session) -> Prepared:
+        options = request.policy_options
+        heads, tree = self.heads, self._tree(request)
         if options.get("acceptance") == "typical" and not request.sampling.greedy:
             threshold, alpha = options.get("posterior_threshold", 0.09), options.get("posterior_alpha", 0.3)
 
@@ -57,32 +68,25 @@ class MedusaPolicy:
                 return typical(sampler, tree, node_tokens, logits, threshold, alpha)
         else:
             rule = descend
-        prompt = request.prompt_ids
-        capacity = min(len(prompt) + request.max_tokens + len(tree), model.cfg.max_position_embeddings)
         sampler = await model.call(Sampler, request.sampling, model.cfg.vocab_size)
         text = TextStream(tokenizer, request.stop, request.stop_token_ids, request.max_tokens)
         stats = StepStats(self.name)
         stats.exact = rule is descend
         stats.accepted_lengths = {}
-        session = await model.open(capacity, prompt=prompt)
         stats.session = session
         stats.cached_prompt_tokens = session.length
         root_only = Tree([])
 
         def inputs(root: int, hidden, start: int):
             # the next pass's tree ids [1, T], positions [1, T] and mask [1, T, start + T] (on the model thread);
-            # near the end of the context, the root alone
-            step_tree = tree if start + len(tree) <= capacity else root_only
+            # near the end of the cache, the root alone
+            step_tree = tree if start + len(tree) <= session.capacity else root_only
             candidates = heads.candidates(hidden, step_tree.top) if step_tree.top else None
             node_tokens = step_tree.tokens(root, candidates)
             return step_tree, node_tokens, step_tree.positions(start), step_tree.mask(start)
 
-        try:
-            program = self.program(request, model, session, heads, inputs, rule, sampler, text, stats)
-            async for event in model.engine.run(session, program):
-                yield event
-        finally:
-            await model.release(session)
+        program = self.program(request, model, session, heads, inputs, rule, sampler, text, stats)
+        return Prepared(program, stats, text)
 
     def program(self, request: GenerationRequest, model: ModelRunner, session, heads: MedusaModel, inputs, rule,
                 sampler: Sampler, text: TextStream, stats: StepStats):

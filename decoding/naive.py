@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from edgespec.decoding.sampling import Sampler
+from edgespec.decoding.sequence import Prepared, run_alone
 from edgespec.decoding.stats import StepStats
 from edgespec.decoding.text import TextStream
 from edgespec.decoding.types import GenerationRequest, TokenEvent
@@ -14,26 +15,23 @@ class NaivePolicy:
     name = "naive"
     options = frozenset()
 
-    async def started(self, request: GenerationRequest, model: ModelRunner, session) -> None:
-        """Called once the session is open (a subclass configures it here)."""
-
     def summary(self, model: ModelRunner, session) -> dict:
         """Figures of the session to add to the final statistics (on the model thread)."""
         return {}
 
-    async def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
+    def capacity(self, request: GenerationRequest, model: ModelRunner) -> int:
+        return len(request.prompt_ids) + request.max_tokens
+
+    async def prepare(self, request: GenerationRequest, model: ModelRunner, tokenizer, session):
         sampler = await model.call(Sampler, request.sampling, model.cfg.vocab_size)
         text = TextStream(tokenizer, request.stop, request.stop_token_ids, request.max_tokens)
         stats = StepStats(self.name)
-        session = await model.open(len(request.prompt_ids) + request.max_tokens, prompt=request.prompt_ids)
         stats.session = session
         stats.cached_prompt_tokens = session.length
-        try:
-            await self.started(request, model, session)
-            async for event in model.engine.run(session, self.program(request, model, session, sampler, text, stats)):
-                yield event
-        finally:
-            await model.release(session)
+        return Prepared(self.program(request, model, session, sampler, text, stats), stats, text)
+
+    def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
+        return run_alone(self, request, model, tokenizer)
 
     def program(self, request: GenerationRequest, model: ModelRunner, session, sampler: Sampler, text: TextStream,
                 stats: StepStats):

@@ -1,31 +1,30 @@
 """Outline decoding (Skeleton-of-Thought as Jupiter uses it): the model writes a short numbered outline, then
-every point is expanded as its own sequence, all points decoding together as one batch after their shared
-prompt (decoding/outline_batch.py), so each forward pass produces one token for every unfinished point.
+every point is expanded as a sequence of its own, forked from the prompt the points share (whose KV is held
+once), all points decoding in the engine's shared steps beside any other request.
 
 The answer is the points in order, each "N. point: " followed by its expansion. Point 1 streams as it is
-generated; each later point is held back until every earlier one is complete. `max_tokens` bounds the
-expansions together (each point gets an equal share, at most `point_tokens`); usage counts every generated
+generated; each later point is held back until every earlier one is complete. The expansions share one
+budget, min(max_tokens, points * point_tokens) (decoding/outline_points.py): a point that ends early leaves
+its tokens to the others, and a point past its share ends at a sentence end. Usage counts every generated
 token, the outline's included. A request without a chat question, or whose outline cannot be parsed, is
 decoded by the fallback policy instead, and the `decoding` object says why.
 
-With `{"verify": "medusa"}` or `"speculative"` (Jupiter combines outline with draft-and-verify), the outline is
-decoded by that policy and each batched pass also verifies candidate continuations for the points
-(decoding/outline_verify.py), exactly: every point still gets the tokens it would get alone.
+With `{"verify": "medusa"}` or `"speculative"` (Jupiter combines outline with draft-and-verify), the outline
+and every point are decoded by that policy, exactly: every point gets the tokens it would get alone. A step
+then holds at most about `pass_tokens` tokens of the points' candidates together (a Medusa tree, or a draft
+length, of pass_tokens / points each), since on a CPU a pass costs about linearly in its tokens.
 """
 
 from __future__ import annotations
 
 from contextlib import aclosing
-from itertools import zip_longest
 
 from edgespec.decoding.naive import NaivePolicy
-from edgespec.decoding.outline_batch import expand
+from edgespec.decoding.outline_points import SharedBudget
 from edgespec.decoding.outline_text import cut_outline, expansion_messages, outline_messages, parse_outline
-from edgespec.decoding.outline_verify import MedusaRows, NgramRows, RootOnly
-from edgespec.decoding.sampling import Sampler
 from edgespec.decoding.stats import StepStats
-from edgespec.decoding.text import TextStream
 from edgespec.decoding.types import GenerationRequest, TokenEvent
+from edgespec.model.engine import Rows
 from edgespec.model.runner import ModelRunner
 
 
@@ -35,22 +34,11 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-class WireTally:
-    """A ModelRunner seen through a tally: the wire counts of every session released through it are summed, so
-    a policy that runs several sessions (the outline's, the prompt the points share, their batch) reports them
-    all."""
-
-    def __init__(self, model: ModelRunner):
-        self.model, self.totals = model, {}
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-    async def release(self, session) -> None:
-        for link, (nbytes, requests) in self.model.wire(session).items():
-            b, n = self.totals.get(link, (0, 0))
-            self.totals[link] = (b + nbytes, n + requests)
-        await self.model.release(session)
+def add_wire(totals: dict, wire: dict) -> None:
+    """Add a session's (bytes, requests) per link to `totals`: outline reports every session it ran."""
+    for link, (nbytes, requests) in wire.items():
+        b, n = totals.get(link, (0, 0))
+        totals[link] = (b + nbytes, n + requests)
 
 
 def common_prefix(seqs: list[list[int]]) -> int:
@@ -66,10 +54,8 @@ class OutlinePolicy:
     def __init__(self, fallback=None, outline_tokens: int = 96, point_tokens: int = 64, verifiers: dict | None = None,
                  pass_tokens: int = 8):
         """fallback: the policy for requests outline cannot serve (default: naive); verifiers: the `medusa` and
-        `speculative` policies a request may compose with (option `verify`): the outline is then decoded by
-        that policy, and the points' batched expansion verifies candidates of the same kind (Medusa's heads;
-        n-gram lookup for `speculative`, whose model drafters draft one sequence at a time), at most
-        `pass_tokens` tokens per pass."""
+        `speculative` policies a request may compose with (option `verify`): the outline and every point are
+        then decoded by that policy, the points' candidates at most about `pass_tokens` tokens per step."""
         self.fallback = fallback or NaivePolicy()
         self.outline_tokens, self.point_tokens, self.pass_tokens = outline_tokens, point_tokens, pass_tokens
         self.verifiers = {"none": NaivePolicy(), **(verifiers or {})}
@@ -89,13 +75,39 @@ class OutlinePolicy:
         if hasattr(self.verifiers[verify], "check"):
             self.verifiers[verify].check({})
 
-    def _proposer(self, verify: str, rows: int, pass_tokens: int):
-        policy = self.verifiers[verify]
+    def _point_options(self, verify: str, points: int, pass_tokens: int) -> dict:
+        # each point's share of a step's candidate tokens: a Medusa tree of that many nodes, or a draft of one less
+        each = max(1, pass_tokens // points)
         if verify == "medusa":
-            return MedusaRows(policy.heads, policy.heads.tree, pass_tokens)
+            return {"tree": self.verifiers["medusa"].heads.tree.paths[:each - 1]}
         if verify == "speculative":
-            return NgramRows(rows, policy.k, pass_tokens)
-        return RootOnly()
+            return {"k": max(1, each - 1)}
+        return {}
+
+    async def _outline(self, request: GenerationRequest, model: ModelRunner, tokenizer, verify: str,
+                       wire: dict) -> tuple[list[int], str]:
+        """The outline, decoded by the verification policy with the request's sampling, until it is over (it
+        repeats itself, or prose follows): its ids and text."""
+        question = request.policy_options["question"]
+        sub = GenerationRequest(chat_ids(tokenizer, outline_messages(question)),
+                                request.policy_options.get("outline_tokens", self.outline_tokens), request.sampling,
+                                (), request.stop_token_ids, verify)
+        policy = self.verifiers[verify]
+        session = await model.open(policy.capacity(sub, model), prompt=sub.prompt_ids)
+        ids, text = [], ""
+        try:
+            prepared = await policy.prepare(sub, model, tokenizer, session)
+            async with aclosing(model.engine.run(session, prepared.program)) as events:
+                async for event in events:
+                    ids += event.token_ids
+                    text = tokenizer.decode(ids, skip_special_tokens=True)
+                    cut = cut_outline(text)
+                    if cut is not None:
+                        return ids, cut
+            return ids, text
+        finally:
+            add_wire(wire, model.wire(session))
+            await model.release(session)
 
     async def _fall_back(self, request: GenerationRequest, model, tokenizer, reason: str,
                          outline_ids: list[int] | None = None):
@@ -110,64 +122,81 @@ class OutlinePolicy:
 
     async def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
         options = request.policy_options
-        question = options.get("question")  # the chat's last user message (the service sets it), or the client's
-        if not question:
+        if not options.get("question"):  # the chat's last user message (the service sets it), or the client's
             async for event in self._fall_back(request, model, tokenizer, "not a chat request"):
                 yield event
             return
-        stats = StepStats(self.name)
-        verify = options.get("verify", "none")
-        model = WireTally(model)
-        # 1. the outline, decoded by the verification policy (the request's sampling), not streamed, until done
-        outline_prompt = chat_ids(tokenizer, outline_messages(question))
-        sub = GenerationRequest(outline_prompt, options.get("outline_tokens", self.outline_tokens),
-                                request.sampling, (), request.stop_token_ids, verify)
-        outline_ids, text = [], ""
-        async with aclosing(self.verifiers[verify].generate(sub, model, tokenizer)) as events:
-            async for event in events:
-                outline_ids += event.token_ids
-                text = tokenizer.decode(outline_ids, skip_special_tokens=True)
-                cut = cut_outline(text)
-                if cut is not None:  # the outline is over (it repeats itself, or prose follows): stop there
-                    text = cut
-                    break
-        points = parse_outline(text)
-        if not points:
-            async for event in self._fall_back(request, model.model, tokenizer, "the outline could not be parsed",
+        verify, wire, stats = options.get("verify", "none"), {}, StepStats(self.name)
+        outline_ids, text = await self._outline(request, model, tokenizer, verify, wire)
+        points, question, policy = parse_outline(text), options["question"], self.verifiers[verify]
+        prompts = [chat_ids(tokenizer, expansion_messages(question, points, i)) for i in range(len(points))]
+        shared = common_prefix(prompts) if points else 0
+        if not shared:  # (the chat template starts every point's prompt alike, so points share a prefix)
+            async for event in self._fall_back(request, model, tokenizer, "the outline could not be parsed",
                                                outline_ids):
                 yield event
             return
-        # 2. every point expanded in one batch after the prompt they share
-        heads = [f"{i + 1}. {p}: " for i, p in enumerate(points)]
-        prompts = [chat_ids(tokenizer, expansion_messages(question, points, i)) for i in range(len(points))]
-        shared = common_prefix(prompts)
-        share = max(1, min(options.get("point_tokens", self.point_tokens), request.max_tokens // len(points)))
-        samplers = [await model.call(Sampler, request.sampling, model.cfg.vocab_size) for _ in points]
-        texts = [TextStream(tokenizer, request.stop, request.stop_token_ids, share) for _ in points]
-        pending: list[list[tuple[int, str, object]]] = [[] for _ in points]  # per point: (token, text, logprob)
-        shown, header_due = 0, True  # points sent completely; whether the next one's "N. point" is unsent
+        total = max(len(points), min(options.get("point_tokens", self.point_tokens) * len(points),
+                                     request.max_tokens))
+        point_options = self._point_options(verify, len(points), options.get("pass_tokens", self.pass_tokens))
+        subs = [GenerationRequest(p, total, request.sampling, request.stop, request.stop_token_ids, verify,
+                                  point_options) for p in prompts]
+        parent, sessions = None, []
+        try:
+            # the prompt the points share, prefilled once (or found kept from an earlier request)
+            parent = await model.open(shared + 1, prompt=prompts[0][:shared])
+            if parent.length < shared:
+                async for _ in model.engine.run(parent, prefill(prompts[0][:shared], parent.length)):
+                    pass
+            for sub in subs:
+                sessions.append(await model.fork(parent, shared, policy.capacity(sub, model)))
+            prepared = [await policy.prepare(sub, model, tokenizer, session)
+                        for sub, session in zip(subs, sessions, strict=True)]
+            budget = SharedBudget(total, [p.text for p in prepared])
+            members = [(session, p.program) for session, p in zip(sessions, prepared, strict=True)]
+            # closed here, not when collected: the engine stops the points before their sessions are released
+            async with aclosing(model.engine.run_group(members)) as group:
+                async for event in self._stream(group, points, outline_ids, stats):
+                    yield event
+            stats.proposed = sum(p.stats.proposed for p in prepared)
+            stats.accepted = sum(p.stats.accepted for p in prepared)
+            for session in (parent, *sessions):
+                add_wire(wire, model.wire(session))
+            final = stats.as_dict(wire)
+            # a step carried a token (or more) for every point still expanding
+            steps = max(s.passes for s in sessions)
+            final.update(steps=steps, tokens_per_step=round(sum(budget.made) / steps, 4) if steps else None)
+            final["outline"] = {"points": len(points), "outline_tokens": len(outline_ids), "budget": total,
+                                "point_tokens": budget.made, "ended_at_sentence": budget.ended_early,
+                                "verify": verify, "expanded_tokens": sum(budget.made)}
+            yield TokenEvent([], "", "stop", [], final)
+        finally:
+            for session in reversed(sessions):  # the forks before the prompt they read
+                await model.release(session)
+            if parent is not None:
+                await model.release(parent)
+
+    @staticmethod
+    async def _stream(events, points: list[str], outline_ids: list[int], stats: StepStats):
+        # the points' events, in the order of the points: the next point to show grows, finished ones follow
+        pending: list[list[TokenEvent]] = [[] for _ in points]
+        finished = [False] * len(points)
+        shown, header_due = 0, True  # points sent completely; whether the next one's "N. point: " is unsent
         carry = list(outline_ids)  # generated too: counted in usage with the first event, not shown
-        passes = expanded = 0  # batched forward passes, and the tokens they produced
-        proposer = self._proposer(verify, len(points), options.get("pass_tokens", self.pass_tokens))
-        async for step in expand(model, prompts[0][:shared], [p[shared:] for p in prompts], [share] * len(points),
-                                 samplers, request.stop_token_ids, proposer, stats):
-            passes += 1
-            for row, tokens, lps in step:
-                expanded += len(tokens)
-                for token, lp in zip_longest(tokens, lps):
-                    if not texts[row].finished:  # a stop string ends a point before the batch retires its row
-                        pending[row].append((token, texts[row].push(token).text, lp))
+        async for point, event in events:
+            pending[point].append(event)
+            finished[point] = finished[point] or event.finish_reason is not None
             ids, parts, logprobs = list(carry), [], []
-            while shown < len(points):  # the next point to show grows; finished ones follow in order
+            while shown < len(points):
                 if header_due:
-                    parts.append(heads[shown])
+                    parts.append(f"{shown + 1}. {points[shown]}: ")
                     header_due = False
-                for token, text, lp in pending[shown]:
-                    ids.append(token)
-                    parts.append(text)
-                    logprobs += [lp] if lp else []
+                for e in pending[shown]:
+                    ids += e.token_ids
+                    parts.append(e.text)
+                    logprobs += e.logprobs
                 pending[shown] = []
-                if not texts[shown].finished:
+                if not finished[shown]:
                     break
                 parts.append("\n")
                 shown, header_due = shown + 1, True
@@ -175,9 +204,8 @@ class OutlinePolicy:
                 carry = []
                 stats.tokens_emitted(len(ids), {})
                 yield TokenEvent(ids, "".join(parts), None, logprobs)
-        final = stats.as_dict(model.totals)
-        # a step is one batched pass: it produced a token (or more) for every point still expanding
-        final.update(steps=passes, tokens_per_step=round(expanded / passes, 4) if passes else None)
-        final["outline"] = {"points": len(points), "outline_tokens": len(outline_ids), "point_tokens": share,
-                            "verify": verify, "expanded_tokens": expanded}
-        yield TokenEvent([], "", "stop", [], final)
+
+
+def prefill(ids: list[int], cached: int):
+    """The engine program of a prompt that is only cached (the points' shared prompt): one plan, no tokens."""
+    yield Rows(ids[cached:], last_only=True)

@@ -10,6 +10,7 @@ import time
 from edgespec.decoding.draft_cost import DraftCosts, DraftLength, PassCosts, prior_costs
 from edgespec.decoding.drafters import NgramDrafter
 from edgespec.decoding.sampling import Sampler
+from edgespec.decoding.sequence import Prepared, run_alone
 from edgespec.decoding.stats import StepStats, push_run
 from edgespec.decoding.text import TextStream
 from edgespec.decoding.types import GenerationRequest
@@ -52,15 +53,21 @@ class SpeculativePolicy:
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
             raise ValueError(f"k must be an integer from 1 to 32, got {k!r}")
 
-    async def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
+    def capacity(self, request: GenerationRequest, model: ModelRunner) -> int:
+        # the verification's 1 + K slots must fit after the last token
+        return min(len(request.prompt_ids) + request.max_tokens + max(self.k_max, request.policy_options.get("k", 0)),
+                   model.cfg.max_position_embeddings)
+
+    def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
+        return run_alone(self, request, model, tokenizer)
+
+    async def prepare(self, request: GenerationRequest, model: ModelRunner, tokenizer, session) -> Prepared:
         options = request.policy_options
-        capacity = min(len(request.prompt_ids) + request.max_tokens + max(self.k_max, options.get("k", 0)),
-                       model.cfg.max_position_embeddings)
         # Built on the model thread: a drafter allocates tensors, and one parallel op on the event loop's thread
         # gives the process a second OpenMP team that then competes with the model thread's for the cores
         # (measured: naive decoding fell from 39 to 23 tokens/s for the rest of the process's life).
         name = options.get("drafter", self.default)
-        chain = await model.call(self.drafters[name], request.sampling, capacity)
+        chain = await model.call(self.drafters[name], request.sampling, session.capacity)
         observe = next((d.observe for d in chain if hasattr(d, "observe")), None)  # reads the target's features
         seeded = request.sampling.seed is not None and not request.sampling.greedy
         costs = prior_costs() if seeded else (self.passes, self.draft_costs)  # seeded: the same K every time
@@ -69,16 +76,10 @@ class SpeculativePolicy:
         text = TextStream(tokenizer, request.stop, request.stop_token_ids, request.max_tokens)
         stats = StepStats(self.name)
         stats.drafter = name
-        prompt = request.prompt_ids
-        session = await model.open(capacity, prompt=prompt)
         stats.session = session
         stats.cached_prompt_tokens = session.length
-        try:
-            program = self.program(request, model, session, chain, observe, seeded, length, sampler, text, stats)
-            async for event in model.engine.run(session, program):
-                yield event
-        finally:
-            await model.release(session)
+        program = self.program(request, model, session, chain, observe, seeded, length, sampler, text, stats)
+        return Prepared(program, stats, text)
 
     def program(self, request: GenerationRequest, model: ModelRunner, session, chain: list, observe, seeded: bool,
                 length: DraftLength, sampler: Sampler, text: TextStream, stats: StepStats):

@@ -18,7 +18,11 @@ class Pushed:
 class TextStream:
     """Incremental detokeniser that holds back text which may still turn into a stop string."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...], stop_token_ids: frozenset[int], max_tokens: int):
+    def __init__(self, tokenizer, stop: tuple[str, ...], stop_token_ids: frozenset[int], max_tokens: int,
+                 until=None):
+        """until(stream), if given, is asked after every token (the stream's `finished` says whether it ended
+        there anyway); True ends the generation at that token, with finish reason "length" (a budget shared
+        with other streams: decoding/outline_points.py)."""
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
         self.stop_token_ids = stop_token_ids
@@ -28,6 +32,7 @@ class TextStream:
         self._read_offset = 0
         self._held = ""  # decoded text not yet emitted (a possible start of a stop string)
         self.finished: str | None = None
+        self.until = until
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -44,6 +49,12 @@ class TextStream:
 
     def push(self, token_id: int) -> Pushed:
         """Add one generated token; returns the text that may be shown now and the finish reason."""
+        pushed = self._push(token_id)
+        if self.until is not None and self.until(self) and not pushed.finish_reason:
+            return Pushed(pushed.text + self._finish("length", self._held + self._pending()).text, "length")
+        return pushed
+
+    def _push(self, token_id: int) -> Pushed:
         if self.finished:
             raise RuntimeError("push after the generation finished")
         if token_id in self.stop_token_ids:
@@ -60,6 +71,10 @@ class TextStream:
         keep = self._stop_prefix_len(self._held)
         out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
         return Pushed(out)
+
+    def tail(self, n: int = 3) -> str:
+        """The text of the last n tokens, whatever is held back (where a caller looks for a sentence end)."""
+        return self._decode(self.ids[-n:])
 
     def _pending(self) -> str:
         """Text of tokens not yet emitted because they end inside a character (shown as-is at the end)."""

@@ -84,6 +84,7 @@ class _Sequence:
     program: Program
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    index: int = 0  # its place in the group it was started with (Engine.run_group)
     rows: Rows | None = None  # the rows planned for the next step
     done: int = 0  # of a long prompt's rows: how many earlier steps have fed
     earlier: list = field(default_factory=list)  # their hidden states [1, chunk, H], when features are wanted
@@ -91,7 +92,7 @@ class _Sequence:
     finished: bool = False
 
     def emit(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, item))
 
 
 class Engine:
@@ -120,19 +121,30 @@ class Engine:
         """Run `program` for `session` in the engine's steps; yields what it yields besides Rows. Raises what
         the program or its passes raised. Leaving early (a cancelled request) stops the program at the next
         step, on the model thread."""
-        seq = _Sequence(session, program, asyncio.Queue(), asyncio.get_running_loop())
-        self.live.append(seq)
+        async for _, item in self.run_group([(session, program)]):
+            yield item
+
+    async def run_group(self, members: list[tuple[object, Program]]) -> AsyncIterator[tuple[int, object]]:
+        """Run several (session, program) pairs together (outline's points): yields (index, item) for what
+        each program yields besides Rows, in the order they were yielded, until every program has ended.
+        The first error raised by any of them is raised here, and leaving stops them all."""
+        queue, loop = asyncio.Queue(), asyncio.get_running_loop()
+        seqs = [_Sequence(session, program, queue, loop, index) for index, (session, program) in enumerate(members)]
+        self.live += seqs
         self._wake()
+        left = len(seqs)
         try:
-            while True:
-                item = await seq.queue.get()
+            while left:
+                index, item = await queue.get()
                 if item is _END:
-                    return
+                    left -= 1
+                    continue
                 if isinstance(item, BaseException):
                     raise item
-                yield item
+                yield index, item
         finally:
-            seq.cancelled = True
+            for seq in seqs:
+                seq.cancelled = True
 
     def _wake(self) -> None:
         if self.task is None or self.task.done():

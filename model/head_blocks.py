@@ -102,8 +102,8 @@ class HeadBlocks:
         an open that would cross it is refused with the layer pipeline's CapacityError."""
         self.kv_budget_bytes = nbytes
 
-    def open(self, session: str, capacity: int, rows: int = 1) -> None:
-        caches = {layer: KVCache(1, block.n_kv, self.cfg.head_dim, capacity, self.dtype, rows=rows)
+    def open(self, session: str, capacity: int) -> None:
+        caches = {layer: KVCache(1, block.n_kv, self.cfg.head_dim, capacity, self.dtype)
                   for layer, (_, block) in self.attn.items()}
         if self.kv_budget_bytes is not None:
             check_room(self.kv_bytes(), sum(c.nbytes for c in caches.values()), self.kv_budget_bytes)

@@ -120,11 +120,9 @@ class HeadSplitPipeline:
                 device.limit_kv(kv_budget_bytes // len(devices))
         return cls(devices, layers, cfg, epsilon)
 
-    def open(self, session: str, capacity: int, rows: int = 1, epsilon: float | None = None) -> None:
-        if rows != 1:
-            raise ValueError("HeadSplit decodes one sequence per session (no batched rows)")
+    def open(self, session: str, capacity: int, epsilon: float | None = None) -> None:
         for device in self.devices.values():
-            device.open(session, capacity, rows)
+            device.open(session, capacity)
         self.stats[session] = SpeculationStats([0] * self.cfg.n_layers, [0] * self.cfg.n_layers)
         self.epsilons[session] = self.epsilon if epsilon is None else epsilon
         self.wire_stats[session] = {}

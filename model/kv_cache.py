@@ -152,19 +152,8 @@ class KVCache:
             t[:, :, lo : lo + len(kept)] = t[:, :, src]
         self.length = dest + len(kept)
 
-    def keep_rows(self, rows: list[int]) -> None:
-        """Keep only the batch rows `rows` (ascending, distinct), renumbered 0.. (finished rows of a batch
-        retire, so that later steps stop computing them). A shared prefix is untouched."""
-        if not rows or rows != sorted(set(rows)) or rows[0] < 0 or rows[-1] >= self.rows:
-            raise KVCacheError(f"rows to keep {rows} must be ascending, distinct and below {self.rows}")
-        index = torch.tensor(rows, dtype=torch.long)
-        for store in (self.k, self.v):
-            for i, t in enumerate(store):
-                store[i] = t.index_select(0, index)
-        self.rows = len(rows)
-
     def fork(self, prefix_len: int, rows: int, capacity: int, initial: int | None = None) -> KVCache:
-        """A new cache of `rows` rows that shares this cache's slots [0, prefix_len) read-only."""
+        """A new cache of `rows` rows that reads this cache's slots [0, prefix_len) in place."""
         if prefix_len > self.length:
             raise KVCacheError(f"prefix of {prefix_len} slots but the cache holds {self.length}")
         _, n_kv, _, hd = self.k[0].shape

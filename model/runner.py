@@ -4,7 +4,7 @@ Tokens are produced by the engine (model/engine.py): policies hand it programs t
 and accept its output, and every running sequence's rows go through one pass per step. The runner holds the
 sessions (admission, prefix reuse, a rebuild after a re-plan) and runs the passes on the process's
 ModelThread, so the event loop stays free for I/O; policies run their own tensor work there too, through
-`call`. A multi-row session (outline's batch of points) still runs its own passes, through `forward`.
+`call`. `forward` runs a pass of one session's own (tools that time passes, and tests' references).
 """
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ from edgespec.model.thread import ModelThread
 
 @dataclass
 class Session:
-    """A sequence (or a batch of rows) with KV caches on every stage."""
+    """A sequence with KV caches on every stage."""
 
     id: str
     capacity: int
-    rows: int = 1
     length: int = 0  # cached slots
     generation: int = 0  # the runner's placement generation its caches were built under
     tokens: list[int] | None = field(default_factory=list)  # ids in slots 0..length; None: cannot be replayed
     passes: int = 0  # forward passes run for it
     shared_with: int = 0  # other sessions' calls in those passes, summed
+    forked: bool = False  # reads a parent's prefix in place: never kept for prefix reuse
 
 
 @dataclass(frozen=True)
@@ -84,14 +84,14 @@ class ModelRunner:
         """Run fn(*args) on the model thread, in turn with the forward passes (a policy's tensor work)."""
         return await self._run(fn, *args)
 
-    async def open(self, capacity: int, rows: int = 1, prompt: list[int] | None = None) -> Session:
+    async def open(self, capacity: int, prompt: list[int] | None = None) -> Session:
         """A new session with room for `capacity` slots. With `prompt`, the session may start with the KV of a
         kept session that shares a prefix with it: session.length tells how much of the prompt is already
         cached. When the cache does not fit, kept prefixes are dropped, oldest first; then, while other
         sessions hold caches, the request waits for one to be released (model.admission): QueueFullError
         when the queue is full or the wait runs out, CapacityError when nothing else holds room to give."""
-        session = Session(f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}", capacity, rows, generation=self.generation)
-        found = self.prefix.match(prompt, self.generation) if self.prefix and prompt and rows == 1 else None
+        session = Session(f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}", capacity, generation=self.generation)
+        found = self.prefix.match(prompt, self.generation) if self.prefix and prompt else None
         joined = None  # when the request joined the admission queue
         try:
             while True:
@@ -101,7 +101,7 @@ class ModelRunner:
                         await self._run(self.pipeline.clone, entry.session.id, session.id, n, capacity)
                         session.length, session.tokens = n, entry.tokens[:n]
                     else:
-                        await self._run(self.pipeline.open, session.id, capacity, rows)
+                        await self._run(self.pipeline.open, session.id, capacity)
                     self.held.add(session.id)
                     if joined is not None:
                         self.admission.leave(joined, admitted=True)
@@ -122,14 +122,16 @@ class ModelRunner:
             await self.thread.run_shielded(self.pipeline.release, session.id)
             raise
 
-    async def fork(self, parent: Session, prefix_len: int, rows: int, capacity: int) -> Session:
-        """A new session of `rows` rows that shares the parent's first prefix_len slots read-only on every stage
-        (outline's points after their common prompt); `capacity` counts those slots too. Release it before
-        the parent."""
-        child = Session(f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}", capacity, rows, length=prefix_len,
-                        generation=self.generation, tokens=None)
+    async def fork(self, parent: Session, prefix_len: int, capacity: int) -> Session:
+        """A new session that reads the parent's first prefix_len slots in place on every stage (outline's
+        points after the prompt they share: its KV is held once); `capacity` counts those slots too. Release
+        it before the parent. After a re-plan it is rebuilt from its tokens like any session, into a cache
+        of its own."""
+        tokens = parent.tokens[:prefix_len] if parent.tokens is not None else None
+        child = Session(f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}", capacity, length=prefix_len,
+                        generation=self.generation, tokens=tokens, forked=True)
         try:
-            await self._run(self.pipeline.fork, parent.id, child.id, prefix_len, rows, capacity)
+            await self._run(self.pipeline.fork, parent.id, child.id, prefix_len, capacity)
         except BaseException:
             await self.thread.run_shielded(self.pipeline.release, child.id)
             raise
@@ -142,7 +144,8 @@ class ModelRunner:
         # disconnected mid-stream): shielded, so cancelling it does not leak the session's KV cache.
         self.held.discard(session.id)
         freed = [session]
-        if self.prefix is not None and session.tokens is not None and session.generation == self.generation:
+        if self.prefix is not None and session.tokens is not None and session.generation == self.generation \
+                and not session.forked:
             tokens = session.tokens[:session.length]
             nbytes = self.pipeline.session_bytes(session.id)  # in-process stages know; workers: None, estimated
             if nbytes is None:
@@ -152,19 +155,14 @@ class ModelRunner:
             await self.thread.run_shielded(self.pipeline.release, s.id)
         self.admission.released()
 
-    async def prefill(self, session: Session, prompt: list[int], then: Callable[..., Any] | None = None):
-        """The prompt's tokens not cached yet (see open) in a pass of their own, with the last position's logits
-        (or then(logits)): a multi-row session's shared prompt (outline). Sequences prefill in the engine."""
-        return await self.forward(session, torch.tensor([prompt[session.length:]]), last_only=True, then=then)
-
     def _forward(self, session: Session, ids: torch.Tensor, positions, start: int, mask, last_only: bool, then,
                  features: bool = False):
-        # ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32; or then(logits[, hidden])
+        # ids [1, T] -> logits [1, T, V] (or [1, 1, V] with last_only), float32; or then(logits[, hidden])
         if session.generation != self.generation:
             self._rebuild(session, start)
-        plain = self._note_tokens(session, ids[0].tolist() if ids.shape[0] == 1 else [], positions, mask, start)
+        plain = self._note_tokens(session, ids[0].tolist(), positions, mask, start)
         if positions is None:
-            positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
+            positions = torch.arange(start, start + ids.shape[1])[None]
         # Segments pipeline a prompt's prefill. A verification pass of a few tokens goes in one piece: cut like a
         # prompt (the plan's cuts scale down with its length) it would cost a round trip per token.
         cuts = self.cuts(ids.shape[1]) if self.cuts and plain and last_only and ids.shape[1] > 1 else None
@@ -188,8 +186,8 @@ class ModelRunner:
     @staticmethod
     def _note_tokens(session: Session, ids: list[int], positions, mask, start: int) -> bool:
         # Record the ids written at slots start.. (a plain run of tokens can be replayed or reused as a prefix);
-        # a tree or a batch of rows is not a plain run. Returns whether this write is plain.
-        plain = positions is None and mask is None and session.rows == 1
+        # a tree is not a plain run. Returns whether this write is plain.
+        plain = positions is None and mask is None
         if session.tokens is not None:
             if plain:
                 session.tokens[start:] = ids
@@ -204,7 +202,7 @@ class ModelRunner:
             raise SessionLostError("the cluster was re-planned while this request ran and its cache could not be "
                                    "rebuilt; please retry")
         self.pipeline.release(session.id)
-        self.pipeline.open(session.id, session.capacity, session.rows)
+        self.pipeline.open(session.id, session.capacity)
         session.generation = self.generation
         self.rebuilt += 1
         history = session.tokens[:start]
@@ -224,13 +222,14 @@ class ModelRunner:
         then: Callable[..., Any] | None = None,
         features: bool = False,
     ) -> Any:
-        """A pass of its own for tokens ids [B, T] written at cache slots start.. (default: the session's end):
-        a multi-row session's step (outline's batch of points; sequences step in the engine).
+        """A pass of the session's own for tokens ids [1, T] written at cache slots start.. (default: the
+        session's end), outside the engine's steps: for tools that time passes and for tests' references
+        (requests decode in the engine).
 
-        positions [B, T] default to the slots; mask [B, T, start+T] defaults to causal. Returns float32
-        logits [B, T, V], or [B, 1, V] for the last position only; with `then`, returns then(logits)
-        computed on the model thread (sampling there saves a thread hand-off per step). With `features`,
-        then(logits, hidden) also gets the last layer's output hidden [B, T, H] at every position.
+        positions [1, T] default to the slots; mask [1, T, start+T] defaults to causal. Returns float32
+        logits [1, T, V], or [1, 1, V] for the last position only; with `then`, returns then(logits)
+        computed on the model thread. With `features`, then(logits, hidden) also gets the last layer's
+        output hidden [1, T, H] at every position.
         """
         start = session.length if start is None else start
         out = await self._run(self._forward, session, ids, positions, start, mask, last_only, then, features)
@@ -285,17 +284,6 @@ class ModelRunner:
             self.pipeline.commit(session.id, kept, dest)
         session.length = dest + len(kept)
         session.tokens = list(tokens) if tokens is not None else None
-
-    def _keep_rows(self, session: Session, rows: list[int]) -> None:
-        if session.generation != self.generation:
-            raise SessionLostError("the cluster was re-planned while this batch ran; please retry")
-        self.pipeline.keep_rows(session.id, rows)
-
-    async def keep_rows(self, session: Session, rows: list[int]) -> None:
-        """Keep only the batch rows `rows` (ascending) of a batched session, renumbered 0.. on every stage:
-        finished rows retire and later forward passes carry only the others."""
-        await self._run(self._keep_rows, session, rows)
-        session.rows = len(rows)
 
     def others_running(self, session: Session) -> int:
         """How many other sequences run in the engine now (whose steps this one's share)."""

@@ -78,8 +78,8 @@ def segments_in_turn(stage, session: str, hidden: torch.Tensor, start: int, cuts
 class Stage(Protocol):
     """Decoder layers plus per-session KV caches."""
 
-    def open(self, session: str, capacity: int, rows: int = 1) -> None:
-        """Reserve a KV cache of `capacity` slots and `rows` rows for `session`."""
+    def open(self, session: str, capacity: int) -> None:
+        """Reserve a KV cache of `capacity` slots for `session`."""
 
     def forward(
         self, session: str, hidden: torch.Tensor, positions: torch.Tensor, start: int, mask: torch.Tensor | None = None
@@ -94,11 +94,9 @@ class Stage(Protocol):
     def commit(self, session: str, kept: list[int], dest: int) -> None:
         """Move the slots `kept` to dest, dest+1, ... (Medusa tree commit) and end the cache there."""
 
-    def keep_rows(self, session: str, rows: list[int]) -> None:
-        """Keep only the batch rows `rows` of the session's cache (retired rows stop costing compute)."""
-
-    def fork(self, session: str, child: str, prefix_len: int, rows: int, capacity: int) -> None:
-        """Open `child` with `rows` rows sharing `session`'s first prefix_len slots read-only."""
+    def fork(self, session: str, child: str, prefix_len: int, capacity: int) -> None:
+        """Open `child` sharing `session`'s first prefix_len slots read-only (outline's points after the prompt
+        they share); release the child before the session."""
 
     def clone(self, session: str, child: str, prefix_len: int, capacity: int) -> None:
         """Open `child` with a copy of `session`'s first prefix_len slots (prefix reuse)."""
@@ -142,8 +140,8 @@ class LocalStage:
         self._check_room(cache.nbytes)
         self.caches[session] = cache
 
-    def open(self, session: str, capacity: int, rows: int = 1) -> None:
-        self._add(session, lambda: self.stack.new_cache(capacity, rows, initial=self.INITIAL_SLOTS))
+    def open(self, session: str, capacity: int) -> None:
+        self._add(session, lambda: self.stack.new_cache(capacity, initial=self.INITIAL_SLOTS))
 
     def forward(self, session, hidden, positions, start, mask=None):
         cache = self._cache(session)
@@ -162,12 +160,9 @@ class LocalStage:
     def commit(self, session: str, kept: list[int], dest: int) -> None:
         self._cache(session).commit(kept, dest)
 
-    def keep_rows(self, session: str, rows: list[int]) -> None:
-        self._cache(session).keep_rows(rows)
-
-    def fork(self, session: str, child: str, prefix_len: int, rows: int, capacity: int) -> None:
+    def fork(self, session: str, child: str, prefix_len: int, capacity: int) -> None:
         parent = self._cache(session)
-        self._add(child, lambda: parent.fork(prefix_len, rows, capacity, initial=prefix_len + self.INITIAL_SLOTS))
+        self._add(child, lambda: parent.fork(prefix_len, 1, capacity, initial=prefix_len + self.INITIAL_SLOTS))
 
     def clone(self, session: str, child: str, prefix_len: int, capacity: int) -> None:
         parent = self._cache(session)
@@ -203,17 +198,14 @@ class Pipeline:
         for stage in self.stages:
             getattr(stage, op)(*args)
 
-    def open(self, session: str, capacity: int, rows: int = 1) -> None:
-        self._each("open", session, capacity, rows)
+    def open(self, session: str, capacity: int) -> None:
+        self._each("open", session, capacity)
 
     def commit(self, session: str, kept: list[int], dest: int) -> None:
         self._each("commit", session, kept, dest)
 
-    def keep_rows(self, session: str, rows: list[int]) -> None:
-        self._each("keep_rows", session, rows)
-
-    def fork(self, session: str, child: str, prefix_len: int, rows: int, capacity: int) -> None:
-        self._each("fork", session, child, prefix_len, rows, capacity)
+    def fork(self, session: str, child: str, prefix_len: int, capacity: int) -> None:
+        self._each("fork", session, child, prefix_len, capacity)
 
     def clone(self, session: str, child: str, prefix_len: int, capacity: int) -> None:
         self._each("clone", session, child, prefix_len, capacity)

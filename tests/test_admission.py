@@ -36,7 +36,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [11, 3, 3, 7]]
 async def greedy(runner, prompt: list[int], n: int) -> list[int]:
     session = await runner.open(280)  # starts with 256 slots: one such cache fits, two do not
     try:
-        logits = await runner.prefill(session, prompt)
+        logits = await runner.forward(session, torch.tensor([prompt]), last_only=True)
         out = [int(logits[0, -1].argmax())]
         for _ in range(n - 1):
             logits = await runner.forward(session, torch.tensor([[out[-1]]]))
@@ -79,11 +79,13 @@ def test_a_full_queue_and_a_wait_that_runs_out_are_refused(one_cache):
     assert not runner.held and runner.pipeline.kv_bytes() == 0  # nothing left behind
 
 
-def test_a_request_that_could_never_fit_is_refused_at_once(one_cache):
+def test_a_request_that_could_never_fit_is_refused_at_once(one_cache, tiny_loaded):
     runner = one_cache
     runner.admission = Admission(max_waiting=4, timeout_s=60)
+    slot = ModelConfig.from_folder(tiny_loaded.files.folder).kv_bytes_per_token()
+    runner.pipeline = stages(tiny_loaded.files.folder, [], budget=100 * slot)
     with pytest.raises(CapacityError) as info:
-        asyncio.run(runner.open(10_000, rows=3))  # 3 rows of 256 slots: over the budget with nothing else open
+        asyncio.run(runner.open(10_000))  # its first 256 slots are over the budget with nothing else open
     assert not isinstance(info.value, QueueFullError) and runner.admission.waiting == 0
 
 

@@ -280,8 +280,8 @@ def test_local_stage_budget(blocks, monkeypatch):
     assert "c" not in stage.caches
     stage.release("b")
     # a fork pays only for its own slots
-    stage.fork("a", "f", prefix_len=60, rows=2, capacity=60 + 10)
-    assert stage.kv_bytes() == (60 + 2 * 10) * per_token
+    stage.fork("a", "f", prefix_len=60, capacity=60 + 10)
+    assert stage.kv_bytes() == (60 + 10) * per_token
     for s in ("a", "f", "never-opened"):  # unknown sessions are ignored
         stage.release(s)
     assert stage.kv_bytes() == 0
@@ -314,7 +314,7 @@ def test_local_stage_sessions(blocks):
     with pytest.raises(KVCacheError):
         stage.open("s", 8)  # already open
     with pytest.raises(SessionError, match="unknown session 'nope'"):
-        stage.keep_rows("nope", [0])
+        stage.commit("nope", [0], 0)
     pipe = Pipeline([stage])
     pipe.open("t", 4)
     assert set(stage.caches) == {"s", "t"}
@@ -322,44 +322,3 @@ def test_local_stage_sessions(blocks):
     assert set(stage.caches) == {"s"}
 
 
-def test_keep_rows_retires_rows_of_a_fork(blocks):
-    prefix = tokens(9, 30)
-    parent = blocks.new_cache(9)
-    blocks.forward(prefix, parent, 0)
-    child = parent.fork(9, rows=3, capacity=9 + 5)
-    conts = [tokens(2, 31 + i) for i in range(3)]
-    blocks.forward(torch.tensor(conts), child, 9)
-    child.keep_rows([0, 2])  # row 1 finished
-    assert child.rows == 2
-    last = tokens(2, 40)
-    step = blocks.forward(torch.tensor(last).unsqueeze(1), child, 11)  # [2, 1, V]
-    for row, (cont, t) in enumerate(zip([conts[0], conts[2]], last, strict=True)):
-        assert close(step[row, 0], blocks.logits_from_scratch([*prefix, *cont, t])[-1])
-    for rows in ([], [1, 0], [0, 0], [2]):
-        with pytest.raises(KVCacheError):
-            child.keep_rows(rows)
-    assert child.rows == 2
-
-
-def test_runner_retires_rows_on_every_stage(tiny_loaded):
-    import asyncio
-
-    runner = tiny_loaded.runner
-    seqs = [tokens(6, 41), tokens(6, 42)]
-    nxt = tokens(2, 43)
-
-    async def run():
-        batch = await runner.open(8, rows=2)
-        alone = await runner.open(8)
-        try:
-            await runner.forward(batch, torch.tensor(seqs))  # [2, 6]
-            await runner.keep_rows(batch, [1])
-            got = await runner.forward(batch, torch.tensor([[nxt[1]]]))  # row 1 only, now row 0
-            want = await runner.forward(alone, torch.tensor([[*seqs[1], nxt[1]]]))
-            return batch.rows, got[0, -1], want[0, -1]
-        finally:
-            await runner.release(batch)
-            await runner.release(alone)
-
-    rows, got, want = asyncio.run(run())
-    assert rows == 1 and close(got, want)

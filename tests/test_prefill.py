@@ -28,7 +28,7 @@ def stages(folder, bounds: list[int], budget: int = 2**30) -> Pipeline:
 async def greedy(runner, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
     session = await runner.open(len(prompt) + n, prompt=prompt)
     try:
-        logits = await runner.prefill(session, prompt)
+        logits = await runner.forward(session, torch.tensor([prompt[session.length:]]), last_only=True)
         first = logits[0, -1].clone()
         out = [int(first.argmax())]
         for _ in range(n - 1):
@@ -121,6 +121,6 @@ def test_full_memory_evicts_kept_prefixes(tiny_loaded, monolithic):
         assert out == monolithic[0]
         assert list(runner.prefix.entries) != [] and runner.prefix.hits == 0
         with pytest.raises(CapacityError):
-            runner.thread.run_sync(runner.pipeline.open, "x", 300, 1)  # sanity: the budget is what binds
+            runner.thread.run_sync(runner.pipeline.open, "x", 300)  # sanity: the budget is what binds
     finally:
         runner.pipeline, runner.prefix = original, None

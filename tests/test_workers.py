@@ -147,7 +147,8 @@ def test_worker_validates_inputs_and_keeps_other_sessions(worker):
     big = httpx.post(fwd.format("good"), params={"start": 0, "step": 2}, content=b"0" * (65 * 2**20), headers=auth)
     assert big.status_code == 413
     # a stale step is refused; the session itself is untouched by everything above
-    assert httpx.post(url + "/sessions/good/keep_rows", json={"step": 0, "rows": [0]}, headers=auth).status_code == 409
+    assert httpx.post(url + "/sessions/good/commit", json={"step": 0, "kept": [0], "dest": 0},
+                      headers=auth).status_code == 409
     info = httpx.get(url + "/info", headers=auth).json()
     assert info["sessions"] == 1
     assert httpx.delete(url + "/sessions/good", headers=auth).status_code == 200
@@ -245,20 +246,23 @@ def test_local_worker_respawns_when_its_port_was_taken(tiny, monkeypatch):
             config.stop()
 
 
-def test_worker_keeps_rows_of_a_batched_session(worker):
-    url, auth = worker
-    assert httpx.post(url + "/sessions/batch/open", json={"step": 1, "capacity": 16, "rows": 3},
-                      headers=auth).status_code == 200
-    keep = url + "/sessions/batch/keep_rows"
-    for body, status in [({"step": 2, "rows": [2, 0]}, 400), ({"step": 2, "rows": [0, 3]}, 400),
-                         ({"step": 2, "rows": []}, 400), ({"step": 2, "rows": [0, 2]}, 200),
-                         ({"step": 2, "rows": [0]}, 200), ({"step": 1, "rows": [0]}, 409)]:  # a retry, a stale step
-        r = httpx.post(keep, json=body, headers=auth)
-        assert r.status_code == status, (body, r.text)
-    assert httpx.post(keep, json={"step": 3, "rows": [1]}, headers={"authorization": "Bearer wrong"}).status_code == 401
-    # the retry was not applied again: two rows are left, so row 1 exists
-    assert httpx.post(keep, json={"step": 3, "rows": [1]}, headers=auth).status_code == 200
-    assert httpx.delete(url + "/sessions/batch", headers=auth).status_code == 200
+def test_a_forked_session_reads_its_parents_prefix_and_is_applied_once(tiny):
+    """Outline's points on a worker: a fork reads the parent's first slots in place and its rows get the bits
+    of a session that holds the whole prefix itself; a retried fork is not applied twice."""
+    host = StageHost(WorkerSettings(port=0, token="t", model=tiny))
+    host.assign(None, 0, 2, "float32")
+    torch.manual_seed(0)
+    prompt, row = torch.randn(1, 5, 64), torch.randn(1, 1, 64)
+    for sid in ("parent", "whole"):
+        host.open(sid, 1, 16)
+        host.forward(sid, 2, 0, encode({"hidden": prompt}))
+    host.fork("parent", 3, "point", 5, 8)
+    host.fork("parent", 3, "point", 5, 8)  # a retry
+    got = decode(host.forward("point", 1, 5, encode({"hidden": row}))[0], ("hidden",))["hidden"]
+    want = decode(host.forward("whole", 3, 5, encode({"hidden": row}))[0], ("hidden",))["hidden"]
+    assert torch.equal(got, want)
+    with pytest.raises(StepError):
+        host.fork("parent", 1, "other", 5, 8)  # a stale step
 
 
 def test_a_batch_message_gives_each_session_its_bits_alone_and_is_applied_once(tiny):
@@ -270,7 +274,7 @@ def test_a_batch_message_gives_each_session_its_bits_alone_and_is_applied_once(t
     torch.manual_seed(0)
     prompt = torch.randn(1, 5, 64)
     for sid in ("a", "b", "a1", "b1"):
-        host.open(sid, 1, 16, 1)
+        host.open(sid, 1, 16)
         host.forward(sid, 2, 0, encode({"hidden": prompt}))
     row, three = torch.randn(1, 1, 64), torch.randn(1, 3, 64)
     mask = torch.ones(1, 3, 8, dtype=torch.bool).tril(5)

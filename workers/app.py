@@ -67,7 +67,6 @@ class LinkBody(Strict):
 class OpenBody(Strict):
     step: int = Field(ge=0)
     capacity: int = Field(ge=1)
-    rows: int = Field(1, ge=1)
     layers: list[int] | None = Field(None, min_length=2, max_length=2, description="[first, last) expected")
 
 
@@ -75,11 +74,6 @@ class CommitBody(Strict):
     step: int = Field(ge=0)
     kept: list[int]
     dest: int = Field(ge=0)
-
-
-class KeepRowsBody(Strict):
-    step: int = Field(ge=0)
-    rows: list[int] = Field(min_length=1, max_length=1024)
 
 
 class CloneBody(Strict):
@@ -92,8 +86,7 @@ class CloneBody(Strict):
 class ForkBody(Strict):
     step: int = Field(ge=0)
     child: str = Field(min_length=1, max_length=128)
-    prefix_len: int = Field(ge=0)
-    rows: int = Field(ge=1)
+    prefix_len: int = Field(ge=1)
     capacity: int = Field(ge=1)
 
 
@@ -221,7 +214,7 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
 
     @app.post("/sessions/{sid}/open", dependencies=auth)
     async def open_session(sid: str, body: OpenBody):
-        host.open(sid, body.step, body.capacity, body.rows, body.layers)
+        host.open(sid, body.step, body.capacity, body.layers)
         return {"ok": True}
 
     @app.post("/sessions/{sid}/commit", dependencies=auth)
@@ -229,14 +222,9 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
         host.commit(sid, body.step, body.kept, body.dest)
         return {"ok": True}
 
-    @app.post("/sessions/{sid}/keep_rows", dependencies=auth)
-    async def keep_rows(sid: str, body: KeepRowsBody):
-        host.keep_rows(sid, body.step, body.rows)
-        return {"ok": True}
-
     @app.post("/sessions/{sid}/fork", dependencies=auth)
     async def fork(sid: str, body: ForkBody):
-        host.fork(sid, body.step, body.child, body.prefix_len, body.rows, body.capacity)
+        host.fork(sid, body.step, body.child, body.prefix_len, body.capacity)
         return {"ok": True}
 
     @app.post("/sessions/{sid}/clone", dependencies=auth)

@@ -119,12 +119,12 @@ class RemotePipeline:
 
     # the Stage interface
 
-    def open(self, session: str, capacity: int, rows: int = 1) -> None:
+    def open(self, session: str, capacity: int) -> None:
         step = self._step(session)
         self.wire_stats[session] = {link: [0, 0] for link in self.links}
         for w in self.workers:
             path = f"/sessions/{session}/open"
-            body = {"step": step, "capacity": capacity, "rows": rows, "layers": [w.first, w.last]}
+            body = {"step": step, "capacity": capacity, "layers": [w.first, w.last]}
             try:
                 self._call(w, "POST", path, json=body)
             except StageFailure as exc:
@@ -199,11 +199,8 @@ class RemotePipeline:
     def commit(self, session: str, kept: list[int], dest: int) -> None:
         self._each(session, "commit", {"kept": kept, "dest": dest})
 
-    def keep_rows(self, session: str, rows: list[int]) -> None:
-        self._each(session, "keep_rows", {"rows": rows})
-
-    def fork(self, session: str, child: str, prefix_len: int, rows: int, capacity: int) -> None:
-        self._each(session, "fork", {"child": child, "prefix_len": prefix_len, "rows": rows, "capacity": capacity})
+    def fork(self, session: str, child: str, prefix_len: int, capacity: int) -> None:
+        self._each(session, "fork", {"child": child, "prefix_len": prefix_len, "capacity": capacity})
         self.wire_stats[child] = {link: [0, 0] for link in self.links}
 
     def clone(self, session: str, child: str, prefix_len: int, capacity: int) -> None:

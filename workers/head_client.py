@@ -55,8 +55,8 @@ class RemoteHeads:
                 "name": name, "placement": placement, "peers": peers or {}}
         return self._call("POST", "/heads/assign", json=body, timeout=300).json()
 
-    def open(self, session: str, capacity: int, rows: int = 1) -> None:
-        self._call("POST", f"/heads/sessions/{session}/open", json={"capacity": capacity, "rows": rows})
+    def open(self, session: str, capacity: int) -> None:
+        self._call("POST", f"/heads/sessions/{session}/open", json={"capacity": capacity})
 
     def release(self, session: str) -> None:
         self._call("DELETE", f"/heads/sessions/{session}")

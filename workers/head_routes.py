@@ -3,7 +3,7 @@ HeadBlocks), the calls HeadSplitPipeline makes on a device, and the schedule its
 
     POST   /heads/assign    {"groups": {"LAYER": [GROUP, ...]}, "ffns": [LAYER], "dtype", "model",
                              "name", "placement": [LayerPlace...], "peers": {NAME: URL}}
-    POST   /heads/sessions/{sid}/open      {"capacity", "rows"}
+    POST   /heads/sessions/{sid}/open      {"capacity"}
     DELETE /heads/sessions/{sid}
     POST   /heads/sessions/{sid}/attend?layer=L&start=S   safetensors {x, positions[, mask]} -> {out}
     POST   /heads/ffn?layer=L                              safetensors {z} -> {x}
@@ -67,7 +67,6 @@ class HeadGroupsBody(Strict):
 
 class HeadOpenBody(Strict):
     capacity: int = Field(ge=1)
-    rows: int = Field(1, ge=1)
 
 
 class HeadHost:
@@ -215,7 +214,7 @@ def add_head_routes(app: FastAPI, host: HeadHost, auth: list) -> None:
 
     @app.post("/heads/sessions/{sid}/open", dependencies=auth)
     async def open_session(sid: str, body: HeadOpenBody):
-        host.held().open(sid, body.capacity, body.rows)
+        host.held().open(sid, body.capacity)
         return {"ok": True}
 
     @app.delete("/heads/sessions/{sid}", dependencies=auth)

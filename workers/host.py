@@ -145,7 +145,7 @@ class StageHost:
             fn(*args)
             self.steps[session] = step
 
-    def open(self, session: str, step: int, capacity: int, rows: int, layers: list[int] | None = None) -> None:
+    def open(self, session: str, step: int, capacity: int, layers: list[int] | None = None) -> None:
         """Open a session's cache; `layers`, when given, must be what this worker holds (a controller whose
         placement failed to apply must not route through layers it does not expect)."""
         stage = self._stage()
@@ -154,7 +154,7 @@ class StageHost:
             raise AssignmentError(f"this worker holds layers [{a.first}, {a.last}), not {layers}")
         if capacity > self.cfg.max_position_embeddings:
             raise ValueError(f"capacity {capacity} exceeds the model's context of {self.cfg.max_position_embeddings}")
-        self._apply(session, step, stage.open, session, capacity, rows)
+        self._apply(session, step, stage.open, session, capacity)
 
     def forward(self, session: str, step: int, start: int, body: bytes, onward: bool = False) -> tuple[bytes, float]:
         """Run one forward call; returns the output body and the compute time (0 for a retry). With `onward`
@@ -234,11 +234,10 @@ class StageHost:
     def commit(self, session: str, step: int, kept: list[int], dest: int) -> None:
         self._apply(session, step, self._stage().commit, session, kept, dest)
 
-    def keep_rows(self, session: str, step: int, rows: list[int]) -> None:
-        self._apply(session, step, self._stage().keep_rows, session, rows)
-
-    def fork(self, session: str, step: int, child: str, prefix_len: int, rows: int, capacity: int) -> None:
-        self._apply(session, step, self._stage().fork, session, child, prefix_len, rows, capacity)
+    def fork(self, session: str, step: int, child: str, prefix_len: int, capacity: int) -> None:
+        if capacity > self.cfg.max_position_embeddings:
+            raise ValueError(f"capacity {capacity} exceeds the model's context of {self.cfg.max_position_embeddings}")
+        self._apply(session, step, self._stage().fork, session, child, prefix_len, capacity)
         self.steps.setdefault(child, 0)
 
     def clone(self, session: str, step: int, child: str, prefix_len: int, capacity: int) -> None:

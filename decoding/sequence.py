@@ -1,0 +1,57 @@
+"""What a policy that decodes one sequence offers (naive, speculative, medusa, headsplit), and its one way to
+run a request alone.
+
+Such a policy says how many cache slots a request needs (`capacity`) and, for a session that is open and may
+already hold part of the prompt (prefix reuse, or a fork of a shared prompt), builds the engine program that
+decodes the rest (`prepare`). Run alone, the request opens its own session; outline runs the same programs
+for its points on sessions forked from the prompt they share, so every point decodes exactly as its policy
+decodes a request alone.
+"""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Protocol
+
+from edgespec.decoding.stats import StepStats
+from edgespec.decoding.text import TextStream
+from edgespec.decoding.types import GenerationRequest
+from edgespec.model.engine import Program
+from edgespec.model.runner import ModelRunner
+
+
+@dataclass
+class Prepared:
+    """A request made ready to decode: its engine program, the statistics it keeps and the TextStream its
+    tokens go through (whose max_tokens a caller sharing a budget may lower while it runs)."""
+
+    program: Program
+    stats: StepStats
+    text: TextStream
+
+
+class SequencePolicy(Protocol):
+    name: str
+
+    def capacity(self, request: GenerationRequest, model: ModelRunner) -> int:
+        """Cache slots the request may write: its prompt, its tokens and any scratch rows (drafts, a tree)."""
+
+    async def prepare(self, request: GenerationRequest, model: ModelRunner, tokenizer, session
+                      ) -> Prepared:
+        """The engine program that decodes the request on the open `session` (its prompt from slot
+        session.length on)."""
+
+
+async def run_alone(policy: SequencePolicy, request: GenerationRequest, model: ModelRunner, tokenizer):
+    """Decode the request on a session of its own: its TokenEvents. The session is released whatever happens
+    (a client that disconnects frees it at once)."""
+    session = await model.open(policy.capacity(request, model), prompt=request.prompt_ids)
+    try:
+        prepared = await policy.prepare(request, model, tokenizer, session)
+        # closed here, not when collected: the engine stops the program before the session is released
+        async with aclosing(model.engine.run(session, prepared.program)) as events:
+            async for event in events:
+                yield event
+    finally:
+        await model.release(session)
