@@ -23,7 +23,7 @@ from edgespec.model.runner import ModelRunner
 
 class MedusaPolicy:
     name = "medusa"
-    options = frozenset({"tree", "acceptance", "posterior_threshold", "posterior_alpha"})
+    options = frozenset({"tree", "acceptance", "posterior_threshold", "posterior_alpha", "step_tokens"})
 
     def __init__(self, heads: MedusaModel | None):
         """heads: trained Medusa heads for the served model (decoding/medusa_heads.py), or None (the policy then
@@ -46,6 +46,9 @@ class MedusaPolicy:
             value = options.get(key, 0.1)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= hi:
                 raise ValueError(f"{key} must be a number in (0, {hi}], got {value!r}")
+        step_tokens = options.get("step_tokens", 1)
+        if not isinstance(step_tokens, int) or isinstance(step_tokens, bool) or not 1 <= step_tokens <= 1024:
+            raise ValueError(f"step_tokens must be an integer from 1 to 1024, got {step_tokens!r}")
 
     def _tree(self, request: GenerationRequest) -> Tree:
         options = request.policy_options
@@ -76,11 +79,18 @@ class MedusaPolicy:
         stats.session = session
         stats.cached_prompt_tokens = session.length
         root_only = Tree([])
+        # With step_tokens, a step's tree is the first step_tokens / (sequences in the last step) nodes of the
+        # tree (by depth, then rank: a tree too): on a CPU a pass costs about linearly in its rows, so
+        # sequences that share steps (outline's points) share the candidates, and a sequence left alone gets
+        # the whole tree again.
+        step_tokens = options.get("step_tokens")
+        trees = [Tree(tree.paths[:m]) for m in range(len(tree))]  # trees[m] has m + 1 nodes
 
-        def inputs(root: int, hidden, start: int):
+        def inputs(root: int, hidden, start: int, sequences: int):
             # the next pass's tree ids [1, T], positions [1, T] and mask [1, T, start + T] (on the model thread);
             # near the end of the cache, the root alone
-            step_tree = tree if start + len(tree) <= session.capacity else root_only
+            step_tree = trees[max(1, min(step_tokens // sequences, len(tree))) - 1] if step_tokens else tree
+            step_tree = step_tree if start + len(step_tree) <= session.capacity else root_only
             candidates = heads.candidates(hidden, step_tree.top) if step_tree.top else None
             node_tokens = step_tree.tokens(root, candidates)
             return step_tree, node_tokens, step_tree.positions(start), step_tree.mask(start)
@@ -95,7 +105,7 @@ class MedusaPolicy:
         prompt, want_logprobs = request.prompt_ids, request.sampling.logprobs
         out = yield Rows(prompt[session.length:], last_only=True, features=True)
         token, lp = sampler.choose_with_logprob(out.logits[0, -1])  # [1, 1, V]
-        step, nxt = [(token, lp)], inputs(token, out.hidden[0, -1], len(prompt))
+        step, nxt = [(token, lp)], inputs(token, out.hidden[0, -1], len(prompt), out.sequences)
         tokens = list(prompt)
         while True:
             tokens += [t for t, _ in step]
@@ -113,7 +123,8 @@ class MedusaPolicy:
             # each token came from the logits of the path's node before it
             lps = [sampler.logprob(out.logits[0, n], t) if want_logprobs else None
                    for n, t in zip(verdict.path, verdict.tokens, strict=True)]
-            nxt = inputs(verdict.tokens[-1], out.hidden[0, verdict.path[-1]], start + len(verdict.path))
+            nxt = inputs(verdict.tokens[-1], out.hidden[0, verdict.path[-1]], start + len(verdict.path),
+                         out.sequences)
             kept = [start + n for n in verdict.path]
             # the cached tokens are a plain run again: the root and the accepted candidates
             model.commit(session, kept, start, tokens[:start] + [node_tokens[n] for n in verdict.path])

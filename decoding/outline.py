@@ -11,8 +11,9 @@ decoded by the fallback policy instead, and the `decoding` object says why.
 
 With `{"verify": "medusa"}` or `"speculative"` (Jupiter combines outline with draft-and-verify), the outline
 and every point are decoded by that policy, exactly: every point gets the tokens it would get alone. A step
-then holds at most about `pass_tokens` tokens of the points' candidates together (a Medusa tree, or a draft
-length, of pass_tokens / points each), since on a CPU a pass costs about linearly in its tokens.
+then holds about `pass_tokens` tokens of the points' candidates together (Medusa's trees sized anew each step
+by the sequences in it, a draft length of pass_tokens / points), since on a CPU a pass costs about linearly
+in its tokens.
 """
 
 from __future__ import annotations
@@ -75,13 +76,14 @@ class OutlinePolicy:
         if hasattr(self.verifiers[verify], "check"):
             self.verifiers[verify].check({})
 
-    def _point_options(self, verify: str, points: int, pass_tokens: int) -> dict:
-        # each point's share of a step's candidate tokens: a Medusa tree of that many nodes, or a draft of one less
-        each = max(1, pass_tokens // points)
+    @staticmethod
+    def _point_options(verify: str, points: int, pass_tokens: int) -> dict:
+        # the points share a step's candidate tokens: Medusa's trees are sized by the sequences in each step (as
+        # points finish, the others get more), a draft by the points at the start
         if verify == "medusa":
-            return {"tree": self.verifiers["medusa"].heads.tree.paths[:each - 1]}
+            return {"step_tokens": pass_tokens}
         if verify == "speculative":
-            return {"k": max(1, each - 1)}
+            return {"k": max(1, pass_tokens // points - 1)}
         return {}
 
     async def _outline(self, request: GenerationRequest, model: ModelRunner, tokenizer, verify: str,

@@ -107,9 +107,10 @@ def test_a_tree_pass_gives_each_node_its_paths_logits(tiny_loaded):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("paths", [None, WIDE, CHAIN, [[0]], []])
+@pytest.mark.parametrize("paths", [None, WIDE, CHAIN, [[0]], [], "step_tokens"])
 def test_greedy_equals_naive(tiny_loaded, heads, naive_tokens, paths):
-    options = {} if paths is None else {"tree": paths}
+    # step_tokens: each step's tree is a prefix of the tree, sized by the sequences in the step
+    options = {} if paths is None else {"step_tokens": 3, "tree": WIDE} if paths == "step_tokens" else {"tree": paths}
     got, last = generate(MedusaPolicy(heads), tiny_loaded, PROMPT, 40, options)
     assert got == naive_tokens
     st = last.stats
@@ -158,7 +159,7 @@ def test_typical_acceptance_is_flagged_and_greedy_at_temperature_zero(tiny_loade
 def test_bad_options_and_missing_heads_are_refused(heads):
     policy = MedusaPolicy(heads)
     for options in ({"tree": [[0, 0]]}, {"tree": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]},
-                    {"acceptance": "fast"}, {"posterior_alpha": 0}):
+                    {"acceptance": "fast"}, {"posterior_alpha": 0}, {"step_tokens": 0}, {"step_tokens": True}):
         with pytest.raises(ValueError):
             policy.check(options)
     policy.check({"tree": CHAIN, "acceptance": "typical"})
