@@ -13,7 +13,7 @@ from edgespec.decoding.medusa_heads import MedusaModel
 from edgespec.decoding.medusa_tree import Tree
 from edgespec.decoding.medusa_verify import descend, typical
 from edgespec.decoding.sampling import Sampler
-from edgespec.decoding.sequence import Prepared, run_alone
+from edgespec.decoding.sequence import Prepared, run_alone, start
 from edgespec.decoding.stats import StepStats, push_run
 from edgespec.decoding.text import TextStream
 from edgespec.decoding.types import GenerationRequest
@@ -71,20 +71,16 @@ class MedusaPolicy:
                 return typical(sampler, tree, node_tokens, logits, threshold, alpha)
         else:
             rule = descend
-        sampler = await model.call(Sampler, request.sampling, model.cfg.vocab_size)
-        text = TextStream(tokenizer, request.stop, request.stop_token_ids, request.max_tokens)
-        stats = StepStats(self.name)
+        sampler, text, stats = await start(self.name, request, model, tokenizer, session)
         stats.exact = rule is descend
         stats.accepted_lengths = {}
-        stats.session = session
-        stats.cached_prompt_tokens = session.length
         root_only = Tree([])
         # With step_tokens, a step's tree is the first step_tokens / (sequences in the last step) nodes of the
         # tree (by depth, then rank: a tree too): on a CPU a pass costs about linearly in its rows, so
         # sequences that share steps (outline's points) share the candidates, and a sequence left alone gets
         # the whole tree again.
         step_tokens = options.get("step_tokens")
-        trees = [Tree(tree.paths[:m]) for m in range(len(tree))]  # trees[m] has m + 1 nodes
+        trees = [Tree(tree.paths[:m]) for m in range(len(tree))] if step_tokens else None  # trees[m]: m + 1 nodes
 
         def inputs(root: int, hidden, start: int, sequences: int):
             # the next pass's tree ids [1, T], positions [1, T] and mask [1, T, start + T] (on the model thread);

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from edgespec.decoding.sampling import Sampler
-from edgespec.decoding.sequence import Prepared, run_alone
+from edgespec.decoding.sequence import Prepared, run_alone, start
 from edgespec.decoding.stats import StepStats
 from edgespec.decoding.text import TextStream
 from edgespec.decoding.types import GenerationRequest, TokenEvent
@@ -23,11 +23,7 @@ class NaivePolicy:
         return len(request.prompt_ids) + request.max_tokens
 
     async def prepare(self, request: GenerationRequest, model: ModelRunner, tokenizer, session):
-        sampler = await model.call(Sampler, request.sampling, model.cfg.vocab_size)
-        text = TextStream(tokenizer, request.stop, request.stop_token_ids, request.max_tokens)
-        stats = StepStats(self.name)
-        stats.session = session
-        stats.cached_prompt_tokens = session.length
+        sampler, text, stats = await start(self.name, request, model, tokenizer, session)
         return Prepared(self.program(request, model, session, sampler, text, stats), stats, text)
 
     def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):

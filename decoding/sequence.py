@@ -14,6 +14,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Protocol
 
+from edgespec.decoding.sampling import Sampler
 from edgespec.decoding.stats import StepStats
 from edgespec.decoding.text import TextStream
 from edgespec.decoding.types import GenerationRequest
@@ -41,6 +42,18 @@ class SequencePolicy(Protocol):
                       ) -> Prepared:
         """The engine program that decodes the request on the open `session` (its prompt from slot
         session.length on)."""
+
+
+async def start(name: str, request: GenerationRequest, model: ModelRunner, tokenizer, session
+                ) -> tuple[Sampler, TextStream, StepStats]:
+    """What every such program starts from: the request's Sampler (built on the model thread), the TextStream
+    its tokens go through, and statistics tied to the session."""
+    sampler = await model.call(Sampler, request.sampling, model.cfg.vocab_size)
+    text = TextStream(tokenizer, request.stop, request.stop_token_ids, request.max_tokens)
+    stats = StepStats(name)
+    stats.session = session
+    stats.cached_prompt_tokens = session.length
+    return sampler, text, stats
 
 
 async def run_alone(policy: SequencePolicy, request: GenerationRequest, model: ModelRunner, tokenizer):

@@ -10,7 +10,7 @@ import time
 from edgespec.decoding.draft_cost import DraftCosts, DraftLength, PassCosts, prior_costs
 from edgespec.decoding.drafters import NgramDrafter
 from edgespec.decoding.sampling import Sampler
-from edgespec.decoding.sequence import Prepared, run_alone
+from edgespec.decoding.sequence import Prepared, run_alone, start
 from edgespec.decoding.stats import StepStats, push_run
 from edgespec.decoding.text import TextStream
 from edgespec.decoding.types import GenerationRequest
@@ -72,12 +72,8 @@ class SpeculativePolicy:
         seeded = request.sampling.seed is not None and not request.sampling.greedy
         costs = prior_costs() if seeded else (self.passes, self.draft_costs)  # seeded: the same K every time
         length = DraftLength(*costs, self.k, self.k_min, max(self.k_max, options.get("k", 0)), options.get("k"))
-        sampler = await model.call(Sampler, request.sampling, model.cfg.vocab_size)
-        text = TextStream(tokenizer, request.stop, request.stop_token_ids, request.max_tokens)
-        stats = StepStats(self.name)
+        sampler, text, stats = await start(self.name, request, model, tokenizer, session)
         stats.drafter = name
-        stats.session = session
-        stats.cached_prompt_tokens = session.length
         program = self.program(request, model, session, chain, observe, seeded, length, sampler, text, stats)
         return Prepared(program, stats, text)
 

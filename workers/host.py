@@ -145,6 +145,10 @@ class StageHost:
             fn(*args)
             self.steps[session] = step
 
+    def _check_capacity(self, capacity: int) -> None:
+        if capacity > self.cfg.max_position_embeddings:
+            raise ValueError(f"capacity {capacity} exceeds the model's context of {self.cfg.max_position_embeddings}")
+
     def open(self, session: str, step: int, capacity: int, layers: list[int] | None = None) -> None:
         """Open a session's cache; `layers`, when given, must be what this worker holds (a controller whose
         placement failed to apply must not route through layers it does not expect)."""
@@ -152,8 +156,7 @@ class StageHost:
         a = self.assignment
         if layers is not None and list(layers) != [a.first, a.last]:
             raise AssignmentError(f"this worker holds layers [{a.first}, {a.last}), not {layers}")
-        if capacity > self.cfg.max_position_embeddings:
-            raise ValueError(f"capacity {capacity} exceeds the model's context of {self.cfg.max_position_embeddings}")
+        self._check_capacity(capacity)
         self._apply(session, step, stage.open, session, capacity)
 
     def forward(self, session: str, step: int, start: int, body: bytes, onward: bool = False) -> tuple[bytes, float]:
@@ -235,14 +238,12 @@ class StageHost:
         self._apply(session, step, self._stage().commit, session, kept, dest)
 
     def fork(self, session: str, step: int, child: str, prefix_len: int, capacity: int) -> None:
-        if capacity > self.cfg.max_position_embeddings:
-            raise ValueError(f"capacity {capacity} exceeds the model's context of {self.cfg.max_position_embeddings}")
+        self._check_capacity(capacity)
         self._apply(session, step, self._stage().fork, session, child, prefix_len, capacity)
         self.steps.setdefault(child, 0)
 
     def clone(self, session: str, step: int, child: str, prefix_len: int, capacity: int) -> None:
-        if capacity > self.cfg.max_position_embeddings:
-            raise ValueError(f"capacity {capacity} exceeds the model's context of {self.cfg.max_position_embeddings}")
+        self._check_capacity(capacity)
         self._apply(session, step, self._stage().clone, session, child, prefix_len, capacity)
         self.steps.setdefault(child, 0)  # the child's own steps start at 1, and in order (see ready)
 
