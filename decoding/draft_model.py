@@ -90,7 +90,7 @@ class ModelDrafter:
         self.model, self.name = model, model.name
         self.greedy = params.greedy
         self.sampler = draft_sampler(params, model.cfg.vocab_size)
-        self.caches: list[KVCache] = [s.new_cache(capacity, initial=256) for s in model.stacks]
+        self.caches: list[KVCache] = [s.new_cache(capacity) for s in model.stacks]
         self.cached: list[int] = []  # the ids in the caches' slots
 
     def _feed(self, ids: list[int]) -> torch.Tensor:

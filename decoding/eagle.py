@@ -103,7 +103,7 @@ class FeatureDrafter:
         self.greedy = params.greedy
         self.sampler = draft_sampler(params, model.cfg.vocab_size)
         cfg = model.cfg
-        self.cache = KVCache(1, cfg.n_kv_heads, cfg.head_dim, capacity, model.ends.dtype, initial=256)
+        self.cache = KVCache.alone(1, cfg.n_kv_heads, cfg.head_dim, capacity, model.ends.dtype)
         self.g = torch.empty(capacity, cfg.hidden_size, dtype=model.ends.dtype)  # [capacity, H] target features
         self.first = None  # first position with a feature (a cached prompt prefix has none)
         self.known = 0  # features known for positions first..known-1
@@ -126,8 +126,8 @@ class FeatureDrafter:
         x = net.fc(torch.cat([g_prev.unsqueeze(0), emb], dim=-1))  # [1, T, H]
         positions = torch.arange(start, start + t).unsqueeze(0)  # [1, T]
         slot = start - self.first - 1
-        self.cache.check_write(slot, t, 1)
-        self.cache.ensure(slot + t)
+        self.cache.check_write(slot, t)
+        self.cache.ensure(slot, slot + t)
         mask = None if t == 1 else torch.arange(slot + t).unsqueeze(0) <= (slot + torch.arange(t)).unsqueeze(1)
         x = net.layer(x, net.rotary(positions), self.cache, 0, slot, mask)
         self.cache.length = slot + t

@@ -17,7 +17,7 @@ from edgespec.decoding.sequence import Prepared, run_alone, start
 from edgespec.decoding.stats import StepStats, push_run
 from edgespec.decoding.text import TextStream
 from edgespec.decoding.types import GenerationRequest
-from edgespec.model.engine import Rows
+from edgespec.model.engine import Propose, Rows
 from edgespec.model.runner import ModelRunner
 
 
@@ -83,11 +83,12 @@ class MedusaPolicy:
         trees = [Tree(tree.paths[:m]) for m in range(len(tree))] if step_tokens else None  # trees[m]: m + 1 nodes
 
         def inputs(root: int, hidden, start: int, sequences: int):
-            # the next pass's tree ids [1, T], positions [1, T] and mask [1, T, start + T] (on the model thread);
-            # near the end of the cache, the root alone
+            # the next pass's tree ids [1, T], positions [1, T] and mask [1, T, start + T] (on the model thread),
+            # the heads' candidates asked of the engine (batched with the other sequences'); near the end of the
+            # cache, the root alone
             step_tree = trees[max(1, min(step_tokens // sequences, len(tree))) - 1] if step_tokens else tree
             step_tree = step_tree if start + len(step_tree) <= session.capacity else root_only
-            candidates = heads.candidates(hidden, step_tree.top) if step_tree.top else None
+            candidates = (yield Propose(heads, (hidden, step_tree.top))) if step_tree.top else None
             node_tokens = step_tree.tokens(root, candidates)
             return step_tree, node_tokens, step_tree.positions(start), step_tree.mask(start)
 
@@ -101,7 +102,7 @@ class MedusaPolicy:
         prompt, want_logprobs = request.prompt_ids, request.sampling.logprobs
         out = yield Rows(prompt[session.length:], last_only=True, features=True)
         token, lp = sampler.choose_with_logprob(out.logits[0, -1])  # [1, 1, V]
-        step, nxt = [(token, lp)], inputs(token, out.hidden[0, -1], len(prompt), out.sequences)
+        step, nxt = [(token, lp)], (yield from inputs(token, out.hidden[0, -1], len(prompt), out.sequences))
         tokens = list(prompt)
         while True:
             tokens += [t for t, _ in step]
@@ -119,8 +120,8 @@ class MedusaPolicy:
             # each token came from the logits of the path's node before it
             lps = [sampler.logprob(out.logits[0, n], t) if want_logprobs else None
                    for n, t in zip(verdict.path, verdict.tokens, strict=True)]
-            nxt = inputs(verdict.tokens[-1], out.hidden[0, verdict.path[-1]], start + len(verdict.path),
-                         out.sequences)
+            nxt = yield from inputs(verdict.tokens[-1], out.hidden[0, verdict.path[-1]], start + len(verdict.path),
+                                    out.sequences)
             kept = [start + n for n in verdict.path]
             # the cached tokens are a plain run again: the root and the accepted candidates
             model.commit(session, kept, start, tokens[:start] + [node_tokens[n] for n in verdict.path])

@@ -44,7 +44,7 @@ def _measure(model: str | None, heads_path: Path, sizes: list[int], context: int
     def tree_step(logits, hidden):  # the policy's work after a tree pass: two nodes' argmax, the Medusa heads
         for node in range(2):
             int(logits[0, node].argmax())
-        return heads.candidates(hidden[0, 1], 4)
+        return heads.propose_batch([(hidden[0, 1], 4)])[0]
 
     async def measure() -> dict[int, float]:
         session = await runner.open(context + max(sizes) + 1)

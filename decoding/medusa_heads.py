@@ -79,8 +79,13 @@ class MedusaModel:
         return cls(pack_linears(net.eval()), ends, tree)
 
     @torch.inference_mode()
-    def candidates(self, hidden: torch.Tensor, top: int) -> torch.Tensor:
-        """hidden [H] (a last-layer output, before the final norm) -> each head's `top` best ids [K, top]."""
-        g = self.ends.norm(hidden.to(self.ends.dtype))  # [H]
-        logits = self.head(self.net(g))  # [K, N]
-        return self.net.vocab[logits.topk(min(top, logits.shape[-1]), dim=-1).indices]  # [K, top]
+    def propose_batch(self, requests: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+        """(hidden [H], top) per sequence (a last-layer output, before the final norm) -> each head's `top`
+        best ids [K, top] per sequence: the engine's batched proposer (model/engine.py's Propose). The heads
+        and the restricted LM head run once over every sequence's row: their kernels are row-invariant, so each
+        sequence gets the bits it gets alone, and the head's rows are read once per step, not once per
+        sequence."""
+        g = self.ends.norm(torch.stack([h for h, _ in requests]).to(self.ends.dtype))  # [n, H]
+        logits = self.head(self.net(g))  # [n, K, N]
+        return [self.net.vocab[lg.topk(min(top, lg.shape[-1]), dim=-1).indices]  # [K, top]
+                for lg, (_, top) in zip(logits, requests, strict=True)]

@@ -13,7 +13,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from edgespec.model.stage import CapacityError
+from edgespec.model.kv_pool import CapacityError
 
 
 class QueueFullError(CapacityError):

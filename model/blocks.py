@@ -120,8 +120,7 @@ class AttentionBlock(nn.Module):
         # x [B, T, H] (already normed) -> partial attention output [B, T, H]
         if self.compiled:
             return compiled().attention_block(x.float(), self.qkv.kernel, self.o.kernel, self.n_q, self.n_kv,
-                                             rope.cos, rope.sin, *cache.storage(layer, start), start,
-                                             _heads_mask(mask))
+                                             rope.cos, rope.sin, *cache.storage(layer), start, _heads_mask(mask))
         b, t, _ = x.shape
         heads = self.n_q + 2 * self.n_kv
         qkv = self.qkv(x)  # [B, T, heads * hd]
@@ -129,7 +128,7 @@ class AttentionBlock(nn.Module):
         qkv = qkv.view(b, heads, 1, self.hd) if t == 1 else qkv.view(b, t, heads, self.hd).transpose(1, 2)
         qk = rope(qkv[:, : self.n_q + self.n_kv])  # q and k rotated together
         q, k, v = qk[:, : self.n_q], qk[:, self.n_q :], qkv[:, self.n_q + self.n_kv :]
-        keys, values = cache.write(layer, start, k, v)  # [B, n_kv, S, hd]
+        keys, values = cache.write(layer, start, k, v)  # [1, n_kv, S, hd]
         attn = attend(q, keys, values, start, mask, self.n_q != self.n_kv)  # [B, n_q, T, hd]
         out = attn.reshape(b, 1, self.n_q * self.hd) if t == 1 else attn.transpose(1, 2).reshape(b, t, -1)
         return self.o(out)
@@ -212,7 +211,7 @@ class DecoderLayer(nn.Module):
             return compiled().decoder_layer(x.float(), self.input_norm.weight, self.post_norm.weight,
                                            self.input_norm.eps, attn.qkv.kernel, attn.o.kernel,
                                            ffn.gate_up.kernel, ffn.down.kernel, attn.n_q, attn.n_kv, rope.cos,
-                                           rope.sin, *cache.storage(layer, start), start, _heads_mask(mask))
+                                           rope.sin, *cache.storage(layer), start, _heads_mask(mask))
         x = x + self.attn(self.input_norm(x), rope, cache, layer, start, mask)
         return x + self.ffn(self.post_norm(x))
 
@@ -225,7 +224,7 @@ class DecoderLayer(nn.Module):
         hd = rope.cos.shape[-1]
         if self.compiled:
             k = compiled()
-            kv = [k.SeqKV(*s.cache.storage(layer, s.start), s.start, s.length, _heads_mask(s.mask)) for s in seqs]
+            kv = [k.SeqKV(*s.cache.storage(layer), s.start, s.length, _heads_mask(s.mask)) for s in seqs]
             return k.decoder_layer_rows(x.float(), self.input_norm.weight, self.post_norm.weight,
                                         self.input_norm.eps, attn.qkv.kernel, attn.o.kernel, ffn.gate_up.kernel,
                                         ffn.down.kernel, attn.n_q, attn.n_kv, rope.cos.reshape(-1, hd),

@@ -6,7 +6,9 @@ accept: the tokens, and a KV operation such as a truncation or a tree commit), a
 stream. Each step the engine takes every running program's rows, runs them as one forward pass through the
 stages (a ragged batch: each sequence's rows at its own slots and positions, with its own mask), and hands
 every program its part; the programs then sample with their own parameters and plan the next step, still
-on the model thread, so the next step needs nothing from the event loop. Steps follow one another while no
+on the model thread, so the next step needs nothing from the event loop. A program that needs a proposer's
+work between two steps (Medusa's heads on its last hidden state) yields a `Propose`: the engine answers every
+sequence's proposals of one proposer in one batched call before the next step. Steps follow one another while no
 other job waits for the model thread (an arriving request's admission, a release), and the event loop only
 streams the events the programs yielded.
 
@@ -75,7 +77,18 @@ class Out:
     rows: int
 
 
-Program = Generator["Rows | object", "Out | None", None]
+@dataclass(frozen=True)
+class Propose:
+    """A program's request for a proposer's work before its next rows: `proposer.propose_batch(requests)`
+    answers the requests of every sequence that asks it between the same two steps, in one call (one read of
+    its weights for all of them), each answer what the request alone would get; the program receives its
+    answer as the value of its `yield`."""
+
+    proposer: object
+    request: object
+
+
+Program = Generator["Rows | Propose | object", "Out | object | None", None]
 
 
 @dataclass
@@ -86,6 +99,7 @@ class _Sequence:
     loop: asyncio.AbstractEventLoop
     index: int = 0  # its place in the group it was started with (Engine.run_group)
     rows: Rows | None = None  # the rows planned for the next step
+    asking: Propose | None = None  # a proposal it waits for before it plans them
     done: int = 0  # of a long prompt's rows: how many earlier steps have fed
     earlier: list = field(default_factory=list)  # their hidden states [1, chunk, H], when features are wanted
     cancelled: bool = False  # the consumer went away (a client that disconnected)
@@ -169,32 +183,56 @@ class Engine:
     def _steps(self) -> None:
         # Steps back to back while every running sequence has rows and no other job waits for the thread.
         while True:
-            batch = [s for s in self.live if self._ready(s)]
+            for seq in self.live:
+                self._ready(seq)
+            self._answer()
+            batch = [s for s in self.live if not s.finished and s.rows is not None]
             if not batch:
                 return
             self._step(batch)
             if self.runner.thread.pending():
                 return
 
-    def _ready(self, seq: _Sequence) -> bool:
+    def _ready(self, seq: _Sequence) -> None:
+        # a new or cancelled sequence: run it to its first rows, or end it
         if seq.finished:
-            return False
+            return
         if seq.cancelled:
-            seq.finished = True
+            self._finish(seq, _END)
             seq.program.close()
-            seq.emit(_END)
-            return False
-        if seq.rows is None:
+        elif seq.rows is None and seq.asking is None:
             self._advance(seq, None)
-        return not seq.finished
 
-    def _advance(self, seq: _Sequence, out: Out | None) -> None:
-        # Feed the program its output and run it to its next Rows, emitting what it yields on the way.
+    def _answer(self) -> None:
+        # Every proposal asked since the last step, one batched call per proposer; the answers run the programs
+        # on to their rows (or to more proposals, answered in turn).
+        while asking := [s for s in self.live if s.asking is not None and not s.finished]:
+            by_proposer: dict[int, list[_Sequence]] = {}
+            for seq in asking:
+                by_proposer.setdefault(id(seq.asking.proposer), []).append(seq)
+            for group in by_proposer.values():
+                proposer = group[0].asking.proposer
+                try:
+                    answers = proposer.propose_batch([s.asking.request for s in group])
+                except Exception as exc:
+                    for seq in group:
+                        self._finish(seq, exc)
+                    continue
+                for seq, answer in zip(group, answers, strict=True):
+                    seq.asking = None
+                    self._advance(seq, answer)
+
+    def _advance(self, seq: _Sequence, value) -> None:
+        # Send the program its output (or a proposal's answer) and run it to its next Rows or Propose,
+        # emitting what it yields on the way.
         try:
-            item = seq.program.send(out)
-            while not isinstance(item, Rows):
+            item = seq.program.send(value)
+            while not isinstance(item, Rows | Propose):
                 seq.emit(item)
                 item = seq.program.send(None)
+            if isinstance(item, Propose):
+                seq.asking = item
+                return
             if not item.ids:
                 raise ValueError("a sequence planned no rows")
             seq.rows = item
@@ -204,7 +242,7 @@ class Engine:
             self._finish(seq, exc)
 
     def _finish(self, seq: _Sequence, last) -> None:
-        seq.finished, seq.rows = True, None
+        seq.finished, seq.rows, seq.asking = True, None, None
         seq.emit(last)
 
     def _step(self, batch: list[_Sequence]) -> None:

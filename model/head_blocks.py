@@ -11,8 +11,9 @@ import torch
 from edgespec.model.blocks import FFN, AttentionBlock, RMSNorm, Rotary, causal_mask
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache
+from edgespec.model.kv_pool import CapacityError
 from edgespec.model.linear import WeightFormat, as_format, linear_bytes
-from edgespec.model.stage import SessionError, check_room
+from edgespec.model.stage import SessionError, StepError
 from edgespec.model.weights import TensorSource, load_attention, load_ffn
 
 GroupKV = dict[str, dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]]  # session -> layer -> group -> (k, v)
@@ -32,6 +33,7 @@ class HeadBlocks:
         self.ffn: dict[int, tuple[RMSNorm, FFN]] = {}
         self.sessions: dict[str, dict[int, KVCache]] = {}  # session -> layer -> the cache of its groups here
         self.capacity: dict[str, int] = {}  # session -> its slots
+        self.steps: dict[str, int] = {}  # session -> the step number of its last attend here
         self.kv_budget_bytes: int | None = None  # the bound of the caches here (limit_kv); None: none
         self.reshape(groups, ffns, {})
 
@@ -75,16 +77,19 @@ class HeadBlocks:
     @staticmethod
     def _group_kv(cache: KVCache, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         # the cached keys and values of the cache's index-th group: each [1, 1, length, hd]
-        n = cache.length
-        return cache.k[0][:, index:index + 1, :n].clone(), cache.v[0][:, index:index + 1, :n].clone()
+        k, v = cache.read(0, cache.length)  # [1, n_kv, length, hd] each, copies
+        return k[:, index:index + 1], v[:, index:index + 1]
+
+    def _new_cache(self, n_kv: int, capacity: int) -> KVCache:
+        # one layer's cache of n_kv groups, its whole capacity held from the start (a pool of its own)
+        return KVCache.alone(1, n_kv, self.cfg.head_dim, capacity, self.dtype)
 
     def _cache_of(self, session: str, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> KVCache:
         # a cache of len(kv) groups holding their keys and values (each [1, 1, length, hd])
         length = kv[0][0].shape[2]
-        cache = KVCache(1, len(kv), self.cfg.head_dim, self.capacity[session], self.dtype, initial=length)
+        cache = self._new_cache(len(kv), self.capacity[session])
         if length:
-            cache.k[0][:, :, :length] = torch.cat([k for k, _ in kv], dim=1)
-            cache.v[0][:, :, :length] = torch.cat([v for _, v in kv], dim=1)
+            cache.write(0, 0, torch.cat([k for k, _ in kv], dim=1), torch.cat([v for _, v in kv], dim=1))
         cache.length = length
         return cache
 
@@ -103,20 +108,25 @@ class HeadBlocks:
         self.kv_budget_bytes = nbytes
 
     def open(self, session: str, capacity: int) -> None:
-        caches = {layer: KVCache(1, block.n_kv, self.cfg.head_dim, capacity, self.dtype)
-                  for layer, (_, block) in self.attn.items()}
+        caches = {layer: self._new_cache(block.n_kv, capacity) for layer, (_, block) in self.attn.items()}
         if self.kv_budget_bytes is not None:
-            check_room(self.kv_bytes(), sum(c.nbytes for c in caches.values()), self.kv_budget_bytes)
+            used, nbytes = self.kv_bytes(), sum(c.pool.nbytes for c in caches.values())
+            if used + nbytes > self.kv_budget_bytes:
+                raise CapacityError(f"the KV cache needs {nbytes / 2**20:.1f} MiB more but only "
+                                    f"{(self.kv_budget_bytes - used) / 2**20:.1f} of "
+                                    f"{self.kv_budget_bytes / 2**20:.1f} MiB are free")
         self.capacity[session] = capacity
         self.sessions[session] = caches
+        self.steps[session] = 0
 
     def release(self, session: str) -> None:
         self.sessions.pop(session, None)
         self.capacity.pop(session, None)
+        self.steps.pop(session, None)
 
     def kv_bytes(self) -> int:
         """Bytes of every session's caches here."""
-        return sum(c.nbytes for caches in self.sessions.values() for c in caches.values())
+        return sum(c.pool.nbytes for caches in self.sessions.values() for c in caches.values())
 
     def memory_bytes(self) -> int:
         """Bytes of the blocks' weights and the caches."""
@@ -130,15 +140,25 @@ class HeadBlocks:
 
     @torch.inference_mode()
     def attend(self, session: str, layer: int, x: torch.Tensor, positions: torch.Tensor, start: int,
-               mask: torch.Tensor | None) -> torch.Tensor:
-        """x [B, T, H] (the layer's input) at positions [B, T], its keys and values cached at slots start.. ->
-        this device's partial attention output [B, T, H]. mask [B, T, start+T] (None: causal)."""
+               mask: torch.Tensor | None, step: int) -> torch.Tensor:
+        """x [1, T, H] (the layer's input) at positions [1, T], its keys and values cached at slots start.. ->
+        this device's partial attention output [1, T, H]. mask [1, T, start+T] (None: causal).
+
+        `step` numbers the session's forward passes (HeadSplitPipeline.forward): a call of a step older than
+        the last one seen here is refused with StepError (a late or retried call from before a rollback would
+        overwrite slots written since). Calls of the same step (every layer's, a speculation's recompute, a
+        retry) are applied: each rewrites its slots from the same input, so a repeat changes no bits."""
         if layer not in self.attn:
             raise ValueError(f"layer {layer} has no KV groups here")
-        cache = self._caches(session)[layer]
-        b, t, _ = x.shape
-        cache.check_write(start, t, b)
-        cache.ensure(start + t)
+        caches = self._caches(session)
+        if step < self.steps[session]:
+            raise StepError(f"step {step} of session {session!r} is older than the last one here, "
+                            f"{self.steps[session]}")
+        self.steps[session] = step
+        cache = caches[layer]
+        t = x.shape[1]
+        cache.check_write(start, t)
+        cache.ensure(start, start + t)
         if mask is None and t > 1:
             mask = causal_mask(start, t)
         elif mask is not None and mask.dim() == 3:

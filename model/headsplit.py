@@ -104,6 +104,7 @@ class HeadSplitPipeline:
         self.epsilons: dict[str, float] = {}
         self.wire_stats: dict[str, dict[str, list[int]]] = {}  # session -> link -> [bytes, requests]
         self.lengths: dict[str, int] = {}  # session -> slots written
+        self.steps: dict[str, int] = {}  # session -> its forward passes so far (the step number of the last)
         self.memory: MemoryWatch | None = None
         self.replacements = 0
 
@@ -127,6 +128,7 @@ class HeadSplitPipeline:
         self.epsilons[session] = self.epsilon if epsilon is None else epsilon
         self.wire_stats[session] = {}
         self.lengths[session] = 0
+        self.steps[session] = 0
 
     def set_epsilon(self, session: str, epsilon: float) -> None:
         """The session's speculation tolerance from now on (a request's `epsilon`)."""
@@ -139,6 +141,7 @@ class HeadSplitPipeline:
         self.epsilons.pop(session, None)
         self.wire_stats.pop(session, None)
         self.lengths.pop(session, None)
+        self.steps.pop(session, None)
 
     def wire(self, session: str) -> dict[str, tuple[int, int]]:
         """Bytes and requests per link that the session's steps have sent so far (workers only)."""
@@ -154,6 +157,9 @@ class HeadSplitPipeline:
     def kv_bytes(self) -> int:
         return sum(getattr(d, "kv_bytes", lambda: 0)() for d in self.devices.values())
 
+    def pool_blocks(self) -> tuple[int, int]:
+        return 0, 0  # a device holds each session's groups in caches of their own (model/head_blocks.py)
+
     def close(self) -> None:
         """Free what reaching the devices holds (connections, threads)."""
         if self._close:
@@ -164,13 +170,15 @@ class HeadSplitPipeline:
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [B, T, H] at positions [B, T], cached at slots start.. -> the last layer's output [B, T, H]."""
         stats, eps = self.stats[session], self.epsilons[session]
+        self.steps[session] += 1
+        step = self.steps[session]
         if not self.gathered:
-            out = self.run(session, 0, hidden, positions, start, mask, eps, stats)[0]
+            out = self.run(session, 0, hidden, positions, start, mask, eps, stats, step)[0]
         else:
             layer, wire, out = 0, self.wire_stats[session], hidden
             while layer < len(self.layers):  # each projection worker runs the layers it gathers, then hands back
                 out, layer = self.devices[self.layers[layer].proj].run(session, layer, out, positions, start, mask,
-                                                                       eps, stats, wire)
+                                                                       eps, stats, step, wire)
         self.lengths[session] = start + hidden.shape[1]  # a write ends the caches there
         if self.memory is not None and self.memory.due():
             self.check_memory()
@@ -234,17 +242,18 @@ class HeadSplitPipeline:
                                                                       for g in d.values()))
 
     def run(self, session: str, first: int, hidden: torch.Tensor, positions: torch.Tensor, start: int,
-            mask: torch.Tensor | None, eps: float, stats: SpeculationStats, here: str | None = None
+            mask: torch.Tensor | None, eps: float, stats: SpeculationStats, step: int, here: str | None = None
             ) -> tuple[torch.Tensor, int]:
-        """Layers first.. from their input hidden [B, T, H], while their projection device is `here` (None: all
-        of them) -> (the output [B, T, H] of the last layer run, the next layer to run)."""
+        """Layers first.. from their input hidden [1, T, H] of the session's pass number `step`, while their
+        projection device is `here` (None: all of them) -> (the output [1, T, H] of the last layer run, the
+        next layer to run)."""
         b, t, _ = hidden.shape
         if here is not None and self.layers[first].proj != here:
             raise ValueError(f"layer {first}'s projection runs on {self.layers[first].proj}, not {here}")
 
         def attend_calls(i: int, src: torch.Tensor) -> list:
             # layer i's group devices' partial outputs from src (summed at the projection device)
-            return [lambda d=d: self.devices[d].attend(session, i, src, positions, start, mask)
+            return [lambda d=d: self.devices[d].attend(session, i, src, positions, start, mask, step)
                     for d, gs in self.layers[i].groups.items() if gs]
 
         def ffn_call(i: int, z: torch.Tensor):

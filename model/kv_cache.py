@@ -1,140 +1,120 @@
-"""Preallocated, slot-indexed KV cache of one session over the layers one stage holds.
+"""One sequence's KV cache: a block table over a KV pool (model/kv_pool.py).
 
-Slots are cache positions. Writing at a slot overwrites it, so rolling back a rejected draft is a length
-change (`truncate`), a Medusa tree written into scratch slots is compacted into place with `commit`, and
-`fork` makes rows that read a shared prefix without copying it.
+Slot s of the sequence lives in block table[s // B] at offset s % B. Writing at a slot overwrites it, so
+rolling back a rejected draft is a length change (`truncate`), and a Medusa tree written into scratch slots is
+compacted into place with `commit`. A cache forked from another shares the parent's blocks of its first
+prefix_len slots, read in place (a block that both may still write is copied on the first write into it).
 """
 
 from __future__ import annotations
 
 import torch
 
+from edgespec.model.kv_pool import BLOCK_SLOTS, KVPool
+
 
 class KVCacheError(ValueError):
-    """An operation that does not fit the cache (capacity, slots, rows)."""
+    """An operation that does not fit the cache (capacity, slots)."""
 
 
 class KVCache:
-    """K and V for `n_layers` layers, `rows` sequences and `capacity` slots.
+    """`capacity` slots of one sequence over `pool`. At creation it reserves the blocks its capacity may
+    still need (CapacityError when the pool cannot promise them), so writes within the capacity never fail;
+    `free()` gives its blocks and what is left of its reservation back."""
 
-    Storage: k[layer], v[layer] [rows, n_kv, allocated - prefix_len, head_dim], one tensor per layer (fewer
-    indexing ops per decoding step). Storage starts at `initial` slots and doubles when a write needs
-    more, up to `capacity`: a request that may run to the whole context but stops early costs what it
-    used. A forked cache reads slots [0, prefix_len) from its parent's row 0 and owns the rest.
-    """
+    def __init__(self, pool: KVPool, capacity: int, shared: tuple[KVCache, int] | None = None):
+        parent, length = shared if shared else (None, 0)
+        if capacity < length:
+            raise KVCacheError(f"capacity {capacity} is below the shared prefix length {length}")
+        self.pool, self.capacity, self.length = pool, capacity, length
+        # blocks it may take: those of its slots beyond the shared full blocks (a shared partial block is copied)
+        self.reserve = pool.blocks_for(capacity) - length // pool.block
+        pool.reserve(self.reserve)
+        self.table = parent.table[:pool.blocks_for(length)] if parent else []
+        for block in self.table:
+            pool.share(block)
+        self._table = None  # the table as a tensor, rebuilt after it changes
 
-    def __init__(
-        self,
-        n_layers: int,
-        n_kv: int,
-        head_dim: int,
-        capacity: int,
-        dtype: torch.dtype,
-        rows: int = 1,
-        prefix: tuple[KVCache, int] | None = None,
-        initial: int | None = None,
-    ):
-        self.prefix, self.prefix_len = prefix if prefix else (None, 0)
-        own = capacity - self.prefix_len
-        if own < 0:
-            raise KVCacheError(f"capacity {capacity} is below the shared prefix length {self.prefix_len}")
-        alloc = own if initial is None else max(0, min(own, initial - self.prefix_len))
-        shape = (rows, n_kv, alloc, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
-        self.capacity = capacity
-        self.rows = rows
-        self.length = self.prefix_len  # valid slots, shared prefix included
-
-    @property
-    def allocated(self) -> int:
-        """Slots that have storage now (shared prefix included)."""
-        return self.prefix_len + self.k[0].shape[2]
+    @classmethod
+    def alone(cls, n_layers: int, n_kv: int, head_dim: int, capacity: int, dtype: torch.dtype) -> KVCache:
+        """A cache over a pool of its own, every block of its capacity in its table from the start (a drafter's,
+        a HeadSplit device's group cache, a tool's: what layers called one by one write into)."""
+        cache = cls(KVPool(n_layers, n_kv, head_dim, dtype, -(-capacity // BLOCK_SLOTS)), capacity)
+        cache.ensure(0, capacity)
+        return cache
 
     @property
     def nbytes(self) -> int:
-        """Bytes this cache owns (a shared prefix is counted once, in its parent)."""
-        return sum(t.nbytes for t in self.k) + sum(t.nbytes for t in self.v)
+        """Bytes of the blocks it holds (a shared block counts in every cache that holds it)."""
+        return len(self.table) * self.pool.block_bytes
 
-    def _grown_slots(self, end: int) -> int:
-        """Own slots to allocate so that slot end-1 has storage (doubling, capped at capacity)."""
-        own = self.k[0].shape[2]
-        need = end - self.prefix_len
-        return own if need <= own else min(self.capacity - self.prefix_len, max(need, 2 * own))
+    def table_tensor(self) -> torch.Tensor:
+        """The block table, int64 [nb] (what the compiled kernels read)."""
+        if self._table is None:
+            self._table = torch.tensor(self.table, dtype=torch.long)
+        return self._table
 
-    def growth_bytes(self, end: int) -> int:
-        """Bytes that writing up to slot end-1 would add."""
-        rows, n_kv, own, hd = self.k[0].shape
-        slot_bytes = 2 * len(self.k) * rows * n_kv * hd * self.k[0].element_size()
-        return (self._grown_slots(end) - own) * slot_bytes
-
-    def ensure(self, end: int) -> None:
-        """Grow the storage so that slots up to end-1 exist (kept contents are copied)."""
-        slots = self._grown_slots(end)
-        if slots == self.k[0].shape[2]:
-            return
-        used = self.length - self.prefix_len
-        for store in (self.k, self.v):
-            for i, old in enumerate(store):
-                new = old.new_zeros(old.shape[0], old.shape[1], slots, old.shape[3])
-                new[:, :, :used] = old[:, :, :used]
-                store[i] = new
-
-    def check_write(self, start: int, n: int, rows: int) -> None:
+    def check_write(self, start: int, n: int) -> None:
         """Validate a write of `n` slots from `start` before any layer touches the cache."""
-        if rows != self.rows:
-            raise KVCacheError(f"batch has {rows} rows, the session's cache has {self.rows}")
-        if not self.prefix_len <= start <= self.length:
+        if not 0 <= start <= self.length:
             raise KVCacheError(f"write at slot {start} but the cache holds {self.length} slots (no gaps allowed)")
         if start + n > self.capacity:
             raise KVCacheError(f"{start + n} slots needed, the session's cache holds {self.capacity}")
 
-    def write(
-        self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [rows, n_kv, T, hd] at slots start..start+T of `layer`.
+    def _take(self) -> int:
+        reserved = self.reserve > 0
+        self.reserve -= reserved
+        return self.pool.take(reserved)
 
-        Returns keys and values for slots [0, start+T), each [rows, n_kv, start+T, hd].
-        """
-        lo = start - self.prefix_len
-        hi = lo + k.shape[2]
-        own_k, own_v = self.k[layer], self.v[layer]
-        own_k[:, :, lo:hi] = k
-        own_v[:, :, lo:hi] = v
-        keys, values = own_k[:, :, :hi], own_v[:, :, :hi]
-        if self.prefix is not None:
-            pk, pv = self.prefix.read(layer, self.prefix_len)  # [1, n_kv, P, hd]
-            shape = (self.rows, -1, -1, -1)
-            keys = torch.cat([pk.expand(shape), keys], dim=2)
-            values = torch.cat([pv.expand(shape), values], dim=2)
-        return keys, values
+    def ensure(self, start: int, end: int) -> None:
+        """Give slots [start, end) blocks of this cache's own: new ones past the table, a copy of a shared one."""
+        pool = self.pool
+        first, last = start // pool.block, pool.blocks_for(end)
+        for i in range(first, last):
+            if i == len(self.table):
+                self.table.append(self._take())
+            elif pool.refs[self.table[i]] > 1:
+                old, new = self.table[i], self._take()
+                for store in (*pool.k, *pool.v):
+                    store[new] = store[old]
+                pool.drop(old)
+                self.table[i] = new
+            else:
+                continue
+            self._table = None
 
-    def storage(self, layer: int, start: int):
-        """What a compiled attention call writes and reads for `layer` (model/kernels/layer.cpp): own k, v
-        [rows, n_kv, allocated - P, hd], the slot `start` maps to in them, and the shared prefix's k, v
-        [1, n_kv, P, hd] (None without one) with P. Reading the prefix in place spares write()'s per-step
-        concatenation."""
-        pk = pv = None
-        if self.prefix is not None:
-            pk, pv = self.prefix.read(layer, self.prefix_len)
-        return self.k[layer], self.v[layer], start - self.prefix_len, pk, pv, self.prefix_len
+    def storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a compiled attention call writes and reads for `layer` (model/kernels/layer.cpp): the pool's
+        k, v [N, n_kv, B, hd] and the block table [nb]."""
+        return self.pool.k[layer], self.pool.v[layer], self.table_tensor()
+
+    def _where(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # slots [n] -> their blocks and offsets, each [n]
+        return self.table_tensor()[slots // self.pool.block], slots % self.pool.block
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [1, n_kv, T, hd] at slots start..start+T of `layer` (ensure them first). Returns keys and
+        values for slots [0, start+T), each [1, n_kv, start+T, hd] (a copy: the per-op path's attention)."""
+        blocks, offsets = self._where(torch.arange(start, start + k.shape[2]))
+        self.pool.k[layer][blocks, :, offsets] = k[0].transpose(0, 1)  # [T, n_kv, hd]
+        self.pool.v[layer][blocks, :, offsets] = v[0].transpose(0, 1)
+        return self.read(layer, start + k.shape[2])
 
     def read(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of row 0 for slots [0, n) of `layer`: [1, n_kv, n, hd]."""
-        if n <= self.prefix_len:
-            return self.prefix.read(layer, n)
-        k, v = self.k[layer][:1, :, : n - self.prefix_len], self.v[layer][:1, :, : n - self.prefix_len]
-        if self.prefix is not None:
-            pk, pv = self.prefix.read(layer, self.prefix_len)
-            k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
-        return k, v
+        """Keys and values of slots [0, n) of `layer`: [1, n_kv, n, hd] each."""
+        table = self.table_tensor()[:self.pool.blocks_for(n)]
+
+        def gather(store: torch.Tensor) -> torch.Tensor:
+            blocks = store[table]  # [nb, n_kv, B, hd]
+            return blocks.transpose(0, 1).reshape(blocks.shape[1], -1, blocks.shape[3])[None, :, :n]
+
+        return gather(self.pool.k[layer]), gather(self.pool.v[layer])
 
     def truncate(self, length: int) -> None:
-        """Forget every slot from `length` on (a rejected draft)."""
-        if not self.prefix_len <= length <= self.length:
-            raise KVCacheError(
-                f"cannot truncate to {length}: cache holds {self.length}, shared prefix {self.prefix_len}"
-            )
+        """Forget every slot from `length` on (a rejected draft); the blocks stay for the next writes."""
+        if not 0 <= length <= self.length:
+            raise KVCacheError(f"cannot truncate to {length}: the cache holds {self.length}")
         self.length = length
 
     def commit(self, kept: list[int], dest: int) -> None:
@@ -144,33 +124,22 @@ class KVCache:
         """
         if any(s >= self.length or s < dest for s in kept) or kept != sorted(kept):
             raise KVCacheError(f"kept slots {kept} must be ascending, >= {dest} and below {self.length}")
-        if dest < self.prefix_len:
-            raise KVCacheError(f"cannot commit into the shared prefix (dest {dest} < {self.prefix_len})")
-        src = torch.tensor(kept, dtype=torch.long) - self.prefix_len
-        lo = dest - self.prefix_len
-        for t in (*self.k, *self.v):
-            t[:, :, lo : lo + len(kept)] = t[:, :, src]
+        self.ensure(dest, dest + len(kept))
+        src_b, src_o = self._where(torch.tensor(kept, dtype=torch.long))
+        dst_b, dst_o = self._where(torch.arange(dest, dest + len(kept)))
+        for store in (*self.pool.k, *self.pool.v):
+            store[dst_b, :, dst_o] = store[src_b, :, src_o]  # the source is gathered first: overlaps are safe
         self.length = dest + len(kept)
 
-    def fork(self, prefix_len: int, rows: int, capacity: int, initial: int | None = None) -> KVCache:
-        """A new cache of `rows` rows that reads this cache's slots [0, prefix_len) in place."""
+    def fork(self, prefix_len: int, capacity: int) -> KVCache:
+        """A cache over the same pool that shares this one's first prefix_len slots."""
         if prefix_len > self.length:
             raise KVCacheError(f"prefix of {prefix_len} slots but the cache holds {self.length}")
-        _, n_kv, _, hd = self.k[0].shape
-        return KVCache(len(self.k), n_kv, hd, capacity, self.k[0].dtype, rows=rows, prefix=(self, prefix_len),
-                       initial=initial)
+        return KVCache(self.pool, capacity, shared=(self, prefix_len))
 
-    def clone_prefix(self, prefix_len: int, capacity: int, initial: int | None = None) -> KVCache:
-        """A new one-row cache holding a copy of this cache's slots [0, prefix_len) of row 0 (prefix reuse:
-        a copy once, where a fork would concatenate the shared prefix at every step)."""
-        if not 0 < prefix_len <= self.length:
-            raise KVCacheError(f"prefix of {prefix_len} slots but the cache holds {self.length}")
-        _, n_kv, _, hd = self.k[0].shape
-        child = KVCache(len(self.k), n_kv, hd, capacity, self.k[0].dtype,
-                        initial=max(prefix_len, initial or 0))
-        for layer in range(len(self.k)):
-            k, v = self.read(layer, prefix_len)  # [1, n_kv, P, hd]
-            child.k[layer][:, :, :prefix_len] = k
-            child.v[layer][:, :, :prefix_len] = v
-        child.length = prefix_len
-        return child
+    def free(self) -> None:
+        """Give the blocks and the rest of the reservation back to the pool (once)."""
+        for block in self.table:
+            self.pool.drop(block)
+        self.pool.unreserve(self.reserve)
+        self.table, self.reserve, self._table = [], 0, None

@@ -9,6 +9,7 @@ ModelThread, so the event loop stays free for I/O; policies run their own tensor
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import uuid
 from collections.abc import Callable
@@ -20,9 +21,10 @@ import torch
 from edgespec.model.admission import Admission
 from edgespec.model.config import ModelConfig
 from edgespec.model.engine import Engine, Work
+from edgespec.model.kv_pool import CapacityError
 from edgespec.model.prefix import PrefixCache
 from edgespec.model.stack import TokenEnds
-from edgespec.model.stage import BatchEntry, CapacityError
+from edgespec.model.stage import BatchEntry
 from edgespec.model.thread import ModelThread
 
 
@@ -37,7 +39,7 @@ class Session:
     tokens: list[int] | None = field(default_factory=list)  # ids in slots 0..length; None: cannot be replayed
     passes: int = 0  # forward passes run for it
     shared_with: int = 0  # other sessions' calls in those passes, summed
-    forked: bool = False  # reads a parent's prefix in place: never kept for prefix reuse
+    forked: bool = False  # one of a group forked from a parent (outline's points): never kept for prefix reuse
 
 
 @dataclass(frozen=True)
@@ -85,11 +87,12 @@ class ModelRunner:
         return await self._run(fn, *args)
 
     async def open(self, capacity: int, prompt: list[int] | None = None) -> Session:
-        """A new session with room for `capacity` slots. With `prompt`, the session may start with the KV of a
-        kept session that shares a prefix with it: session.length tells how much of the prompt is already
-        cached. When the cache does not fit, kept prefixes are dropped, oldest first; then, while other
-        sessions hold caches, the request waits for one to be released (model.admission): QueueFullError
-        when the queue is full or the wait runs out, CapacityError when nothing else holds room to give."""
+        """A new session with room for `capacity` slots, reserved on every stage's KV pool. With `prompt`, the
+        session may start from the blocks of a kept session that shares a prefix with it (read in place):
+        session.length tells how much of the prompt is already cached. When the pool cannot reserve its
+        blocks, kept prefixes are dropped, oldest first; then, while other sessions hold caches, the request
+        waits for one to be released (model.admission): QueueFullError when the queue is full or the wait runs
+        out, CapacityError when nothing else holds room to give."""
         session = Session(f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}", capacity, generation=self.generation)
         found = self.prefix.match(prompt, self.generation) if self.prefix and prompt else None
         joined = None  # when the request joined the admission queue
@@ -98,7 +101,7 @@ class ModelRunner:
                 try:
                     if found:
                         entry, n = found
-                        await self._run(self.pipeline.clone, entry.session.id, session.id, n, capacity)
+                        await self._run(self.pipeline.fork, entry.session.id, session.id, n, capacity)
                         session.length, session.tokens = n, entry.tokens[:n]
                     else:
                         await self._run(self.pipeline.open, session.id, capacity)
@@ -124,9 +127,8 @@ class ModelRunner:
 
     async def fork(self, parent: Session, prefix_len: int, capacity: int) -> Session:
         """A new session that reads the parent's first prefix_len slots in place on every stage (outline's
-        points after the prompt they share: its KV is held once); `capacity` counts those slots too. Release
-        it before the parent. After a re-plan it is rebuilt from its tokens like any session, into a cache
-        of its own."""
+        points after the prompt they share: its blocks are held once); `capacity` counts those slots too.
+        After a re-plan it is rebuilt from its tokens like any session, into blocks of its own."""
         tokens = parent.tokens[:prefix_len] if parent.tokens is not None else None
         child = Session(f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}", capacity, length=prefix_len,
                         generation=self.generation, tokens=tokens, forked=True)
@@ -139,21 +141,43 @@ class ModelRunner:
         return child
 
     async def release(self, session: Session) -> None:
-        """Free the session, or keep it for prefix reuse when it is a plain run of tokens."""
+        """Free the session, and keep its tokens' blocks for prefix reuse when it is a plain run of tokens."""
         # Callers release in a `finally` that also runs when the request is cancelled (a client that
-        # disconnected mid-stream): shielded, so cancelling it does not leak the session's KV cache.
+        # disconnected mid-stream), and may be cancelled again while it runs: the release is a task of its own
+        # that runs to its end, so no cancellation leaves the session's blocks held.
+        await asyncio.shield(self._release(session))
+
+    async def _release(self, session: Session) -> None:
         self.held.discard(session.id)
         freed = [session]
         if self.prefix is not None and session.tokens is not None and session.generation == self.generation \
-                and not session.forked:
-            tokens = session.tokens[:session.length]
-            nbytes = self.pipeline.session_bytes(session.id)  # in-process stages know; workers: None, estimated
-            if nbytes is None:
-                nbytes = self.cfg.kv_bytes_per_token(dtype=self.ends.dtype) * len(tokens)
-            freed = self.prefix.add(session, tokens, nbytes, self.generation)
+                and not session.forked and session.length >= self.prefix.min_tokens:
+            kept = await self._keep(session)
+            if kept is not None:
+                nbytes = self.pipeline.session_bytes(kept.id)  # in-process stages know; workers: None, estimated
+                if nbytes is None:
+                    nbytes = self.cfg.kv_bytes_per_token(dtype=self.ends.dtype) * kept.length
+                freed += self.prefix.add(kept, kept.tokens, nbytes, self.generation)
         for s in freed:
-            await self.thread.run_shielded(self.pipeline.release, s.id)
+            await self._run(self.pipeline.release, s.id)
         self.admission.released()
+
+    async def _keep(self, session: Session) -> Session | None:
+        # A session of exactly the finished one's tokens, sharing its blocks on every stage: kept for prefix
+        # reuse, it holds no reservation for the slots the finished one might still have written. Best effort:
+        # None when the fork fails (no room for its one partial block, a worker lost or re-placed meanwhile),
+        # and the finished request is not disturbed.
+        n = session.length
+        kept = Session(f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}", n, length=n, generation=self.generation,
+                       tokens=session.tokens[:n])
+        try:
+            await self._run(self.pipeline.fork, session.id, kept.id, n, n)
+            if kept.generation == self.generation:
+                return kept
+        except Exception:  # any failure only costs the reuse
+            pass
+        await self._run(self.pipeline.release, kept.id)
+        return None
 
     def _forward(self, session: Session, ids: torch.Tensor, positions, start: int, mask, last_only: bool, then,
                  features: bool = False):
@@ -295,6 +319,10 @@ class ModelRunner:
 
     def kv_bytes(self) -> int:
         return self.pipeline.kv_bytes()
+
+    def pool_blocks(self) -> tuple[int, int]:
+        """The stages' KV pool blocks in use and free (zero where workers hold the pools: see their /info)."""
+        return self.pipeline.pool_blocks()
 
     def close(self) -> None:
         self.thread.shutdown()

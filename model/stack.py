@@ -12,6 +12,7 @@ from torch import nn
 from edgespec.model.blocks import DecoderLayer, RMSNorm, Rotary, SeqRows
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache
+from edgespec.model.kv_pool import KVPool
 from edgespec.model.linear import Q8Linear, WeightFormat, as_format, head_matrix, make_linear
 from edgespec.model.quant import Q8, Interleaved, Matrix
 from edgespec.model.weights import load_layer
@@ -40,10 +41,13 @@ class LayerStack(nn.Module):
                 load_layer(layer, src, cfg, first + i, fmt)
         return stack
 
-    def new_cache(self, capacity: int, rows: int = 1, initial: int | None = None) -> KVCache:
-        """A KV cache for these layers; storage for `initial` slots at first (default: all), grown on demand."""
-        return KVCache(len(self.layers), self.cfg.n_kv_heads, self.cfg.head_dim, capacity, self.dtype, rows=rows,
-                       initial=initial)
+    def new_pool(self, nbytes: int) -> KVPool:
+        """A KV pool for these layers of as many blocks as `nbytes` holds (a stage's)."""
+        return KVPool.for_bytes(len(self.layers), self.cfg.n_kv_heads, self.cfg.head_dim, self.dtype, nbytes)
+
+    def new_cache(self, capacity: int) -> KVCache:
+        """A KV cache for these layers over a pool of its own (a drafter's, a tool's, a test's)."""
+        return KVCache.alone(len(self.layers), self.cfg.n_kv_heads, self.cfg.head_dim, capacity, self.dtype)
 
     @torch.inference_mode()
     def forward(
@@ -60,8 +64,10 @@ class LayerStack(nn.Module):
         Returns hidden [B, T, H].
         """
         b, t, _ = hidden.shape
-        cache.check_write(start, t, b)
-        cache.ensure(start + t)
+        if b != 1:
+            raise ValueError(f"a KV cache holds one sequence, the pass has {b} rows")
+        cache.check_write(start, t)
+        cache.ensure(start, start + t)
         rope = self.rotary(positions)
         x = hidden.to(self.dtype)
         for i, layer in enumerate(self.layers):
@@ -75,8 +81,8 @@ class LayerStack(nn.Module):
         rows in turn at RoPE positions [M], each written to its own cache. Every row's output is bitwise what
         its sequence gets in a pass of its own. Returns hidden [M, H]."""
         for s in seqs:
-            s.cache.check_write(s.start, s.length, 1)
-            s.cache.ensure(s.start + s.length)
+            s.cache.check_write(s.start, s.length)
+            s.cache.ensure(s.start, s.start + s.length)
         rope = self.rotary(positions[None])  # [1, 1, M, hd]
         x = hidden.to(self.dtype)
         for i, layer in enumerate(self.layers):

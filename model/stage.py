@@ -18,10 +18,6 @@ from edgespec.model.kv_cache import KVCache, KVCacheError
 from edgespec.model.stack import LayerStack
 
 
-class CapacityError(RuntimeError):
-    """A session's KV cache does not fit the memory budget; the message names the numbers."""
-
-
 class StageFailure(RuntimeError):
     """A stage failed, timed out or could not be reached (a worker, say); `status` is the HTTP status to report."""
 
@@ -30,11 +26,9 @@ class StageFailure(RuntimeError):
         self.status = status
 
 
-def check_room(used: int, nbytes: int, budget: int) -> None:
-    """CapacityError, naming the numbers, when `nbytes` more KV bytes do not fit `budget` with `used` held."""
-    if used + nbytes > budget:
-        raise CapacityError(f"the KV cache needs {nbytes / 2**20:.1f} MiB more but only {(budget - used) / 2**20:.1f} "
-                            f"of {budget / 2**20:.1f} MiB are free")
+class StepError(ValueError):
+    """A call whose step number is older than the last one applied to its session (a stale or reordered
+    call: applying it could overwrite slots written since)."""
 
 
 class SessionError(KeyError):
@@ -79,7 +73,8 @@ class Stage(Protocol):
     """Decoder layers plus per-session KV caches."""
 
     def open(self, session: str, capacity: int) -> None:
-        """Reserve a KV cache of `capacity` slots for `session`."""
+        """Open a KV cache of `capacity` slots for `session`, its blocks reserved (CapacityError if they do not
+        fit)."""
 
     def forward(
         self, session: str, hidden: torch.Tensor, positions: torch.Tensor, start: int, mask: torch.Tensor | None = None
@@ -95,11 +90,8 @@ class Stage(Protocol):
         """Move the slots `kept` to dest, dest+1, ... (Medusa tree commit) and end the cache there."""
 
     def fork(self, session: str, child: str, prefix_len: int, capacity: int) -> None:
-        """Open `child` sharing `session`'s first prefix_len slots read-only (outline's points after the prompt
-        they share); release the child before the session."""
-
-    def clone(self, session: str, child: str, prefix_len: int, capacity: int) -> None:
-        """Open `child` with a copy of `session`'s first prefix_len slots (prefix reuse)."""
+        """Open `child` sharing `session`'s first prefix_len slots (prefix reuse; outline's points after the
+        prompt they share): their blocks are read in place, and either session may be released first."""
 
     def release(self, session: str) -> None:
         """Free the session's cache (unknown sessions are ignored)."""
@@ -107,20 +99,18 @@ class Stage(Protocol):
     def kv_bytes(self) -> int:
         """Bytes held by KV caches now."""
 
+    def pool_blocks(self) -> tuple[int, int]:
+        """The KV pool's blocks in use and free (neither used nor reserved), summed over the stages."""
+
 
 class LocalStage:
-    """An in-process stage over a LayerStack, with a bound on the bytes its KV caches may hold.
-
-    A session's cache starts with room for INITIAL_SLOTS and grows as it is written, so the bound counts
-    what sessions use, not the context they might reach; a write that would cross it is refused with a
-    CapacityError that names the numbers, and the session's earlier slots stay intact.
-    """
-
-    INITIAL_SLOTS = 256
+    """An in-process stage over a LayerStack, its sessions' KV caches in one pool of `kv_budget_bytes`
+    (model/kv_pool.py): a session reserves its capacity's blocks at its open, so the pool's size is the
+    admission budget and a session that opened never runs out of room mid-stream."""
 
     def __init__(self, stack: LayerStack, kv_budget_bytes: int):
         self.stack = stack
-        self.kv_budget_bytes = kv_budget_bytes
+        self.pool = stack.new_pool(kv_budget_bytes)
         self.caches: dict[str, KVCache] = {}
 
     def _cache(self, session: str) -> KVCache:
@@ -129,32 +119,19 @@ class LocalStage:
         except KeyError:
             raise SessionError(f"unknown session {session!r}") from None
 
-    def _check_room(self, nbytes: int) -> None:
-        if nbytes:  # most decoding steps write into storage they have: no sum over every cache
-            check_room(self.kv_bytes(), nbytes, self.kv_budget_bytes)
-
     def _add(self, session: str, make) -> None:
         if session in self.caches:
             raise KVCacheError(f"session {session!r} is already open")
-        cache = make()
-        self._check_room(cache.nbytes)
-        self.caches[session] = cache
+        self.caches[session] = make()
 
     def open(self, session: str, capacity: int) -> None:
-        self._add(session, lambda: self.stack.new_cache(capacity, initial=self.INITIAL_SLOTS))
+        self._add(session, lambda: KVCache(self.pool, capacity))
 
     def forward(self, session, hidden, positions, start, mask=None):
-        cache = self._cache(session)
-        cache.check_write(start, hidden.shape[1], hidden.shape[0])
-        self._check_room(cache.growth_bytes(start + hidden.shape[1]))
-        return self.stack(hidden, positions, cache, start, mask)
+        return self.stack(hidden, positions, self._cache(session), start, mask)
 
     def forward_batch(self, entries, hidden, positions):
-        caches = [self._cache(e.session) for e in entries]
-        for cache, e in zip(caches, entries, strict=True):
-            cache.check_write(e.start, e.length, 1)
-        self._check_room(sum(c.growth_bytes(e.start + e.length) for c, e in zip(caches, entries, strict=True)))
-        seqs = [SeqRows(c, e.start, e.length, e.mask) for c, e in zip(caches, entries, strict=True)]
+        seqs = [SeqRows(self._cache(e.session), e.start, e.length, e.mask) for e in entries]
         return self.stack.forward_rows(hidden, positions, seqs)
 
     def commit(self, session: str, kept: list[int], dest: int) -> None:
@@ -162,17 +139,18 @@ class LocalStage:
 
     def fork(self, session: str, child: str, prefix_len: int, capacity: int) -> None:
         parent = self._cache(session)
-        self._add(child, lambda: parent.fork(prefix_len, 1, capacity, initial=prefix_len + self.INITIAL_SLOTS))
-
-    def clone(self, session: str, child: str, prefix_len: int, capacity: int) -> None:
-        parent = self._cache(session)
-        self._add(child, lambda: parent.clone_prefix(prefix_len, capacity, initial=prefix_len + self.INITIAL_SLOTS))
+        self._add(child, lambda: parent.fork(prefix_len, capacity))
 
     def release(self, session: str) -> None:
-        self.caches.pop(session, None)
+        cache = self.caches.pop(session, None)
+        if cache is not None:
+            cache.free()
 
     def kv_bytes(self) -> int:
-        return sum(c.nbytes for c in self.caches.values())
+        return self.pool.used * self.pool.block_bytes
+
+    def pool_blocks(self) -> tuple[int, int]:
+        return self.pool.used, self.pool.available
 
     def session_bytes(self, session: str) -> int:
         return self.caches[session].nbytes if session in self.caches else 0
@@ -207,9 +185,6 @@ class Pipeline:
     def fork(self, session: str, child: str, prefix_len: int, capacity: int) -> None:
         self._each("fork", session, child, prefix_len, capacity)
 
-    def clone(self, session: str, child: str, prefix_len: int, capacity: int) -> None:
-        self._each("clone", session, child, prefix_len, capacity)
-
     def release(self, session: str) -> None:
         self._each("release", session)
 
@@ -221,6 +196,10 @@ class Pipeline:
 
     def kv_bytes(self) -> int:
         return sum(s.kv_bytes() for s in self.stages)
+
+    def pool_blocks(self) -> tuple[int, int]:
+        used, free = zip(*(s.pool_blocks() for s in self.stages), strict=True)
+        return sum(used), sum(free)
 
     def session_bytes(self, session: str) -> int:
         return sum(s.session_bytes(session) for s in self.stages)

@@ -85,6 +85,8 @@ def observe_runner(runner: ModelRunner, metrics: Metrics) -> None:
     metrics.shared_pass_calls.set_function(lambda: runner.engine.shared_calls)
     metrics.steps.set_function(lambda: runner.steps)
     metrics.step_rows.set_function(lambda: runner.step_rows)
+    metrics.kv_blocks.labels("used").set_function(lambda: runner.pool_blocks()[0])
+    metrics.kv_blocks.labels("free").set_function(lambda: runner.pool_blocks()[1])
     metrics.observe_admission(runner.admission)
 
 

@@ -34,6 +34,9 @@ class Metrics:
         self.stage_forward = Histogram("edgespec_stage_forward_seconds", "forward time per stage call", ["stage"],
                                        registry=r, buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2))
         self.kv_bytes = Gauge("edgespec_kv_cache_bytes", "bytes held by KV caches", registry=r)
+        self.kv_blocks = Gauge("edgespec_kv_pool_blocks", "in-process stages' KV pool blocks: used (holding "
+                               "entries) and free (neither used nor reserved by an open session)", ["state"],
+                               registry=r)
         self.replans = Counter("edgespec_replans", "re-planning decisions by reason and outcome",
                                ["reason", "outcome"], registry=r)
         self.placement_layers = Gauge("edgespec_placement_layers", "decoder layers each worker holds", ["device"],

@@ -8,9 +8,10 @@ from contextlib import aclosing
 from edgespec.decoding.policy import UnknownPolicyError, select_policy
 from edgespec.decoding.types import GenerationRequest, SamplingParams, TokenEvent
 from edgespec.model.admission import QueueFullError
+from edgespec.model.kv_pool import CapacityError
 from edgespec.model.load import LoadedModel
 from edgespec.model.runner import SessionLostError
-from edgespec.model.stage import CapacityError, StageFailure
+from edgespec.model.stage import StageFailure
 from edgespec.server.errors import APIError
 from edgespec.server.metrics import Metrics
 from edgespec.server.protocol import ChatCompletionRequest, CompletionRequest

@@ -87,8 +87,8 @@ class Blocks:
     ends: TokenEnds
     stack: LayerStack
 
-    def new_cache(self, capacity: int, rows: int = 1, initial: int | None = None) -> KVCache:
-        return self.stack.new_cache(capacity, rows, initial)
+    def new_cache(self, capacity: int) -> KVCache:
+        return self.stack.new_cache(capacity)
 
     def forward(
         self,

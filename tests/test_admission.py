@@ -13,7 +13,7 @@ from test_prefill import stages
 
 from edgespec.model.admission import Admission, QueueFullError
 from edgespec.model.config import ModelConfig
-from edgespec.model.stage import CapacityError
+from edgespec.model.kv_pool import CapacityError
 
 
 @pytest.fixture
@@ -34,7 +34,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [11, 3, 3, 7]]
 
 
 async def greedy(runner, prompt: list[int], n: int) -> list[int]:
-    session = await runner.open(280)  # starts with 256 slots: one such cache fits, two do not
+    session = await runner.open(280)  # reserves 18 blocks of 16 slots: one such cache fits, two do not
     try:
         logits = await runner.forward(session, torch.tensor([prompt]), last_only=True)
         out = [int(logits[0, -1].argmax())]
@@ -85,7 +85,7 @@ def test_a_request_that_could_never_fit_is_refused_at_once(one_cache, tiny_loade
     slot = ModelConfig.from_folder(tiny_loaded.files.folder).kv_bytes_per_token()
     runner.pipeline = stages(tiny_loaded.files.folder, [], budget=100 * slot)
     with pytest.raises(CapacityError) as info:
-        asyncio.run(runner.open(10_000))  # its first 256 slots are over the budget with nothing else open
+        asyncio.run(runner.open(10_000))  # its blocks are over the budget with nothing else open
     assert not isinstance(info.value, QueueFullError) and runner.admission.waiting == 0
 
 
@@ -97,7 +97,7 @@ def test_the_api_answers_a_full_queue_with_503_and_retry_after(tiny, tmp_path):
                              "--max-waiting", "0", "--prefix-cache-mib", "0")
     try:
         body = {"model": model_id(url), "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
-                "max_tokens": 200, "min_tokens": 200}  # 256 slots or more: one such cache fits, two do not
+                "max_tokens": 200, "min_tokens": 200}  # over 150 slots reserved: one such cache fits, two do not
         with httpx.stream("POST", url + "/v1/chat/completions", json=body | {"stream": True}, timeout=120) as first:
             lines = first.iter_lines()
             assert first.status_code == 200 and next(lines).startswith("data: ")  # the first holds its cache

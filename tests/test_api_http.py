@@ -68,12 +68,13 @@ def metric(http, name: str, labels: str = "") -> float:
 
 
 def wait_idle(http, timeout_s: float = 10.0) -> None:
-    """Poll /metrics until no generation runs and no KV cache is held but what prefix reuse keeps."""
+    """Poll /metrics until no generation runs and no KV cache is held but what prefix reuse keeps (kept
+    prefixes may share blocks, which the pool counts once and the prefix cache once per entry)."""
     deadline = time.monotonic() + timeout_s
     while True:
         in_flight = metric(http, "edgespec_requests_in_flight")
         kv = metric(http, "edgespec_kv_cache_bytes") - metric(http, "edgespec_prefix_cache_bytes")
-        if in_flight == 0 and kv == 0:
+        if in_flight == 0 and kv <= 0:
             return
         assert time.monotonic() < deadline, f"still busy after {timeout_s} s: in_flight={in_flight}, kv_bytes={kv}"
         time.sleep(0.2)
@@ -167,6 +168,8 @@ def test_metrics(http):
                  "edgespec_sequences_waiting", "edgespec_queue_wait_seconds", "edgespec_queue_refused"):
         assert name in m.text
     assert metric(http, "edgespec_step_rows") >= metric(http, "edgespec_steps") >= 4  # a row or more per step
+    used, free = (metric(http, "edgespec_kv_pool_blocks", f'state="{s}"') for s in ("used", "free"))
+    assert free > 0 and (used > 0) == (metric(http, "edgespec_kv_cache_bytes") > 0)  # bytes are used blocks'
     assert metric(http, "edgespec_generated_tokens_total", default) == before + 4
     assert metric(http, "edgespec_requests_total", 'route="/v1/chat/completions",status="200"') == ok_before + 1
     # /metrics needs no key

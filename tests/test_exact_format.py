@@ -17,6 +17,7 @@ from model_fixtures import make_tiny_model, smollm2_folder
 
 from edgespec.model.blocks import SeqRows
 from edgespec.model.config import ModelConfig
+from edgespec.model.kv_cache import KVCache
 from edgespec.model.linear import weight_format
 from edgespec.model.stack import LayerStack, TokenEnds
 from edgespec.model.weights import open_source
@@ -54,19 +55,13 @@ def check_every_shape(stack, ends, seq: list[int], prompt: int) -> None:
             got.append(logits(stack, ends, cache, [seq[a:min(a + k, n - 1)]], a)[0])
         assert torch.equal(torch.cat(got), alone), f"passes of {k} tokens differ from one token per pass"
 
-    rows = stack.new_cache(n, rows=3)  # a batch of three rows of the same tokens
-    batch = logits(stack, ends, rows, [seq[:-1]] * 3, 0)[:, prompt - 1:]
-    assert all(torch.equal(batch[r], alone) for r in range(3)), "a row of a batch differs from the row alone"
-
-    cold = stack.new_cache(n + 1)
+    pool = stack.new_pool(2**24)  # sessions of one pool, as a stage holds them
+    cold = KVCache(pool, n + 1)
     logits(stack, ends, cold, [seq[:prompt + 3]], 0)
-    warm = cold.clone_prefix(prompt + 3, n + 1)  # a prefix from another session's cache (prefix reuse)
-    after = logits(stack, ends, warm, [seq[prompt + 3:-1]], prompt + 3)[0]
-    assert torch.equal(after, alone[4:]), "logits after a reused prefix differ from a cold run's"
-
-    forked = cold.fork(prompt + 3, rows=2, capacity=n + 1)  # rows reading the prefix in place (tree, outline)
-    both = logits(stack, ends, forked, [seq[prompt + 3:-1]] * 2, prompt + 3)
-    assert all(torch.equal(both[r], alone[4:]) for r in range(2)), "logits over a forked prefix differ"
+    for _ in range(2):  # a prefix read in place from another session's blocks (prefix reuse, outline's points)
+        warm = cold.fork(prompt + 3, n + 1)
+        after = logits(stack, ends, warm, [seq[prompt + 3:-1]], prompt + 3)[0]
+        assert torch.equal(after, alone[4:]), "logits after a shared prefix differ from a cold run's"
 
     # one pass over three sequences at different lengths (a batch step): one decodes a token, one verifies
     # four drafts, one prefills its prompt; alone[i] holds the logits after position prompt - 1 + i
@@ -90,10 +85,10 @@ def test_a_layer_in_one_call_gives_the_bits_of_its_blocks(tiny_folder):
     whole-layer call must compute what the blocks compute, bit for bit."""
     cfg, stack, _ = load(tiny_folder, "q4_1")
     layer = stack.layers[0]
-    x = torch.randn(2, 5, cfg.hidden_size)
-    rope = stack.rotary(torch.arange(5).expand(2, -1))
-    whole = layer(x, rope, stack.new_cache(8, rows=2), 0, 0, None)
-    cache = stack.new_cache(8, rows=2)
+    x = torch.randn(1, 5, cfg.hidden_size)
+    rope = stack.rotary(torch.arange(5)[None])
+    whole = layer(x, rope, stack.new_cache(8), 0, 0, None)
+    cache = stack.new_cache(8)
     z = x + layer.attn(layer.input_norm(x), rope, cache, 0, 0, None)
     assert torch.equal(whole, z + layer.ffn(layer.post_norm(z)))
 

@@ -11,7 +11,8 @@ import torch
 from edgespec.model.drift import speculating_forward
 from edgespec.model.head_blocks import HeadBlocks
 from edgespec.model.headsplit import HeadSplitPipeline, MemoryWatch, blocks_of
-from edgespec.model.stage import CapacityError
+from edgespec.model.kv_pool import CapacityError
+from edgespec.model.stage import StepError
 from edgespec.model.timing import model_card
 from edgespec.model.weights import open_source
 from edgespec.planning.headsplit import LayerPlace, head_card, place, profiled_devices
@@ -79,8 +80,7 @@ def test_epsilon_zero_discards_every_speculation_and_is_exact(tiny_loaded, src, 
     for name, device in pipe.devices.items():
         for layer, cache in device.sessions["s"].items():
             want = plain.devices[name].sessions["s"][layer]
-            torch.testing.assert_close(cache.k[0][..., :len(IDS), :], want.k[0][..., :len(IDS), :])
-            torch.testing.assert_close(cache.v[0][..., :len(IDS), :], want.v[0][..., :len(IDS), :])
+            torch.testing.assert_close(cache.read(0, len(IDS)), want.read(0, len(IDS)))
 
 
 def test_kept_speculation_is_the_speculating_pass(tiny_loaded, src):
@@ -129,7 +129,7 @@ def test_a_device_past_its_memory_threshold_moves_groups_with_their_caches(tiny_
     # since equals the model's (a cache left behind or misplaced would change them)
     assert pipe.replacements == 1 and pipe.layers != start
     moved = blocks_of(pipe.layers, "b")[0]
-    assert moved and all(len(pipe.devices["b"].sessions["s"][layer].k) == 1 for layer in moved)
+    assert moved and all(len(pipe.devices["b"].sessions["s"][layer].pool.k) == 1 for layer in moved)
     assert all(pipe.devices["b"].sessions["s"][layer].length == len(IDS) for layer in moved)
     for g, w in zip(got, exact_run(tiny_loaded, IDS, 6), strict=True):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
@@ -144,9 +144,27 @@ def test_the_kv_budget_bounds_the_devices_caches_as_the_layer_pipeline_does(tiny
     per_slot = cfg.kv_bytes_per_token()  # float32 keys and values of every layer
     pipe = HeadSplitPipeline.local(src, cfg, torch.float32, placements(cfg.n_layers, False)["2 devices"],
                                    kv_budget_bytes=100 * per_slot)
-    pipe.open("a", 60)  # each device holds its share of the 60 slots
+    pipe.open("a", 60)  # each device holds its share of the 60 slots, in blocks of 16: 64
     with pytest.raises(CapacityError, match="MiB more but only"):
         pipe.open("b", 60)
-    assert "b" not in next(iter(pipe.devices.values())).sessions and pipe.kv_bytes() == 60 * per_slot
+    assert "b" not in next(iter(pipe.devices.values())).sessions and pipe.kv_bytes() == 64 * per_slot
     pipe.release("a")
     pipe.open("b", 60)  # fits once the other is gone
+
+
+def test_a_device_refuses_a_call_older_than_the_last_step_it_saw(tiny_loaded, src):
+    """Step numbers fence a device's cache: the same step again (another layer, a recompute, a retry) is applied
+    and gives the same bits; an older one, late or retried after a rollback, is refused before it writes."""
+    cfg = tiny_loaded.cfg
+    x, y = torch.randn(1, 1, cfg.hidden_size), torch.randn(1, 1, cfg.hidden_size)
+    devices = [HeadBlocks(src, cfg, torch.float32, {0: list(range(cfg.n_kv_heads))}, []) for _ in range(2)]
+    fenced, clean = devices
+    for d in devices:
+        d.open("s", 8)
+    first = fenced.attend("s", 0, x, torch.tensor([[0]]), 0, None, step=3)
+    assert torch.equal(fenced.attend("s", 0, x, torch.tensor([[0]]), 0, None, step=3), first)
+    with pytest.raises(StepError, match=r"step 2 .* older than the last one here, 3"):
+        fenced.attend("s", 0, y, torch.tensor([[0]]), 0, None, step=2)  # would overwrite slot 0 with y's entry
+    clean.attend("s", 0, x, torch.tensor([[0]]), 0, None, step=1)
+    nxt = [d.attend("s", 0, y, torch.tensor([[1]]), 1, None, step=4) for d in devices]  # reads slot 0
+    assert torch.equal(nxt[0], nxt[1])

@@ -21,6 +21,7 @@ from edgespec.model.stack import LayerStack, TokenEnds
 from edgespec.model.weights import open_source
 from edgespec.planning.headsplit import LayerPlace
 from edgespec.workers.head_client import remote_headsplit
+from edgespec.workers.wire import encode
 
 IDS = [(i * 13) % 300 + 400 for i in range(12)]
 
@@ -115,6 +116,18 @@ def test_tiny_over_two_workers(workers, tiny):
     assert pipe.wire("s")["controller-w0"][1] == steps and pipe.wire("s")["w0-peers"][1] > 0
     pipe.release("s")
     pipe.close()
+    # step numbers: a device refuses a call older than the last step it saw (409); the same step again is applied
+    auth = {"authorization": f"Bearer {token}"}
+    assert httpx.post(urls["w0"] + "/heads/sessions/t/open", json={"capacity": 8}, headers=auth).status_code == 200
+    body = encode({"x": torch.randn(1, 1, cfg.hidden_size), "positions": torch.tensor([[0]])})
+
+    def attend(step: int) -> httpx.Response:  # w0 holds layer 0's group 0 in this placement
+        return httpx.post(urls["w0"] + "/heads/sessions/t/attend", params={"layer": 0, "start": 0, "step": step},
+                          content=body, headers=auth)
+
+    first, again, stale = attend(2), attend(2), attend(1)
+    assert first.status_code == again.status_code == 200 and first.content == again.content
+    assert stale.status_code == 409 and "older than the last" in stale.json()["error"]["message"]
     # w0 holds every block and passes 85% of its memory: groups move to w1 with their caches, over HTTP
     start = [LayerPlace({"w0": list(range(cfg.n_kv_heads))}, "w0", "w0") for _ in range(cfg.n_layers)]
     pipe = remote_headsplit(urls, token, start, cfg, model=folder)
@@ -127,9 +140,8 @@ def test_tiny_over_two_workers(workers, tiny):
     # the cluster's token only; bad input is a clear 400 and the session goes on
     url = urls["w0"]
     assert httpx.post(url + "/heads/assign", json={"groups": {}}, timeout=30).status_code == 401
-    auth = {"authorization": f"Bearer {token}"}
     assert httpx.post(url + "/heads/sessions/s/open", json={"capacity": 8}, headers=auth).status_code == 200
-    bad = httpx.post(url + "/heads/sessions/s/attend", params={"layer": 0, "start": 0}, content=b"junk",
+    bad = httpx.post(url + "/heads/sessions/s/attend", params={"layer": 0, "start": 0, "step": 1}, content=b"junk",
                      headers=auth)
     assert bad.status_code == 400 and "safetensors" in bad.json()["error"]["message"]
     held = httpx.get(url + "/heads/memory", headers=auth).json()["used_bytes"]

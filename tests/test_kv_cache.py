@@ -7,7 +7,8 @@ import torch
 from model_fixtures import load_blocks, make_tiny_model
 
 from edgespec.model.kv_cache import KVCache, KVCacheError
-from edgespec.model.stage import CapacityError, LocalStage, Pipeline, SessionError
+from edgespec.model.kv_pool import CapacityError, KVPool
+from edgespec.model.stage import LocalStage, Pipeline, SessionError
 
 TOL = 1e-5
 
@@ -122,61 +123,79 @@ def test_commit_rejects_bad_slots(blocks):
 # --- fork ---------------------------------------------------------------------------------------------
 
 
-def test_fork_rows_share_the_prefix(blocks):
-    prefix = tokens(11, 15)
-    parent = blocks.new_cache(11)
-    blocks.forward(prefix, parent, 0)
-    child = parent.fork(11, rows=3, capacity=11 + 6)
-    assert child.length == 11 and child.rows == 3
-    assert child.nbytes == parent.nbytes * 3 * 6 // 11  # the prefix is not copied
+def stage_run(blocks, stage, session, part, start):
+    hidden = blocks.ends.embed_tokens(torch.tensor([part]))
+    return blocks.ends.logits(stage.forward(session, hidden, torch.arange(start, start + len(part))[None], start))
+
+
+def test_forks_share_the_prefix_blocks(blocks):
+    """Three forks of an 11-slot prompt read its blocks in place: only their own slots take blocks, the one
+    block the prompt fills part of is copied on each fork's first write, and the parent is left intact."""
+    stage = LocalStage(blocks.stack, kv_budget_bytes=2**24)
+    pool = stage.pool
+    prefix = tokens(21, 15)  # one full block of 16 slots and 5 slots of a second
+    stage.open("p", 24)
+    stage_run(blocks, stage, "p", prefix, 0)
+    assert pool.used == 2
     conts = [tokens(4, 16 + i) for i in range(3)]
-    got = blocks.forward(torch.tensor(conts), child, 11)  # [3, 4, V]
-    for row, cont in enumerate(conts):
-        assert close(got[row], blocks.logits_from_scratch(prefix + cont)[11:])
-    # one more token per row, one step
-    last = tokens(3, 20)
-    step = blocks.forward(torch.tensor(last).unsqueeze(1), child, 15)  # [3, 1, V]
-    for row, cont in enumerate(conts):
-        assert close(step[row, 0], blocks.logits_from_scratch([*prefix, *cont, last[row]])[-1])
-    # the parent is untouched: it still continues its own sequence
-    tail = tokens(1, 21)
-    more = blocks.new_cache(12)
-    blocks.forward(prefix, more, 0)
-    parent2 = parent.fork(11, rows=1, capacity=12)
-    assert close(blocks.forward(tail, parent2, 11)[0], blocks.forward(tail, more, 11)[0])
+    for i, cont in enumerate(conts):
+        stage.fork("p", f"c{i}", 21, 21 + 6)
+        assert pool.used == 2 + i  # the fork holds the parent's blocks; the previous one copied the partial one
+        got = stage_run(blocks, stage, f"c{i}", cont, 21)[0]
+        assert close(got, blocks.logits_from_scratch(prefix + cont)[21:])
+        assert pool.refs[stage.caches[f"c{i}"].table[0]] == 2 + i  # the full block is shared, never copied
+    assert pool.used == 2 + 3
+    tail = tokens(2, 20)  # the parent continues its own sequence over its own partial block
+    assert close(stage_run(blocks, stage, "p", tail, 21)[0], blocks.logits_from_scratch(prefix + tail)[21:])
+    stage.release("p")  # the parent may go first: the forks keep the blocks they share
+    last = tokens(1, 21)
+    got = stage_run(blocks, stage, "c0", last, 25)[0, -1]
+    assert close(got, blocks.logits_from_scratch(prefix + conts[0] + last)[-1])
+    for i in range(3):
+        stage.release(f"c{i}")
+    assert pool.used == 0 and pool.reserved == 0 and pool.available == pool.n_blocks
 
 
 def test_fork_of_a_shorter_prefix_and_of_a_fork(blocks):
     seq = tokens(14, 22)
-    parent = blocks.new_cache(14)
+    parent = KVCache(blocks.stack.new_pool(2**22), 14)
     blocks.forward(seq, parent, 0)
-    child = parent.fork(8, rows=2, capacity=12)  # shares only the first 8 slots
-    conts = [tokens(3, 23), tokens(3, 24)]
-    got = blocks.forward(torch.tensor(conts), child, 8)
-    for row, cont in enumerate(conts):
-        assert close(got[row], blocks.logits_from_scratch(seq[:8] + cont)[8:])
-    grandchild = child.fork(10, rows=2, capacity=12)  # row 0 of the child: seq[:8] + conts[0][:2]
+    child = parent.fork(8, capacity=12)  # shares only the first 8 slots
+    cont = tokens(3, 23)
+    assert close(blocks.forward(cont, child, 8)[0], blocks.logits_from_scratch(seq[:8] + cont)[8:])
+    grandchild = child.fork(10, capacity=12)  # seq[:8] + cont[:2]
     tail = tokens(2, 25)
-    got = blocks.forward(torch.tensor([tail, tail]), grandchild, 10)
-    want = blocks.logits_from_scratch(seq[:8] + conts[0][:2] + tail)[10:]
-    assert close(got[0], want) and close(got[1], want)
+    want = blocks.logits_from_scratch(seq[:8] + cont[:2] + tail)[10:]
+    assert close(blocks.forward(tail, grandchild, 10)[0], want)
+    assert close(blocks.forward(seq[8:], parent, 8)[0], blocks.logits_from_scratch(seq)[8:])  # parent intact
 
 
 def test_fork_bounds(blocks):
-    parent = blocks.new_cache(8)
+    parent = KVCache(blocks.stack.new_pool(2**22), 8)
     blocks.forward(tokens(5, 26), parent, 0)
     with pytest.raises(KVCacheError):
-        parent.fork(6, rows=2, capacity=10)  # longer than the parent holds
+        parent.fork(6, capacity=10)  # longer than the parent holds
     with pytest.raises(KVCacheError):
-        parent.fork(5, rows=2, capacity=4)  # capacity below the shared prefix
-    child = parent.fork(5, rows=2, capacity=8)
-    with pytest.raises(KVCacheError):
-        child.truncate(4)  # into the shared prefix
-    with pytest.raises(KVCacheError):
-        blocks.forward(torch.zeros(2, 1, dtype=torch.long), child, 4)  # a write into the shared prefix
-    blocks.forward(torch.zeros(2, 2, dtype=torch.long), child, 5)
-    with pytest.raises(KVCacheError):
-        child.commit([6], 4)  # into the shared prefix
+        parent.fork(5, capacity=4)  # capacity below the shared prefix
+
+
+def test_interleaved_blocks_give_the_bits_of_a_cache_alone(blocks):
+    """Two sessions decoding in turn take alternate blocks of the pool: each one's logits are bitwise those of
+    its sequence in a cache of its own (a wrong slot-to-block mapping would read the other's entries)."""
+    stage = LocalStage(blocks.stack, kv_budget_bytes=2**24)
+    seqs = {s: tokens(40, 50 + i) for i, s in enumerate("ab")}
+    for s in seqs:
+        stage.open(s, 40)
+    got = {s: [] for s in seqs}
+    for i in range(0, 40, 4):  # 4 tokens at a time: a block of 16 slots fills every 4 turns
+        for s, seq in seqs.items():
+            got[s].append(stage_run(blocks, stage, s, seq[i:i + 4], i)[0])
+    a, b = stage.caches["a"].table, stage.caches["b"].table
+    assert not set(a) & set(b) and sorted(a + b) == list(range(6)) and a != sorted(a + b)[:3]  # interleaved
+    for s, seq in seqs.items():
+        alone = blocks.new_cache(40)
+        want = torch.cat([blocks.forward(seq[i:i + 4], alone, i)[0] for i in range(0, 40, 4)])
+        assert torch.equal(torch.cat(got[s]), want)
 
 
 # --- capacity errors ------------------------------------------------------------------------------------
@@ -206,11 +225,9 @@ def test_write_with_a_gap(blocks):
     assert cache.length == 4
 
 
-def test_write_with_wrong_rows(blocks):
-    cache = blocks.new_cache(8, rows=2)
-    with pytest.raises(KVCacheError, match="1 rows"):
-        blocks.forward(tokens(3, 34), cache, 0)
-    with pytest.raises(KVCacheError, match="3 rows"):
+def test_a_cache_holds_one_sequence(blocks):
+    cache = blocks.new_cache(8)
+    with pytest.raises(ValueError, match="one sequence"):
         blocks.forward(torch.zeros(3, 2, dtype=torch.long), cache, 0)
     assert cache.length == 0
 
@@ -219,84 +236,71 @@ def test_failed_write_leaves_the_cache_unchanged(blocks):
     seq = tokens(6, 35)
     cache = blocks.new_cache(8)
     blocks.forward(seq, cache, 0)
-    before = (torch.stack(cache.k), torch.stack(cache.v))
+    before = [cache.read(layer, 6) for layer in range(blocks.cfg.n_layers)]
     with pytest.raises(KVCacheError):
         blocks.forward(tokens(4, 36), cache, 6)
-    assert torch.equal(torch.stack(cache.k), before[0]) and torch.equal(torch.stack(cache.v), before[1])
+    assert all(torch.equal(k, k0) and torch.equal(v, v0)
+               for (k, v), (k0, v0) in zip((cache.read(la, 6) for la in range(blocks.cfg.n_layers)), before,
+                                           strict=True))
 
 
-def test_cache_layout_and_bytes():
-    cache = KVCache(n_layers=3, n_kv=2, head_dim=16, capacity=10, dtype=torch.float32, rows=2)
-    assert len(cache.k) == len(cache.v) == 3
-    assert all(t.shape == (2, 2, 10, 16) for t in cache.k + cache.v)
-    assert cache.nbytes == 2 * 3 * 2 * 2 * 10 * 16 * 4
-    assert cache.length == 0
-
-
-def test_cache_grows_on_demand_and_keeps_its_contents(blocks):
-    seq = tokens(20, 38)
-    grown = blocks.new_cache(64, initial=4)
-    assert grown.allocated == 4
-    assert grown.growth_bytes(6) == (8 - 4) * blocks.cfg.kv_bytes_per_token(dtype=torch.float32)  # doubles
-    logits_grown = torch.cat([blocks.forward(seq[:3], grown, 0), blocks.forward(seq[3:7], grown, 3),
-                              blocks.forward(seq[7:], grown, 7)], dim=1)
-    assert grown.allocated == 20  # grew past the doubling when one write needed more
-    full = blocks.new_cache(64)
-    logits_full = blocks.forward(seq, full, 0)
-    assert torch.allclose(logits_grown, logits_full, atol=1e-5)
-    assert blocks.new_cache(64, initial=4).growth_bytes(4) == 0
-    with pytest.raises(KVCacheError, match="64"):
-        blocks.forward(tokens(50, 39), grown, 20)  # still bounded by the capacity
+def test_pool_layout_reservations_and_references():
+    pool = KVPool(n_layers=3, n_kv=2, head_dim=16, dtype=torch.float32, n_blocks=5, block=4)
+    assert len(pool.k) == len(pool.v) == 3 and all(t.shape == (5, 2, 4, 16) for t in pool.k + pool.v)
+    assert pool.block_bytes == 2 * 3 * 2 * 4 * 16 * 4 and pool.nbytes == 5 * pool.block_bytes
+    cache = KVCache(pool, capacity=10)  # 3 blocks promised, none taken
+    assert (pool.used, pool.reserved, pool.available) == (0, 3, 2)
+    cache.ensure(0, 6)
+    assert cache.table == [0, 1] and (pool.used, pool.reserved, pool.available) == (2, 1, 2)
+    cache.length = 6
+    child = cache.fork(6, capacity=8)  # shares blocks 0 and 1; may copy block 1 (its partial one)
+    assert child.table == [0, 1] and pool.refs[:2] == [2, 2] and pool.reserved == 2
+    with pytest.raises(CapacityError, match=r"needs 3 blocks .* only 1 of 5"):
+        KVCache(pool, capacity=9)  # 3 blocks: only 1 is neither used nor reserved
+    child.ensure(6, 8)  # its write into the shared partial block copies it
+    assert child.table == [0, 2] and pool.refs[:3] == [2, 1, 1]
+    cache.free()
+    assert pool.refs[:3] == [1, 0, 1] and pool.used == 2 and pool.reserved == 0
+    child.free()
+    assert pool.used == 0 and pool.available == 5
 
 
 # --- LocalStage memory bound ----------------------------------------------------------------------------
 
 
-def test_local_stage_budget(blocks, monkeypatch):
+def test_local_stage_budget_is_its_pool(blocks):
+    """A session reserves its capacity's blocks at its open: what does not fit is refused then, naming the
+    numbers, and a session that opened never fails a write for room."""
     cfg = blocks.cfg
-    per_token = cfg.kv_bytes_per_token(cfg.n_layers, torch.float32)
-    assert per_token == 2 * 3 * 2 * 16 * 4
-    monkeypatch.setattr(LocalStage, "INITIAL_SLOTS", 16)
-    stage = LocalStage(blocks.stack, kv_budget_bytes=90 * per_token)
-    stage.open("a", 200)  # a large capacity costs only the initial slots
-    assert stage.kv_bytes() == 16 * per_token
-
-    def run(session, n, start=0, seed=40):
-        hidden = blocks.ends.embed_tokens(torch.tensor([tokens(n, seed)]))
-        return stage.forward(session, hidden, torch.arange(start, start + n).unsqueeze(0), start)
-
-    run("a", 60)  # grows to what it holds
-    assert stage.kv_bytes() == 60 * per_token
-    stage.open("b", 200)
-    run("b", 10)
+    per_block = 16 * cfg.kv_bytes_per_token(cfg.n_layers, torch.float32)
+    stage = LocalStage(blocks.stack, kv_budget_bytes=20 * per_block + 100)  # 20 blocks of 16 slots
+    assert stage.pool.n_blocks == 20
+    stage.open("a", 200)  # 13 blocks promised
+    assert stage.kv_bytes() == 0 and stage.pool_blocks() == (0, 7)
+    stage_run(blocks, stage, "a", tokens(60, 40), 0)
+    assert stage.kv_bytes() == 4 * per_block and stage.pool_blocks() == (4, 7)  # what it holds
     with pytest.raises(CapacityError) as info:
-        run("b", 30, start=10)  # b would grow from 16 to 40 slots: 60 + 40 > 90
-    msg = str(info.value)
-    mib = per_token / 2**20
-    assert f"needs {24 * mib:.1f} MiB more" in msg and f"of {90 * mib:.1f} MiB" in msg, msg
-    assert stage.caches["b"].length == 10 and stage.kv_bytes() == 76 * per_token  # b intact
-    with pytest.raises(CapacityError):
-        stage.open("c", 200)  # its initial slots no longer fit either
-    assert "c" not in stage.caches
-    stage.release("b")
-    # a fork pays only for its own slots
-    stage.fork("a", "f", prefix_len=60, capacity=60 + 10)
-    assert stage.kv_bytes() == (60 + 10) * per_token
+        stage.open("b", 8 * 16)
+    msg, mib = str(info.value), per_block / 2**20
+    assert f"needs 8 blocks ({8 * mib:.1f} MiB) more but only 7 of 20 ({7 * mib:.1f} of {20 * mib:.1f} MiB)" in msg
+    assert "b" not in stage.caches
+    stage_run(blocks, stage, "a", tokens(140, 41), 60)  # a runs to its whole capacity within its promise
+    stage.fork("a", "f", prefix_len=200, capacity=200 + 16)  # 12 full blocks shared: 2 more promised
+    assert stage.pool_blocks() == (13, 5)
     for s in ("a", "f", "never-opened"):  # unknown sessions are ignored
         stage.release(s)
-    assert stage.kv_bytes() == 0
-    stage.open("c", 200)  # fits once the others are gone
+    assert stage.pool_blocks() == (0, 20)
+    stage.open("b", 8 * 16)  # fits once the others are gone
 
 
 def test_a_write_ends_the_cache_so_a_rejected_draft_needs_no_truncate(blocks):
     """The runner truncates without calling a stage (ModelRunner.truncate): a forward written over a rejected
     draft's slots, and the steps after it, give the bits of a cache that never held the draft."""
-    stage = LocalStage(blocks.stack, kv_budget_bytes=2**30)
+    stage = LocalStage(blocks.stack, kv_budget_bytes=2**24)
     ids = tokens(14, 5)
 
     def run(session, part, start):
-        hidden = blocks.ends.embed_tokens(torch.tensor([part]))
-        return stage.forward(session, hidden, torch.arange(start, start + len(part)).unsqueeze(0), start)
+        return stage_run(blocks, stage, session, part, start)
 
     for s in ("drafted", "clean"):
         stage.open(s, 32)

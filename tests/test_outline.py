@@ -128,8 +128,15 @@ def test_batched_points_equal_each_point_alone_and_stream_in_order(smollm2, veri
     question = "What are some tips for staying healthy while working from home?"
     tok = smollm2.tokenizer
     policy = OutlinePolicy(point_tokens=24, verifiers=verifiers)
-    events = run(policy, smollm2, chat_ids(tok, [{"role": "user", "content": question}]), 120, question,
-                 {"verify": verify, "pass_tokens": 64})  # room for candidates with every point live
+    heads, asked = verifiers["medusa"].heads, []  # the sequences in each of the heads' calls
+    batched = heads.propose_batch
+    heads.propose_batch = lambda requests: (asked.append(len(requests)), batched(requests))[1]
+    try:
+        events = run(policy, smollm2, chat_ids(tok, [{"role": "user", "content": question}]), 120, question,
+                     {"verify": verify, "pass_tokens": 64})  # room for candidates with every point live
+    finally:
+        del heads.propose_batch
+    assert (max(asked) >= 2) if verify == "medusa" else not asked  # the points' heads ran in one call
     stats = events[-1].stats
     assert "fallback" not in stats["outline"], stats
     n, made = stats["outline"]["points"], stats["outline"]["point_tokens"]

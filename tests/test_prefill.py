@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from edgespec.model.config import ModelConfig
+from edgespec.model.kv_pool import CapacityError
 from edgespec.model.prefix import PrefixCache, common_prefix
 from edgespec.model.stack import LayerStack
-from edgespec.model.stage import CapacityError, LocalStage, Pipeline
+from edgespec.model.stage import LocalStage, Pipeline
 from edgespec.model.weights import open_source
 
 PROMPT = [(7 * i + 3) % 500 + 10 for i in range(37)]  # 37 tokens: no cut size below divides it

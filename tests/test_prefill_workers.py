@@ -79,9 +79,9 @@ def test_worker_applies_steps_in_order(tiny, tmp_path):
         send("s", 2, 0, 5, replies)
         late.join(30)
         assert replies[2].status_code == 200 and replies[3].status_code == 200, replies[3].text
-        # a clone of its first 9 slots (prefix reuse) starts its own steps, also applied in order
-        clone = {"step": 4, "child": "c", "prefix_len": 9, "capacity": 64}
-        assert httpx.post(url + "/sessions/s/clone", json=clone, headers=auth).status_code == 200
+        # a fork of its first 9 slots (prefix reuse) starts its own steps, also applied in order
+        fork = {"step": 4, "child": "c", "prefix_len": 9, "capacity": 64}
+        assert httpx.post(url + "/sessions/s/fork", json=fork, headers=auth).status_code == 200
 
         child: dict = {}
         late = threading.Thread(target=send, args=("c", 2, 12, 2, child))
@@ -93,6 +93,7 @@ def test_worker_applies_steps_in_order(tiny, tmp_path):
         assert child[1].status_code == 200 and child[2].status_code == 200, child[2].text
         info = httpx.get(url + "/info", headers=auth).json()
         assert info["sessions"] == 2
+        assert info["memory"]["kv_blocks"]["used"] == 2  # the session's block, and the child's copy it wrote into
     finally:
         proc.stop()
 

@@ -9,7 +9,7 @@ import asyncio
 
 import torch
 
-from edgespec.model.engine import Rows
+from edgespec.model.engine import Propose, Rows
 
 
 def greedy_program(prompt: list[int], n: int, out_tokens: list[int]):
@@ -88,3 +88,56 @@ def test_a_long_prompt_beside_running_sequences_prefills_in_chunks_with_the_bits
 async def _drain(stream) -> None:
     async for _ in stream:
         pass
+
+
+class Counter:
+    """A batched proposer that answers each request with its double and records each call's size."""
+
+    def __init__(self, fail_on: int | None = None):
+        self.calls: list[int] = []
+        self.fail_on = fail_on
+
+    def propose_batch(self, requests: list[int]) -> list[int]:
+        self.calls.append(len(requests))
+        if self.fail_on in requests:
+            raise ValueError("a proposer failure")
+        return [2 * r for r in requests]
+
+
+def asking_program(prompt: list[int], n: int, proposer: Counter, answers: list[int]):
+    """Greedy tokens, asking the proposer between every two steps."""
+    out = yield Rows(prompt, last_only=True)
+    for i in range(n):
+        answers.append((yield Propose(proposer, i)))
+        out = yield Rows([int(out.logits[0, -1].argmax())])
+    yield list(answers)
+
+
+def test_the_proposals_of_sequences_between_two_steps_are_answered_in_one_call(tiny_loaded):
+    """Medusa's heads go through this: every sequence that asks a proposer between the same two steps gets its
+    answer from one batched call, and a proposer's failure fails only the sequences that asked it."""
+    runner = tiny_loaded.runner
+    ps = prompts(runner.cfg.vocab_size)[:3]
+    proposer = Counter()
+
+    async def run(program):
+        session = await runner.open(64)
+        try:
+            return [e async for e in runner.engine.run(session, program)][-1]
+        finally:
+            await runner.release(session)
+
+    async def together():
+        return await asyncio.gather(*(run(asking_program(p, 5, proposer, [])) for p in ps))
+
+    assert asyncio.run(together()) == [[0, 2, 4, 6, 8]] * 3
+    assert max(proposer.calls) == 3 and sum(proposer.calls) == 15  # all three asked together (most steps)
+
+    failing = Counter(fail_on=2)
+
+    async def mixed():
+        return await asyncio.gather(run(asking_program(ps[0], 5, failing, [])), greedy(runner, ps[1], 5),
+                                    return_exceptions=True)
+
+    bad, good = asyncio.run(mixed())
+    assert isinstance(bad, ValueError) and good == asyncio.run(greedy(runner, ps[1], 5))

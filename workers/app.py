@@ -23,13 +23,14 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from edgespec.model.kv_cache import KVCacheError
-from edgespec.model.stage import CapacityError, SessionError
+from edgespec.model.kv_pool import CapacityError
+from edgespec.model.stage import SessionError, StepError
 from edgespec.model.timing import CONTEXTS, TOKENS
 from edgespec.workers.auth import bearer_ok
 from edgespec.workers.client import NODELAY
 from edgespec.workers.head_client import Reach
 from edgespec.workers.head_routes import HeadHost, add_head_routes
-from edgespec.workers.host import AssignmentError, NotAssignedError, StageHost, StepError
+from edgespec.workers.host import AssignmentError, NotAssignedError, StageHost
 from edgespec.workers.probe import measure_link
 from edgespec.workers.settings import WorkerSettings
 from edgespec.workers.wire import WireError, decode_batch
@@ -74,13 +75,6 @@ class CommitBody(Strict):
     step: int = Field(ge=0)
     kept: list[int]
     dest: int = Field(ge=0)
-
-
-class CloneBody(Strict):
-    step: int = Field(ge=0)
-    child: str = Field(min_length=1, max_length=128)
-    prefix_len: int = Field(ge=1)
-    capacity: int = Field(ge=1)
 
 
 class ForkBody(Strict):
@@ -225,11 +219,6 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
     @app.post("/sessions/{sid}/fork", dependencies=auth)
     async def fork(sid: str, body: ForkBody):
         host.fork(sid, body.step, body.child, body.prefix_len, body.capacity)
-        return {"ok": True}
-
-    @app.post("/sessions/{sid}/clone", dependencies=auth)
-    async def clone(sid: str, body: CloneBody):
-        host.clone(sid, body.step, body.child, body.prefix_len, body.capacity)
         return {"ok": True}
 
     @app.delete("/sessions/{sid}", dependencies=auth)

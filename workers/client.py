@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import httpx
 import torch
 
-from edgespec.model.stage import CapacityError, StageFailure
+from edgespec.model.kv_pool import CapacityError
+from edgespec.model.stage import StageFailure
 from edgespec.workers.wire import BatchMessage, decode, encode, encode_batch
 
 # A forward call may be written as headers, then body; with Nagle's algorithm on, a small second write can
@@ -203,10 +204,6 @@ class RemotePipeline:
         self._each(session, "fork", {"child": child, "prefix_len": prefix_len, "capacity": capacity})
         self.wire_stats[child] = {link: [0, 0] for link in self.links}
 
-    def clone(self, session: str, child: str, prefix_len: int, capacity: int) -> None:
-        self._each(session, "clone", {"child": child, "prefix_len": prefix_len, "capacity": capacity})
-        self.wire_stats[child] = {link: [0, 0] for link in self.links}
-
     def release(self, session: str) -> None:
         """Free the session everywhere; a worker that is down has lost it already."""
         self.steps.pop(session, None)
@@ -225,6 +222,9 @@ class RemotePipeline:
 
     def kv_bytes(self) -> int:
         return 0  # held on the workers: see their /info
+
+    def pool_blocks(self) -> tuple[int, int]:
+        return 0, 0  # the pools are the workers': see their /info
 
     def close(self) -> None:
         if self.pool is not None:

@@ -19,7 +19,8 @@ import torch
 
 from edgespec.model.config import ModelConfig
 from edgespec.model.headsplit import HeadSplitPipeline, SpeculationStats, blocks_of
-from edgespec.model.stage import CapacityError, StageFailure
+from edgespec.model.kv_pool import CapacityError
+from edgespec.model.stage import StageFailure
 from edgespec.planning.headsplit import LayerPlace
 from edgespec.workers.client import NODELAY, WorkerRef, _message
 from edgespec.workers.wire import decode, decode_group_kv, encode, encode_group_kv
@@ -62,10 +63,10 @@ class RemoteHeads:
         self._call("DELETE", f"/heads/sessions/{session}")
 
     def attend(self, session: str, layer: int, x: torch.Tensor, positions: torch.Tensor, start: int,
-               mask: torch.Tensor | None) -> torch.Tensor:
+               mask: torch.Tensor | None, step: int) -> torch.Tensor:
         body = encode({"x": x, "positions": positions, "mask": mask})
-        r = self._call("POST", f"/heads/sessions/{session}/attend", params={"layer": layer, "start": start},
-                       content=body, headers=OCTETS)
+        r = self._call("POST", f"/heads/sessions/{session}/attend", content=body, headers=OCTETS,
+                       params={"layer": layer, "start": start, "step": step})
         self._count(body, r)
         return decode(r.content, ("out",))["out"]
 
@@ -97,13 +98,13 @@ class RemoteHeads:
         self._call("POST", "/heads/placement", json=[asdict(lp) for lp in layers])
 
     def run(self, session: str, first: int, x: torch.Tensor, positions: torch.Tensor, start: int,
-            mask: torch.Tensor | None, epsilon: float, stats: SpeculationStats, wire: dict[str, list[int]]
-            ) -> tuple[torch.Tensor, int]:
+            mask: torch.Tensor | None, epsilon: float, stats: SpeculationStats, step: int,
+            wire: dict[str, list[int]]) -> tuple[torch.Tensor, int]:
         """Layers first.. at this projection worker -> (the last one's output, the next layer to run); its
         speculation counts add to stats, and its traffic and its peers' to wire (link -> [bytes, requests])."""
         body = encode({"x": x, "positions": positions, "mask": mask})
         r = self._call("POST", f"/heads/sessions/{session}/run", content=body, headers=OCTETS,
-                       params={"layer": first, "start": start, "epsilon": repr(epsilon)})
+                       params={"layer": first, "start": start, "epsilon": repr(epsilon), "step": step})
         self._count(body, r)
         out = decode(r.content, ("x", "next", "kept", "discarded", "wire"))
         for i, (k, d) in enumerate(zip(out["kept"].tolist(), out["discarded"].tolist(), strict=True)):

@@ -5,9 +5,9 @@ HeadBlocks), the calls HeadSplitPipeline makes on a device, and the schedule its
                              "name", "placement": [LayerPlace...], "peers": {NAME: URL}}
     POST   /heads/sessions/{sid}/open      {"capacity"}
     DELETE /heads/sessions/{sid}
-    POST   /heads/sessions/{sid}/attend?layer=L&start=S   safetensors {x, positions[, mask]} -> {out}
+    POST   /heads/sessions/{sid}/attend?layer=L&start=S&step=N   safetensors {x, positions[, mask]} -> {out}
     POST   /heads/ffn?layer=L                              safetensors {z} -> {x}
-    POST   /heads/sessions/{sid}/run?layer=L&start=S&epsilon=E   safetensors {x, positions[, mask]}
+    POST   /heads/sessions/{sid}/run?layer=L&start=S&epsilon=E&step=N   safetensors {x, positions[, mask]}
            -> {x, next, kept, discarded, wire}: layers L.. while this worker is their projection device, calling
            its peers (named in the assignment, with this worker's own token) for their groups and FFNs
     GET    /heads/memory                   -> {"used_bytes"}: blocks and caches
@@ -16,8 +16,10 @@ HeadBlocks), the calls HeadSplitPipeline makes on a device, and the schedule its
     POST   /heads/placement [LayerPlace...]: the placement this worker's schedule follows from now on
 
 Tensor work of attend and ffn runs inline on the event loop's thread, as the layer routes' does; a run waits on
-its peers, so it runs on a thread of its own and the loop stays free to answer them. Calls carry no step
-numbers yet: a retried attend rewrites the same slots, a retried ffn is stateless.
+its peers, so it runs on a thread of its own and the loop stays free to answer them. Attend and run calls carry
+the session's step number N: a call older than the last step a device saw is refused with 409 (HeadBlocks.attend),
+so a late call cannot overwrite slots written since; a retry of the same step recomputes the same bits, and a
+retried ffn is stateless.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ class HeadHost:
         self.blocks = self.pipeline = None
 
     def run(self, session: str, first: int, x: torch.Tensor, positions: torch.Tensor, start: int,
-            mask: torch.Tensor | None, epsilon: float) -> dict[str, torch.Tensor]:
+            mask: torch.Tensor | None, epsilon: float, step: int) -> dict[str, torch.Tensor]:
         """Layers first.. while this worker gathers them; the peers' traffic it caused comes back in `wire`."""
         if self.pipeline is None:
             raise NotAssignedError("this worker was assigned no placement to run")
@@ -147,7 +149,7 @@ class HeadHost:
         stats = SpeculationStats([0] * n, [0] * n)
         peers = [d for name, d in self.pipeline.devices.items() if name != self.name]
         before = [(*d.payload, d.calls) for d in peers]
-        out, nxt = self.pipeline.run(session, first, x, positions, start, mask, epsilon, stats, self.name)
+        out, nxt = self.pipeline.run(session, first, x, positions, start, mask, epsilon, stats, step, self.name)
         sent = sum(d.payload[0] + d.payload[1] - b[0] - b[1] for d, b in zip(peers, before, strict=True))
         calls = sum(d.calls - b[2] for d, b in zip(peers, before, strict=True))
         return {"x": out, "next": torch.tensor([nxt]), "kept": torch.tensor(stats.kept),
@@ -243,7 +245,7 @@ def add_head_routes(app: FastAPI, host: HeadHost, auth: list) -> None:
     @app.post("/heads/sessions/{sid}/attend", dependencies=auth)
     async def attend(sid: str, request: Request):
         x, positions, start, mask = await step_input(request)
-        out = host.held().attend(sid, _int(request, "layer"), x, positions, start, mask)
+        out = host.held().attend(sid, _int(request, "layer"), x, positions, start, mask, _int(request, "step"))
         return Response(encode({"out": out}), media_type="application/octet-stream")
 
     @app.post("/heads/sessions/{sid}/run", dependencies=auth)
@@ -258,7 +260,7 @@ def add_head_routes(app: FastAPI, host: HeadHost, auth: list) -> None:
             epsilon = math.nan
         if not epsilon >= 0:
             raise ValueError("query parameter 'epsilon' must be a number >= 0")
-        out = await asyncio.to_thread(host.run, sid, layer, x, positions, start, mask, epsilon)
+        out = await asyncio.to_thread(host.run, sid, layer, x, positions, start, mask, epsilon, _int(request, "step"))
         return Response(encode(out), media_type="application/octet-stream")
 
     @app.post("/heads/ffn", dependencies=auth)

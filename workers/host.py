@@ -19,15 +19,11 @@ from edgespec.model.config import ModelConfig
 from edgespec.model.linear import bytes_per_param, linear_bytes, weight_format
 from edgespec.model.source import resolve_model
 from edgespec.model.stack import LayerStack
-from edgespec.model.stage import BatchEntry, LocalStage
+from edgespec.model.stage import BatchEntry, LocalStage, StepError
 from edgespec.model.timing import PROFILE_LAYERS, time_layers
 from edgespec.model.weights import open_source
 from edgespec.workers.settings import WorkerSettings
 from edgespec.workers.wire import BatchMessage, WireError, decode, encode, encode_batch
-
-
-class StepError(ValueError):
-    """A call whose step number is older than the last one applied to its session."""
 
 
 class NotAssignedError(RuntimeError):
@@ -112,7 +108,9 @@ class StageHost:
             "instance": self.instance,
             "memory": {"total_bytes": total_memory_bytes(), "budget_bytes": budget,
                        "resident_bytes": resident_bytes(), "weight_bytes": self.weight_bytes,
-                       "kv_bytes": self.stage.kv_bytes() if self.stage else 0},
+                       "kv_bytes": self.stage.kv_bytes() if self.stage else 0,
+                       "kv_blocks": dict(zip(("used", "free"), self.stage.pool_blocks() if self.stage else (0, 0),
+                                             strict=True))},
             "holds": None if a is None else {"model": a.model, "layers": [a.first, a.last], "dtype": a.dtype},
             "sessions": len(self.stage.caches) if self.stage else 0,
             "threads": torch.get_num_threads(),
@@ -240,11 +238,6 @@ class StageHost:
     def fork(self, session: str, step: int, child: str, prefix_len: int, capacity: int) -> None:
         self._check_capacity(capacity)
         self._apply(session, step, self._stage().fork, session, child, prefix_len, capacity)
-        self.steps.setdefault(child, 0)
-
-    def clone(self, session: str, step: int, child: str, prefix_len: int, capacity: int) -> None:
-        self._check_capacity(capacity)
-        self._apply(session, step, self._stage().clone, session, child, prefix_len, capacity)
         self.steps.setdefault(child, 0)  # the child's own steps start at 1, and in order (see ready)
 
     def release(self, session: str) -> None:

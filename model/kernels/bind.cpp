@@ -26,8 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def(pybind11::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t>())
       .def("__call__", &Linear::operator(), free, "x [M, K] float -> [M, N]");
   pybind11::class_<SeqKV>(mod, "SeqKV", pybind11::module_local(), "one sequence's share of a batch of rows")
-      .def(pybind11::init<torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>,
-                          c10::optional<torch::Tensor>, int64_t, int64_t, int64_t, c10::optional<torch::Tensor>>());
+      .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t,
+                          c10::optional<torch::Tensor>>());
   mod.def("attention_rows", &attention_rows, free, "the attention of several sequences' rows in one call");
   mod.def("decoder_layer_rows", &decoder_layer_rows, free, "a decoder layer over several sequences' rows in one call");
   mod.def("attention_block", &attention_block, free, "a layer's attention (or some of its KV groups) in one call");

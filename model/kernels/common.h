@@ -120,24 +120,25 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
                         c10::optional<torch::Tensor> mask);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 
-// The keys and values one attention call reads: own k, v [B or 1, n_kv, S_own, hd] hold slots P.. and, when
-// P > 0, prefix_k, prefix_v [1, n_kv, >= P, hd] hold slots [0, P) shared by every row (a forked session's
-// parent: read in place, not concatenated per step).
+// The keys and values one attention call reads, in blocks: k, v [N, n_kv, BS, hd] (any strides, last dim
+// contiguous) and table, int64 [trows, nb] row-major (trows 1 or the query rows): row b's slot j is in block
+// table[b][j / BS], at offset j % BS. A sequence of a stage's KV pool reads its blocks in place
+// (model/kv_pool.py); plain keys [B, n_kv, S, hd] are B blocks of S slots, row b's table [b]. The table is a
+// pointer, not a tensor: a view or a conversion per call cost microseconds, times every sequence and layer of
+// a step (measured: 16 sequences decoding in one pass were 12% slower with them).
 struct Keys {
   torch::Tensor k, v;
-  int64_t P = 0;
-  torch::Tensor prefix_k, prefix_v;
+  const int64_t* table;
+  int64_t trows, nb;
 };
 torch::Tensor attend_keys(torch::Tensor q, const Keys& keys, int64_t start, c10::optional<torch::Tensor> mask);
 
-// One sequence's share of a batch of rows (layer.cpp's attention_rows): its T rows are written at slots lo..
-// of its own storage k, v [1, n_kv, A, hd] and attend from slots start.. (start = P + lo) over those and, when
-// P > 0, the shared prefix; mask [1, 1, T, S] or none (causal).
+// One sequence's share of a batch of rows (layer.cpp's attention_rows): its T rows are written at slots
+// start..start+T of its blocks (k, v: the pool's [N, n_kv, BS, hd], contiguous; table int64 [nb]) and attend
+// over the slots before them and themselves; mask [1, 1, T, S] or none (causal).
 struct SeqKV {
-  torch::Tensor k, v;
-  int64_t lo;
-  c10::optional<torch::Tensor> prefix_k, prefix_v;
-  int64_t P, start, T;
+  torch::Tensor k, v, table;
+  int64_t start, T;
   c10::optional<torch::Tensor> mask;
 };
 
@@ -152,10 +153,8 @@ struct Linear {
   torch::Tensor operator()(const torch::Tensor& x) const;
 };
 torch::Tensor attention_block(torch::Tensor x, const Linear& qkv, const Linear& o, int64_t n_q, int64_t n_kv,
-                              torch::Tensor cos, torch::Tensor sin, torch::Tensor own_k, torch::Tensor own_v,
-                              int64_t lo, c10::optional<torch::Tensor> prefix_k,
-                              c10::optional<torch::Tensor> prefix_v, int64_t P, int64_t start,
-                              c10::optional<torch::Tensor> mask);
+                              torch::Tensor cos, torch::Tensor sin, torch::Tensor k, torch::Tensor v,
+                              torch::Tensor table, int64_t start, c10::optional<torch::Tensor> mask);
 torch::Tensor attention_rows(torch::Tensor x, const Linear& qkv, const Linear& o, int64_t n_q, int64_t n_kv,
                              torch::Tensor cos, torch::Tensor sin, const std::vector<SeqKV>& seqs);
 torch::Tensor decoder_layer_rows(torch::Tensor x, torch::Tensor norm1, torch::Tensor norm2, double eps,
@@ -165,7 +164,5 @@ torch::Tensor decoder_layer_rows(torch::Tensor x, torch::Tensor norm1, torch::Te
 torch::Tensor ffn_block(torch::Tensor x, const Linear& gate_up, const Linear& down);
 torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor norm1, torch::Tensor norm2, double eps, const Linear& qkv,
                             const Linear& o, const Linear& gate_up, const Linear& down, int64_t n_q, int64_t n_kv,
-                            torch::Tensor cos, torch::Tensor sin, torch::Tensor own_k, torch::Tensor own_v,
-                            int64_t lo, c10::optional<torch::Tensor> prefix_k,
-                            c10::optional<torch::Tensor> prefix_v, int64_t P, int64_t start,
-                            c10::optional<torch::Tensor> mask);
+                            torch::Tensor cos, torch::Tensor sin, torch::Tensor k, torch::Tensor v,
+                            torch::Tensor table, int64_t start, c10::optional<torch::Tensor> mask);

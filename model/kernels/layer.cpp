@@ -23,7 +23,7 @@ torch::Tensor Linear::operator()(const torch::Tensor& x) const {
 
 // The attention of the rows of several sequences in one pass (a batch step): x [M, H] float, already normed,
 // holds each sequence's rows in turn (seqs[i].T of them); cos, sin [M, hd] per row. The projections run once
-// over all M rows; rotary, the KV write and attention run per sequence over its own storage. Each output row
+// over all M rows; rotary, the KV write and attention run per sequence over its own blocks. Each output row
 // is computed as when its sequence runs alone (the matmuls are row-invariant, attention is per query row), so
 // batching changes no bits. -> [M, H] (partial when the block holds some of the layer's groups).
 torch::Tensor attention_rows(torch::Tensor x, const Linear& qkv, const Linear& o, int64_t n_q, int64_t n_kv,
@@ -43,28 +43,28 @@ torch::Tensor attention_rows(torch::Tensor x, const Linear& qkv, const Linear& o
   const float *yp = y.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   int64_t r0 = 0;
   for (const SeqKV& s : seqs) {
-    const int64_t T = s.T, A = s.k.size(2);
-    TORCH_CHECK(s.k.is_contiguous() && s.v.is_contiguous() && s.k.dim() == 4 && s.k.size(0) == 1 &&
-                    s.k.size(1) == n_kv && s.k.size(3) == hd, "a sequence's storage must be contiguous [1, n_kv, A, hd]");
-    TORCH_CHECK(s.lo >= 0 && s.lo + T <= A && s.start == s.P + s.lo, "the write does not fit the cache storage");
+    const int64_t T = s.T, BS = s.k.size(2);
+    TORCH_CHECK(s.k.is_contiguous() && s.v.is_contiguous() && s.k.dim() == 4 && s.v.sizes() == s.k.sizes() &&
+                    s.k.size(1) == n_kv && s.k.size(3) == hd, "a sequence's blocks must be contiguous [N, n_kv, BS, hd]");
+    TORCH_CHECK(s.table.scalar_type() == torch::kLong && s.table.dim() == 1 && s.table.is_contiguous(),
+                "a block table must be contiguous int64 [nb]");
+    const int64_t nb = s.table.size(0);
+    TORCH_CHECK(s.start >= 0 && s.start + T <= nb * BS, "the write does not fit the sequence's blocks");
+    const int64_t* tp = s.table.data_ptr<int64_t>();
     auto q = torch::empty({1, n_q, T, hd}, x.options());
     float *qp = q.data_ptr<float>(), *kp = s.k.data_ptr<float>(), *vp = s.v.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
-      const int64_t m = r0 + t;
+      const int64_t m = r0 + t, slot = s.start + t, blk = tp[slot / BS];
+      TORCH_CHECK(blk >= 0 && blk < s.k.size(0), "block ", blk, " is not in the pool");
       const float *row = yp + m * heads * hd, *c = cp + m * hd, *sn = sp + m * hd;
       for (int64_t h = 0; h < n_q; ++h) rotate(row + h * hd, c, sn, hd, qp + (h * T + t) * hd);
       for (int64_t g = 0; g < n_kv; ++g) {
-        const int64_t slot = (g * A + s.lo + t) * hd;
-        rotate(row + (n_q + g) * hd, c, sn, hd, kp + slot);
-        std::copy(row + (n_q + n_kv + g) * hd, row + (n_q + n_kv + g + 1) * hd, vp + slot);
+        const int64_t at = ((blk * n_kv + g) * BS + slot % BS) * hd;
+        rotate(row + (n_q + g) * hd, c, sn, hd, kp + at);
+        std::copy(row + (n_q + n_kv + g) * hd, row + (n_q + n_kv + g + 1) * hd, vp + at);
       }
     }
-    Keys keys{s.k, s.v, s.P};
-    if (s.P > 0) {
-      TORCH_CHECK(s.prefix_k.has_value() && s.prefix_v.has_value(), "P > 0 needs the prefix keys and values");
-      keys.prefix_k = *s.prefix_k;
-      keys.prefix_v = *s.prefix_v;
-    }
+    const Keys keys{s.k, s.v, tp, 1, nb};
     torch::Tensor out = attend_keys(q, keys, s.start, s.mask);  // [1, n_q, T, hd]
     attn.narrow(0, r0, T).copy_(out[0].transpose(0, 1).reshape({T, n_q * hd}));
     r0 += T;
@@ -74,45 +74,31 @@ torch::Tensor attention_rows(torch::Tensor x, const Linear& qkv, const Linear& o
 
 namespace {
 
-// A pass over the B rows of a batched cache, as the rows of B sequences of T tokens: x [B, T, H] -> [B*T, H];
-// cos, sin [Bc, 1, T, hd] (Bc 1 or B) -> [B*T, hd], a row per (b, t); own_k, own_v [B, n_kv, A, hd] and mask
-// [B or 1, 1, T, S] or none -> one SeqKV per row b
-struct BatchRows {
+// The one sequence of a single-sequence call: x [1, T, H] -> rows [T, H]; cos, sin [1, 1, T, hd] -> [T, hd]
+struct OneSeq {
   torch::Tensor x, cos, sin;
   std::vector<SeqKV> seqs;
 };
 
-BatchRows batch_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                     const torch::Tensor& own_k, const torch::Tensor& own_v, int64_t lo,
-                     const c10::optional<torch::Tensor>& prefix_k, const c10::optional<torch::Tensor>& prefix_v,
-                     int64_t P, int64_t start, const c10::optional<torch::Tensor>& mask) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 3, "x must be float [B, T, H]");
-  const int64_t B = x.size(0), T = x.size(1), H = x.size(2);
-  TORCH_CHECK(own_k.is_contiguous() && own_v.is_contiguous() && own_k.dim() == 4 && own_k.size(0) == B,
-              "the cache storage must be contiguous [B, n_kv, A, hd]");
-  auto per_row = [&](const torch::Tensor& t) { return t.expand({B, 1, T, t.size(3)}).reshape({B * T, t.size(3)}); };
-  BatchRows rows{x.reshape({B * T, H}), per_row(cos), per_row(sin), {}};
-  for (int64_t b = 0; b < B; ++b) {
-    c10::optional<torch::Tensor> mb;
-    if (mask.has_value()) mb = mask->size(0) == 1 ? *mask : mask->narrow(0, b, 1);
-    rows.seqs.push_back(SeqKV{own_k.narrow(0, b, 1), own_v.narrow(0, b, 1), lo, prefix_k, prefix_v, P, start, T, mb});
-  }
-  return rows;
+OneSeq one_seq(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& k,
+               const torch::Tensor& v, const torch::Tensor& table, int64_t start,
+               const c10::optional<torch::Tensor>& mask) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 3 && x.size(0) == 1, "x must be float [1, T, H]");
+  const int64_t T = x.size(1);
+  auto rows = [&](const torch::Tensor& t) { return t.reshape({T, t.size(-1)}); };
+  return OneSeq{x.reshape({T, x.size(2)}), rows(cos), rows(sin), {SeqKV{k, v, table, start, T, mask}}};
 }
 
 }  // namespace
 
-// x [B, T, H] float (already normed); qkv, o: the block's projections (n_q + 2 n_kv heads of hd out; n_q hd
-// in); cos, sin [Bc, 1, T, hd] (Bc 1 or B); own_k, own_v [B, n_kv, A, hd]: the cache's storage for this
-// layer, written at slots lo..lo+T; prefix_k, prefix_v [1, n_kv, >= P, hd]: slots [0, P) shared from a
-// parent (P = 0: none); the queries sit at slots start..start+T; mask as ops.cpp's attention.
-// -> the block's attention output [B, T, H]: attention_rows over the B rows as B sequences of T tokens.
+// x [1, T, H] float (already normed); qkv, o: the block's projections (n_q + 2 n_kv heads of hd out; n_q hd
+// in); cos, sin [1, 1, T, hd]; k, v [N, n_kv, BS, hd] and table [nb]: the sequence's blocks (SeqKV), written at
+// slots start..start+T; mask as ops.cpp's attention. -> the block's attention output [1, T, H] (attention_rows
+// over one sequence).
 torch::Tensor attention_block(torch::Tensor x, const Linear& qkv, const Linear& o, int64_t n_q, int64_t n_kv,
-                              torch::Tensor cos, torch::Tensor sin, torch::Tensor own_k, torch::Tensor own_v,
-                              int64_t lo, c10::optional<torch::Tensor> prefix_k,
-                              c10::optional<torch::Tensor> prefix_v, int64_t P, int64_t start,
-                              c10::optional<torch::Tensor> mask) {
-  const BatchRows r = batch_rows(x, cos, sin, own_k, own_v, lo, prefix_k, prefix_v, P, start, mask);
+                              torch::Tensor cos, torch::Tensor sin, torch::Tensor k, torch::Tensor v,
+                              torch::Tensor table, int64_t start, c10::optional<torch::Tensor> mask) {
+  const OneSeq r = one_seq(x, cos, sin, k, v, table, start, mask);
   return attention_rows(r.x, qkv, o, n_q, n_kv, r.cos, r.sin, r.seqs).view(x.sizes());
 }
 
@@ -133,15 +119,12 @@ torch::Tensor decoder_layer_rows(torch::Tensor x, torch::Tensor norm1, torch::Te
   return z + ffn_block(rms_norm(z, norm2, eps), gate_up, down);
 }
 
-// x [B, T, H] -> [B, T, H]: decoder_layer_rows over the B rows as B sequences of T tokens; arguments as
-// attention_block's
+// x [1, T, H] -> [1, T, H]: decoder_layer_rows over one sequence; arguments as attention_block's
 torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor norm1, torch::Tensor norm2, double eps, const Linear& qkv,
                             const Linear& o, const Linear& gate_up, const Linear& down, int64_t n_q, int64_t n_kv,
-                            torch::Tensor cos, torch::Tensor sin, torch::Tensor own_k, torch::Tensor own_v,
-                            int64_t lo, c10::optional<torch::Tensor> prefix_k,
-                            c10::optional<torch::Tensor> prefix_v, int64_t P, int64_t start,
-                            c10::optional<torch::Tensor> mask) {
-  const BatchRows r = batch_rows(x, cos, sin, own_k, own_v, lo, prefix_k, prefix_v, P, start, mask);
+                            torch::Tensor cos, torch::Tensor sin, torch::Tensor k, torch::Tensor v,
+                            torch::Tensor table, int64_t start, c10::optional<torch::Tensor> mask) {
+  const OneSeq r = one_seq(x, cos, sin, k, v, table, start, mask);
   return decoder_layer_rows(r.x, norm1, norm2, eps, qkv, o, gate_up, down, n_q, n_kv, r.cos, r.sin, r.seqs)
       .view(x.sizes());
 }

@@ -55,31 +55,25 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 // q [B, n_q, T, hd] at slots start..start+T over keys (see Keys in common.h); mask: bool [Bm, 1, T, S] (Bm 1
 // or B) of the slots each query row sees, or none (slots 0..start+i, causal). Each (row, head, query) attends
 // over its visible slots in slot order: scores <q, k> / sqrt(hd), a softmax with its max and sum taken in
-// that order, then the sum of p v in that order. -> [B, n_q, T, hd]
+// that order, then the sum of p v in that order. Where a slot's entry lives (which block) changes no
+// arithmetic. -> [B, n_q, T, hd]
 torch::Tensor attend_keys(torch::Tensor q, const Keys& keys, int64_t start, c10::optional<torch::Tensor> mask) {
   check_float(q, "q");
   check_float(keys.k, "keys");
   check_float(keys.v, "values");
   q = q.contiguous();
   const int64_t B = q.size(0), nq = q.size(1), T = q.size(2), hd = q.size(3), nkv = keys.k.size(1);
-  const int64_t P = keys.P;
+  const int64_t N = keys.k.size(0), BS = keys.k.size(2);
   TORCH_CHECK(hd % 8 == 0 && nq % nkv == 0, "attention needs head_dim % 8 == 0 and whole query groups");
   TORCH_CHECK(keys.k.stride(3) == 1 && keys.v.stride(3) == 1, "keys and values need a contiguous last dim");
-  TORCH_CHECK(keys.k.size(0) == B || keys.k.size(0) == 1, "keys must have B rows or one");
-  const float *pk = nullptr, *pv = nullptr;
-  int64_t pkh = 0, pks = 0, pvh = 0, pvs = 0;
-  if (P > 0) {
-    check_float(keys.prefix_k, "prefix keys");
-    check_float(keys.prefix_v, "prefix values");
-    TORCH_CHECK(keys.prefix_k.size(2) >= P && keys.prefix_k.stride(3) == 1 && keys.prefix_v.stride(3) == 1,
-                "the prefix keys must hold P slots with a contiguous last dim");
-    pk = keys.prefix_k.data_ptr<float>(), pv = keys.prefix_v.data_ptr<float>();
-    pkh = keys.prefix_k.stride(1), pks = keys.prefix_k.stride(2);
-    pvh = keys.prefix_v.stride(1), pvs = keys.prefix_v.stride(2);
-  }
+  TORCH_CHECK(keys.v.size(0) == N && keys.v.size(2) == BS, "keys and values must have the same blocks");
+  const int64_t nb = keys.nb, trows = keys.trows;
+  const int64_t* tp = keys.table;
+  TORCH_CHECK(trows == B || trows == 1, "the block table must have B rows or one");
+  for (int64_t i = 0; i < trows * nb; ++i) TORCH_CHECK(tp[i] >= 0 && tp[i] < N, "block ", tp[i], " is not in the pool");
   torch::Tensor m;
   const bool* mp = nullptr;
-  int64_t mrows = 0, S = P + keys.k.size(2);
+  int64_t mrows = 0, S = nb * BS;
   if (mask.has_value()) {
     m = mask->to(torch::kBool).contiguous();
     TORCH_CHECK(m.dim() == 4 && m.size(2) == T && m.size(3) <= S, "mask must be [B or 1, 1, T, <= S]");
@@ -92,12 +86,13 @@ torch::Tensor attend_keys(torch::Tensor q, const Keys& keys, int64_t start, c10:
   auto out = torch::empty_like(q);
   const float *qp = q.data_ptr<float>(), *kp = keys.k.data_ptr<float>(), *vp = keys.v.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t kb = keys.k.size(0) == 1 ? 0 : keys.k.stride(0), kh = keys.k.stride(1), ks = keys.k.stride(2);
-  const int64_t vb = keys.v.size(0) == 1 ? 0 : keys.v.stride(0), vh = keys.v.stride(1), vs = keys.v.stride(2);
+  const int64_t k0 = keys.k.stride(0), k1 = keys.k.stride(1), k2 = keys.k.stride(2);
+  const int64_t v0 = keys.v.stride(0), v1 = keys.v.stride(1), v2 = keys.v.stride(2);
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
   at::parallel_for(0, B * nq * T, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> scores(S);
     std::vector<int64_t> slots(S);
+    std::vector<const float*> kps(S), vps(S);
     for (int64_t job = lo; job < hi; ++job) {
       const int64_t b = job / (nq * T), h = (job / T) % nq, t = job % T, g = h / (nq / nkv);
       int64_t n = 0;
@@ -108,9 +103,14 @@ torch::Tensor attend_keys(torch::Tensor q, const Keys& keys, int64_t start, c10:
       } else {
         for (int64_t j = 0; j <= start + t; ++j) slots[n++] = j;
       }
-      // slot j's key: the shared prefix's row 0 below P, this row's own storage from P on
-      auto key = [&](int64_t j) { return j < P ? pk + g * pkh + j * pks : kp + b * kb + g * kh + (j - P) * ks; };
-      auto value = [&](int64_t j) { return j < P ? pv + g * pvh + j * pvs : vp + b * vb + g * vh + (j - P) * vs; };
+      // each visible slot's key and value: the slots ascend, so the block walks forward (no division per slot)
+      const int64_t* tb = tp + (trows == 1 ? 0 : b) * nb;
+      for (int64_t i = 0, blk = 0, base = 0; i < n; ++i) {
+        while (slots[i] >= base + BS) ++blk, base += BS;
+        const int64_t off = slots[i] - base;
+        kps[i] = kp + tb[blk] * k0 + g * k1 + off * k2;
+        vps[i] = vp + tb[blk] * v0 + g * v1 + off * v2;
+      }
       const float* qr = qp + ((b * nq + h) * T + t) * hd;
       float* o = op + ((b * nq + h) * T + t) * hd;
       std::fill(o, o + hd, 0.f);
@@ -120,7 +120,7 @@ torch::Tensor attend_keys(torch::Tensor q, const Keys& keys, int64_t start, c10:
       // four slots' dot products at once: dot8's operations, in four independent fma chains instead of one
       // that waits on its own latency (the scores were the other half of attention's time)
       for (; j0 + 4 <= n; j0 += 4) {
-        const float* ks[4] = {key(slots[j0]), key(slots[j0 + 1]), key(slots[j0 + 2]), key(slots[j0 + 3])};
+        const float* ks[4] = {kps[j0], kps[j0 + 1], kps[j0 + 2], kps[j0 + 3]};
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int64_t k = 0; k < hd; k += 8) {
           const __m256 qv = _mm256_loadu_ps(qr + k);
@@ -129,7 +129,7 @@ torch::Tensor attend_keys(torch::Tensor q, const Keys& keys, int64_t start, c10:
         for (int u = 0; u < 4; ++u) scores[j0 + u] = reduce8(acc[u]) * scale;
       }
 #endif
-      for (int64_t j = j0; j < n; ++j) scores[j] = dot8(qr, key(slots[j]), hd) * scale;
+      for (int64_t j = j0; j < n; ++j) scores[j] = dot8(qr, kps[j], hd) * scale;
       float mx = -INFINITY;
       for (int64_t j = 0; j < n; ++j) mx = std::max(mx, scores[j]);
       exp_shifted(scores.data(), mx, n);
@@ -141,14 +141,14 @@ torch::Tensor attend_keys(torch::Tensor q, const Keys& keys, int64_t start, c10:
         __m256 acc[8];
         for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
         for (int64_t j = 0; j < n; ++j) {
-          const float* v = value(slots[j]);
+          const float* v = vps[j];
           const __m256 p = _mm256_set1_ps(scores[j]);
           for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
         }
         for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
       } else
 #endif
-        for (int64_t j = 0; j < n; ++j) axpy(o, value(slots[j]), scores[j], hd);
+        for (int64_t j = 0; j < n; ++j) axpy(o, vps[j], scores[j], hd);
       const float inv = 1.f / sum;
       for (int64_t i = 0; i < hd; ++i) o[i] *= inv;
     }
@@ -156,10 +156,12 @@ torch::Tensor attend_keys(torch::Tensor q, const Keys& keys, int64_t start, c10:
   return out;
 }
 
-// keys, values [B or 1, n_kv, S, hd] (last dim contiguous, S >= start+T): attend_keys without a shared prefix
+// keys, values [Bk, n_kv, S, hd] (Bk 1 or B, last dim contiguous, S >= start+T): attend_keys over plain keys,
+// each row's one block of S slots
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t start,
                         c10::optional<torch::Tensor> mask) {
-  return attend_keys(q, Keys{keys, values, 0}, start, mask);
+  const torch::Tensor table = torch::arange(keys.size(0), torch::kLong);
+  return attend_keys(q, Keys{keys, values, table.data_ptr<int64_t>(), keys.size(0), 1}, start, mask);
 }
 
 // gate_up [..., 2I] -> silu(gate) * up [..., I], silu(g) = g / (1 + exp(-g))

@@ -1,0 +1,95 @@
+"""A stage's KV pool: every sequence's keys and values live in fixed-size blocks preallocated at load.
+
+The pool is the stage's admission budget. A session reserves, at its open, the blocks its capacity may need, so
+a request that does not fit is refused before it starts (the runner queues it, model/admission.py) and a
+running one never runs out mid-stream. Blocks are reference-counted: a session forked from another (prefix
+reuse, outline's points after their shared prompt) reads the parent's blocks in place and copies a shared
+block only when it first writes into it. Storage is `torch.empty`, so the operating system commits a block's
+pages when it is first written, not at load; freed blocks are reused last-in first-out, so the pages in use
+stay the hot ones.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+BLOCK_SLOTS = 16  # slots per block: vLLM's default; a 135M model's block is 16 x 46 KiB in float32
+
+
+class CapacityError(RuntimeError):
+    """A session's KV cache does not fit the memory budget; the message names the numbers."""
+
+
+class KVPool:
+    """k[layer], v[layer] [n_blocks, n_kv, block, head_dim] for `n_layers` layers, with each block's reference
+    count, the free list and the blocks reserved by open sessions but not yet taken."""
+
+    def __init__(self, n_layers: int, n_kv: int, head_dim: int, dtype: torch.dtype, n_blocks: int,
+                 block: int = BLOCK_SLOTS):
+        shape = (n_blocks, n_kv, block, head_dim)
+        self.k = [torch.empty(shape, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.empty(shape, dtype=dtype) for _ in range(n_layers)]
+        self.block, self.n_blocks = block, n_blocks
+        self.block_bytes = 2 * n_layers * n_kv * block * head_dim * dtype.itemsize
+        self.refs = [0] * n_blocks
+        self.free_list = list(range(n_blocks - 1, -1, -1))  # pop() hands out block 0 first
+        self.reserved = 0
+
+    @classmethod
+    def for_bytes(cls, n_layers: int, n_kv: int, head_dim: int, dtype: torch.dtype, nbytes: int,
+                  block: int = BLOCK_SLOTS) -> KVPool:
+        """The pool of as many blocks as `nbytes` holds."""
+        per_block = 2 * n_layers * n_kv * block * head_dim * dtype.itemsize
+        return cls(n_layers, n_kv, head_dim, dtype, max(0, nbytes // per_block), block)
+
+    def blocks_for(self, slots: int) -> int:
+        return math.ceil(slots / self.block)
+
+    @property
+    def used(self) -> int:
+        """Blocks holding some session's entries."""
+        return self.n_blocks - len(self.free_list)
+
+    @property
+    def available(self) -> int:
+        """Blocks neither used nor reserved: what a new session may reserve."""
+        return len(self.free_list) - self.reserved
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole pool."""
+        return self.n_blocks * self.block_bytes
+
+    def reserve(self, n: int) -> None:
+        """Promise n blocks to a session (CapacityError, naming the numbers, when they are not free)."""
+        if n > self.available:
+            mib = self.block_bytes / 2**20
+            raise CapacityError(f"the KV cache needs {n} blocks ({n * mib:.1f} MiB) more but only {self.available} "
+                                f"of {self.n_blocks} ({self.available * mib:.1f} of {self.n_blocks * mib:.1f} MiB) "
+                                "are free")
+        self.reserved += n
+
+    def unreserve(self, n: int) -> None:
+        self.reserved -= n
+
+    def take(self, reserved: bool) -> int:
+        """A free block, counted 1 reference; from the caller's reservation, or else only if one is available."""
+        if reserved:
+            self.reserved -= 1
+        elif self.available < 1:
+            raise CapacityError(f"the KV cache is full ({self.n_blocks} blocks of {self.block} slots in use or "
+                                "reserved)")
+        block = self.free_list.pop()
+        self.refs[block] = 1
+        return block
+
+    def share(self, block: int) -> None:
+        self.refs[block] += 1
+
+    def drop(self, block: int) -> None:
+        """One reference fewer; the block is free at none."""
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            self.free_list.append(block)
