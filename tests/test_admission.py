@@ -18,11 +18,11 @@ from edgespec.model.kv_pool import CapacityError
 
 @pytest.fixture
 def one_cache(tiny_loaded):
-    """The tiny runner over stages with room for one 256-slot cache, no prefix cache, a fresh queue."""
+    """The tiny runner over stages with room for one 280-slot cache, no prefix cache, a fresh queue."""
     runner = tiny_loaded.runner
     saved = runner.pipeline, runner.prefix, runner.admission
     slot = ModelConfig.from_folder(tiny_loaded.files.folder).kv_bytes_per_token()
-    runner.pipeline = stages(tiny_loaded.files.folder, [], budget=300 * slot)
+    runner.pipeline = stages(tiny_loaded.files.folder, [], budget=400 * slot)
     runner.prefix = None
     try:
         yield runner
@@ -34,7 +34,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [11, 3, 3, 7]]
 
 
 async def greedy(runner, prompt: list[int], n: int) -> list[int]:
-    session = await runner.open(280)  # reserves 18 blocks of 16 slots: one such cache fits, two do not
+    session = await runner.open(280)  # reserves 5 blocks of 64 slots of the 6: one such cache fits, two do not
     try:
         logits = await runner.forward(session, torch.tensor([prompt]), last_only=True)
         out = [int(logits[0, -1].argmax())]

@@ -144,7 +144,7 @@ def test_the_kv_budget_bounds_the_devices_caches_as_the_layer_pipeline_does(tiny
     per_slot = cfg.kv_bytes_per_token()  # float32 keys and values of every layer
     pipe = HeadSplitPipeline.local(src, cfg, torch.float32, placements(cfg.n_layers, False)["2 devices"],
                                    kv_budget_bytes=100 * per_slot)
-    pipe.open("a", 60)  # each device holds its share of the 60 slots, in blocks of 16: 64
+    pipe.open("a", 60)  # each device holds its share of the 60 slots, in a block of 64
     with pytest.raises(CapacityError, match="MiB more but only"):
         pipe.open("b", 60)
     assert "b" not in next(iter(pipe.devices.values())).sessions and pipe.kv_bytes() == 64 * per_slot

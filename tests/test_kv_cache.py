@@ -7,10 +7,11 @@ import torch
 from model_fixtures import load_blocks, make_tiny_model
 
 from edgespec.model.kv_cache import KVCache, KVCacheError
-from edgespec.model.kv_pool import CapacityError, KVPool
+from edgespec.model.kv_pool import BLOCK_SLOTS, CapacityError, KVPool
 from edgespec.model.stage import LocalStage, Pipeline, SessionError
 
 TOL = 1e-5
+B = BLOCK_SLOTS  # the tests count in the pool's blocks
 
 
 @pytest.fixture(scope="module")
@@ -129,27 +130,27 @@ def stage_run(blocks, stage, session, part, start):
 
 
 def test_forks_share_the_prefix_blocks(blocks):
-    """Three forks of an 11-slot prompt read its blocks in place: only their own slots take blocks, the one
-    block the prompt fills part of is copied on each fork's first write, and the parent is left intact."""
+    """Three forks of a prompt read its blocks in place: only their own slots take blocks, the one block the
+    prompt fills part of is copied on each fork's first write, and the parent is left intact."""
     stage = LocalStage(blocks.stack, kv_budget_bytes=2**24)
-    pool = stage.pool
-    prefix = tokens(21, 15)  # one full block of 16 slots and 5 slots of a second
-    stage.open("p", 24)
+    pool, n = stage.pool, B + 5  # the prompt: one full block and 5 slots of a second
+    prefix = tokens(n, 15)
+    stage.open("p", n + 8)
     stage_run(blocks, stage, "p", prefix, 0)
     assert pool.used == 2
     conts = [tokens(4, 16 + i) for i in range(3)]
     for i, cont in enumerate(conts):
-        stage.fork("p", f"c{i}", 21, 21 + 6)
+        stage.fork("p", f"c{i}", n, n + 6)
         assert pool.used == 2 + i  # the fork holds the parent's blocks; the previous one copied the partial one
-        got = stage_run(blocks, stage, f"c{i}", cont, 21)[0]
-        assert close(got, blocks.logits_from_scratch(prefix + cont)[21:])
+        got = stage_run(blocks, stage, f"c{i}", cont, n)[0]
+        assert close(got, blocks.logits_from_scratch(prefix + cont)[n:])
         assert pool.refs[stage.caches[f"c{i}"].table[0]] == 2 + i  # the full block is shared, never copied
     assert pool.used == 2 + 3
     tail = tokens(2, 20)  # the parent continues its own sequence over its own partial block
-    assert close(stage_run(blocks, stage, "p", tail, 21)[0], blocks.logits_from_scratch(prefix + tail)[21:])
+    assert close(stage_run(blocks, stage, "p", tail, n)[0], blocks.logits_from_scratch(prefix + tail)[n:])
     stage.release("p")  # the parent may go first: the forks keep the blocks they share
     last = tokens(1, 21)
-    got = stage_run(blocks, stage, "c0", last, 25)[0, -1]
+    got = stage_run(blocks, stage, "c0", last, n + 4)[0, -1]
     assert close(got, blocks.logits_from_scratch(prefix + conts[0] + last)[-1])
     for i in range(3):
         stage.release(f"c{i}")
@@ -183,18 +184,19 @@ def test_interleaved_blocks_give_the_bits_of_a_cache_alone(blocks):
     """Two sessions decoding in turn take alternate blocks of the pool: each one's logits are bitwise those of
     its sequence in a cache of its own (a wrong slot-to-block mapping would read the other's entries)."""
     stage = LocalStage(blocks.stack, kv_budget_bytes=2**24)
-    seqs = {s: tokens(40, 50 + i) for i, s in enumerate("ab")}
+    n, step = 2 * B + 8, 8  # three blocks each, fed 8 tokens a turn
+    seqs = {s: tokens(n, 50 + i) for i, s in enumerate("ab")}
     for s in seqs:
-        stage.open(s, 40)
+        stage.open(s, n)
     got = {s: [] for s in seqs}
-    for i in range(0, 40, 4):  # 4 tokens at a time: a block of 16 slots fills every 4 turns
+    for i in range(0, n, step):
         for s, seq in seqs.items():
-            got[s].append(stage_run(blocks, stage, s, seq[i:i + 4], i)[0])
+            got[s].append(stage_run(blocks, stage, s, seq[i:i + step], i)[0])
     a, b = stage.caches["a"].table, stage.caches["b"].table
-    assert not set(a) & set(b) and sorted(a + b) == list(range(6)) and a != sorted(a + b)[:3]  # interleaved
+    assert not set(a) & set(b) and sorted(a + b) == list(range(6)) and a != [0, 1, 2]  # interleaved
     for s, seq in seqs.items():
-        alone = blocks.new_cache(40)
-        want = torch.cat([blocks.forward(seq[i:i + 4], alone, i)[0] for i in range(0, 40, 4)])
+        alone = blocks.new_cache(n)
+        want = torch.cat([blocks.forward(seq[i:i + step], alone, i)[0] for i in range(0, n, step)])
         assert torch.equal(torch.cat(got[s]), want)
 
 
@@ -272,25 +274,25 @@ def test_local_stage_budget_is_its_pool(blocks):
     """A session reserves its capacity's blocks at its open: what does not fit is refused then, naming the
     numbers, and a session that opened never fails a write for room."""
     cfg = blocks.cfg
-    per_block = 16 * cfg.kv_bytes_per_token(cfg.n_layers, torch.float32)
-    stage = LocalStage(blocks.stack, kv_budget_bytes=20 * per_block + 100)  # 20 blocks of 16 slots
-    assert stage.pool.n_blocks == 20
-    stage.open("a", 200)  # 13 blocks promised
-    assert stage.kv_bytes() == 0 and stage.pool_blocks() == (0, 7)
-    stage_run(blocks, stage, "a", tokens(60, 40), 0)
-    assert stage.kv_bytes() == 4 * per_block and stage.pool_blocks() == (4, 7)  # what it holds
+    per_block = B * cfg.kv_bytes_per_token(cfg.n_layers, torch.float32)
+    stage = LocalStage(blocks.stack, kv_budget_bytes=6 * per_block + 100)  # 6 blocks
+    assert stage.pool.n_blocks == 6
+    stage.open("a", 3 * B - 8)  # 3 blocks promised
+    assert stage.kv_bytes() == 0 and stage.pool_blocks() == (0, 3)
+    stage_run(blocks, stage, "a", tokens(B + 5, 40), 0)
+    assert stage.kv_bytes() == 2 * per_block and stage.pool_blocks() == (2, 3)  # what it holds
     with pytest.raises(CapacityError) as info:
-        stage.open("b", 8 * 16)
+        stage.open("b", 4 * B)
     msg, mib = str(info.value), per_block / 2**20
-    assert f"needs 8 blocks ({8 * mib:.1f} MiB) more but only 7 of 20 ({7 * mib:.1f} of {20 * mib:.1f} MiB)" in msg
+    assert f"needs 4 blocks ({4 * mib:.1f} MiB) more but only 3 of 6 ({3 * mib:.1f} of {6 * mib:.1f} MiB)" in msg
     assert "b" not in stage.caches
-    stage_run(blocks, stage, "a", tokens(140, 41), 60)  # a runs to its whole capacity within its promise
-    stage.fork("a", "f", prefix_len=200, capacity=200 + 16)  # 12 full blocks shared: 2 more promised
-    assert stage.pool_blocks() == (13, 5)
+    stage_run(blocks, stage, "a", tokens(2 * B - 13, 41), B + 5)  # a runs to its whole capacity within its promise
+    stage.fork("a", "f", prefix_len=3 * B - 8, capacity=3 * B + 8)  # 2 full blocks shared: 2 more promised
+    assert stage.pool_blocks() == (3, 1)
     for s in ("a", "f", "never-opened"):  # unknown sessions are ignored
         stage.release(s)
-    assert stage.pool_blocks() == (0, 20)
-    stage.open("b", 8 * 16)  # fits once the others are gone
+    assert stage.pool_blocks() == (0, 6)
+    stage.open("b", 4 * B)  # fits once the others are gone
 
 
 def test_a_write_ends_the_cache_so_a_rejected_draft_needs_no_truncate(blocks):
