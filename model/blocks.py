@@ -117,7 +117,7 @@ class AttentionBlock(nn.Module):
         return isinstance(self.qkv, Kernel) and isinstance(self.o, Kernel) and fused(self.hd)
 
     def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
-        # x [B, T, H] (already normed) -> partial attention output [B, T, H]
+        # x [1, T, H] (already normed; one sequence: the cache's) -> partial attention output [1, T, H]
         if self.compiled:
             return compiled().attention_block(x.float(), self.qkv.kernel, self.o.kernel, self.n_q, self.n_kv,
                                              rope.cos, rope.sin, *cache.storage(layer), start, _heads_mask(mask))
@@ -204,7 +204,7 @@ class DecoderLayer(nn.Module):
         return self.attn.compiled and self.ffn.compiled and fused(self.input_norm.weight.shape[0])
 
     def forward(self, x, rope: Rope, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
-        # x [B, T, H] -> [B, T, H]
+        # x [1, T, H] (one sequence: the cache's) -> [1, T, H]
         attn, ffn = self.attn, self.ffn
         if self.compiled:
             # one call: the same kernels in the same order as the blocks below, without ~20 dispatches

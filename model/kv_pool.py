@@ -15,9 +15,10 @@ import math
 
 import torch
 
-BLOCK_SLOTS = 64  # slots per block (vLLM: 16 on GPUs, 128 on CPUs). Measured on the 2-core EPYC, one
-# decoder layer over 16 decoding sequences in one process (old and new kernels alternated): blocks of 16 slots
-# were 3-6% slower than contiguous caches, blocks of 64 as fast; a SmolLM2 block of 64 is 2.9 MiB in float32.
+BLOCK_SLOTS = 64  # slots per block (vLLM: 16 on GPUs, 128 on CPUs). Measured on the 2-core EPYC, the served
+# model's 30 layers over 16 decoding sequences, the kernels before and after the pool alternated in one process
+# (bench/results/issue18-kv-pool/tools): blocks of 16 slots were 0-6% slower than contiguous caches, blocks of 64
+# within 2%. A SmolLM2 block of 64 slots is 2.9 MiB in float32.
 
 
 class CapacityError(RuntimeError):

@@ -58,10 +58,10 @@ class LayerStack(nn.Module):
         start: int,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """hidden [B, T, H] at RoPE positions [B, T], written to cache slots start..start+T.
+        """One sequence's hidden [1, T, H] at RoPE positions [1, T], written to cache slots start..start+T.
 
-        mask: optional bool [B, T, start+T] (or broadcastable) of visible slots; causal by slot if None.
-        Returns hidden [B, T, H].
+        mask: optional bool [1, T, start+T] (or broadcastable) of visible slots; causal by slot if None.
+        Returns hidden [1, T, H].
         """
         b, t, _ = hidden.shape
         if b != 1:

@@ -83,7 +83,7 @@ def wait_for(predicate, timeout_s: float = 60, what: str = "condition"):
 
 def test_memory_threshold_replans_mid_generation(tiny, reference, tmp_path):
     # Two tiny layers hold about 360 KiB of fp32 weights and 512 B of KV per slot. With a 620 KiB budget, w0's
-    # pool (about 32 blocks of 16 slots) can reserve the whole request (its prompt and a 440-token answer), and
+    # pool (about 8 blocks of 64 slots) can reserve the whole request (its prompt and a 440-token answer), and
     # w0 is under 85% of its budget while the cache holds the prompt and over it once the answer passes about
     # 330 slots: the re-plan mid-answer must move a layer to w1 and rebuild the session's cache there.
     token = secrets.token_hex(8)
