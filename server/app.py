@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import struct
 from contextlib import aclosing, asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -12,7 +14,7 @@ from sse_starlette import EventSourceResponse
 from starlette.datastructures import Headers
 
 from edgespec.server.errors import APIError, error_response, install_error_handlers
-from edgespec.server.protocol import ChatCompletionRequest, CompletionRequest, JoinRequest
+from edgespec.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, JoinRequest
 from edgespec.server.render import Renderer
 from edgespec.server.service import CompletionService
 from edgespec.workers.auth import bearer_ok
@@ -187,6 +189,17 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
         gen = service.generation_request(req, prompt, req.max_tokens, top is not None, top or 0, "prompt")
         renderer = Renderer("text", service.model_id, service.tokenizer, len(prompt), top)
         return await _respond(service, gen, renderer, req, request)
+
+    @app.post("/v1/embeddings", dependencies=[Depends(require_key)])
+    async def embeddings(req: EmbeddingRequest):
+        service.check_model(req.model)
+        vectors, tokens = await service.embeddings(req)
+        as_base64 = req.encoding_format == "base64"  # float32 little-endian bytes, as the OpenAI SDK decodes them
+        data = [{"object": "embedding", "index": i,
+                 "embedding": base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode() if as_base64 else v}
+                for i, v in enumerate(vectors)]
+        return {"object": "list", "data": data, "model": service.model_id,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     return app
 

@@ -117,3 +117,20 @@ class JoinRequest(BaseModel):
 
     url: str = Field(min_length=1, max_length=2048, description="base URL at which the controller reaches it")
     name: str = Field(min_length=1, max_length=128)
+
+
+class EmbeddingRequest(APIModel):
+    """POST /v1/embeddings: a string, a list of strings, token ids, or a list of token-id lists."""
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+
+    def inputs(self) -> list[str | list[int]]:
+        """The input as a list of items, each a string or a list of token ids."""
+        if isinstance(self.input, str):
+            return [self.input]
+        if self.input and all(isinstance(t, int) for t in self.input):
+            return [list(self.input)]
+        return list(self.input)

@@ -1,20 +1,22 @@
-"""The completion service: OpenAI requests in, TokenEvents out. No tensor code: token ids only."""
+"""The completion service: OpenAI requests in, TokenEvents (and embeddings) out. No tensor code: token ids
+only."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 
 from edgespec.decoding.policy import UnknownPolicyError, select_policy
 from edgespec.decoding.types import GenerationRequest, SamplingParams, TokenEvent
 from edgespec.model.admission import QueueFullError
+from edgespec.model.embedding import embed
 from edgespec.model.kv_pool import CapacityError
 from edgespec.model.load import LoadedModel
 from edgespec.model.runner import SessionLostError
 from edgespec.model.stage import StageFailure
 from edgespec.server.errors import APIError
 from edgespec.server.metrics import Metrics
-from edgespec.server.protocol import ChatCompletionRequest, CompletionRequest
+from edgespec.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from edgespec.server.settings import ServeSettings
 
 RETRY_AFTER_S = 5  # what a 503 of a full admission queue suggests: about one answer's time here
@@ -112,20 +114,52 @@ class CompletionService:
         self.metrics.prompt_tokens.inc(len(gen.prompt_ids))
         tokens = 0
         try:
-            async with aclosing(policy.generate(gen, self.loaded.runner, self.tokenizer)) as events:
+            async with model_errors(), aclosing(policy.generate(gen, self.loaded.runner, self.tokenizer)) as events:
                 async for event in events:
                     tokens += len(event.token_ids)
                     if event.stats is not None:
                         self.metrics.observe_generation(event.stats, tokens)
                     yield event
-        except StageFailure as exc:
-            raise APIError(exc.status, f"a worker failed during generation: {exc}", None, "worker_failed") from exc
-        except QueueFullError as exc:  # a CapacityError: first
-            raise APIError(503, str(exc), None, "server_busy", {"retry-after": str(RETRY_AFTER_S)}) from exc
-        except CapacityError as exc:
-            raise APIError(503, str(exc), None, "kv_cache_full") from exc
-        except SessionLostError as exc:
-            raise APIError(503, str(exc), None, "replanned") from exc
         finally:
             self.metrics.in_flight.dec()
             self.metrics.kv_bytes.set(self.loaded.runner.kv_bytes())
+
+    async def embeddings(self, req: EmbeddingRequest) -> tuple[list[list[float]], int]:
+        """One unit vector per input (model/embedding.py: the final-normed last layer, mean-pooled), and the
+        input tokens counted."""
+        hidden = self.loaded.cfg.hidden_size
+        if req.dimensions is not None and req.dimensions != hidden:
+            raise APIError(400, f"this model's embeddings have {hidden} dimensions, not {req.dimensions}",
+                           "dimensions")
+        items = req.inputs()
+        if not items:
+            raise APIError(400, "input must not be empty", "input")
+        vocab, ids = self.loaded.cfg.vocab_size, []
+        for item in items:
+            tokens = self.tokenizer.encode(item, add_special_tokens=False) if isinstance(item, str) else item
+            if not tokens:
+                raise APIError(400, "input must not contain an empty string or token list", "input")
+            if any(not 0 <= t < vocab for t in tokens):
+                raise APIError(400, f"input token ids must be in [0, {vocab})", "input")
+            if len(tokens) > self.context:
+                raise APIError(400, f"an input of {len(tokens)} tokens exceeds this model's context of "
+                               f"{self.context}", "input", "context_length_exceeded")
+            ids.append(tokens)
+        self.metrics.prompt_tokens.inc(sum(map(len, ids)))
+        async with model_errors():
+            return await embed(self.loaded.runner, ids), sum(map(len, ids))
+
+
+@asynccontextmanager
+async def model_errors():
+    """Model-side failures as the API's errors: a lost worker, a full queue, no KV room, a re-plan."""
+    try:
+        yield
+    except StageFailure as exc:
+        raise APIError(exc.status, f"a worker failed during generation: {exc}", None, "worker_failed") from exc
+    except QueueFullError as exc:  # a CapacityError: first
+        raise APIError(503, str(exc), None, "server_busy", {"retry-after": str(RETRY_AFTER_S)}) from exc
+    except CapacityError as exc:
+        raise APIError(503, str(exc), None, "kv_cache_full") from exc
+    except SessionLostError as exc:
+        raise APIError(503, str(exc), None, "replanned") from exc
