@@ -173,7 +173,7 @@ class OutlinePolicy:
                                 "verify": verify, "expanded_tokens": sum(budget.made)}
             yield TokenEvent([], "", "stop", [], final)
         finally:
-            for session in reversed(sessions):  # the forks before the prompt they read
+            for session in sessions:  # in any order: the points share the prompt's blocks by reference
                 await model.release(session)
             if parent is not None:
                 await model.release(parent)

@@ -21,6 +21,11 @@ BLOCK_SLOTS = 64  # slots per block (vLLM: 16 on GPUs, 128 on CPUs). Measured on
 # within 2%. A SmolLM2 block of 64 slots is 2.9 MiB in float32.
 
 
+def block_bytes(n_layers: int, n_kv: int, head_dim: int, dtype: torch.dtype, block: int) -> int:
+    """Bytes of one block: keys and values of `block` slots in every layer."""
+    return 2 * n_layers * n_kv * block * head_dim * dtype.itemsize
+
+
 class CapacityError(RuntimeError):
     """A session's KV cache does not fit the memory budget; the message names the numbers."""
 
@@ -35,7 +40,7 @@ class KVPool:
         self.k = [torch.empty(shape, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.empty(shape, dtype=dtype) for _ in range(n_layers)]
         self.block, self.n_blocks = block, n_blocks
-        self.block_bytes = 2 * n_layers * n_kv * block * head_dim * dtype.itemsize
+        self.block_bytes = block_bytes(n_layers, n_kv, head_dim, dtype, block)
         self.refs = [0] * n_blocks
         self.free_list = list(range(n_blocks - 1, -1, -1))  # pop() hands out block 0 first
         self.reserved = 0
@@ -44,7 +49,7 @@ class KVPool:
     def for_bytes(cls, n_layers: int, n_kv: int, head_dim: int, dtype: torch.dtype, nbytes: int,
                   block: int = BLOCK_SLOTS) -> KVPool:
         """The pool of as many blocks as `nbytes` holds."""
-        per_block = 2 * n_layers * n_kv * block * head_dim * dtype.itemsize
+        per_block = block_bytes(n_layers, n_kv, head_dim, dtype, block)
         return cls(n_layers, n_kv, head_dim, dtype, max(0, nbytes // per_block), block)
 
     def blocks_for(self, slots: int) -> int:

@@ -145,9 +145,10 @@ class CompletionService:
                 raise APIError(400, f"an input of {len(tokens)} tokens exceeds this model's context of "
                                f"{self.context}", "input", "context_length_exceeded")
             ids.append(tokens)
-        self.metrics.prompt_tokens.inc(sum(map(len, ids)))
+        tokens = sum(map(len, ids))
+        self.metrics.prompt_tokens.inc(tokens)
         async with model_errors():
-            return await embed(self.loaded.runner, ids), sum(map(len, ids))
+            return await embed(self.loaded.runner, ids), tokens
 
 
 @asynccontextmanager

@@ -102,6 +102,7 @@ class StageHost:
 
     def info(self) -> dict:
         a = self.assignment
+        used, free = self.stage.pool_blocks() if self.stage else (0, 0)
         budget = int(self.settings.memory_budget_gib * 2**30)
         return {
             "name": self.name,
@@ -109,8 +110,7 @@ class StageHost:
             "memory": {"total_bytes": total_memory_bytes(), "budget_bytes": budget,
                        "resident_bytes": resident_bytes(), "weight_bytes": self.weight_bytes,
                        "kv_bytes": self.stage.kv_bytes() if self.stage else 0,
-                       "kv_blocks": dict(zip(("used", "free"), self.stage.pool_blocks() if self.stage else (0, 0),
-                                             strict=True))},
+                       "kv_blocks": {"used": used, "free": free}},
             "holds": None if a is None else {"model": a.model, "layers": [a.first, a.last], "dtype": a.dtype},
             "sessions": len(self.stage.caches) if self.stage else 0,
             "threads": torch.get_num_threads(),
