@@ -1,5 +1,6 @@
 """The `auto` policy: per request, outline decoding where the router says the prompt suits it (a chat question
-whose answer is a list of independent points), else the server's default policy."""
+whose answer is a list of independent points, and no tools or response format constrain the answer), else
+the server's default policy."""
 
 from __future__ import annotations
 
@@ -18,7 +19,11 @@ class AutoPolicy:
 
     async def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
         question = request.policy_options.get("question")
-        suits, reason = route(question) if question else (False, "not a chat request")
+        if request.grammar is not None or request.trigger is not None:
+            # outline writes its own skeleton and expansions: it cannot keep to a grammar
+            suits, reason = False, "tools or a response format"
+        else:
+            suits, reason = route(question) if question else (False, "not a chat request")
         chosen = self.outline if suits else self.default
         async for event in chosen.generate(request, model, tokenizer):
             if event.stats is not None:

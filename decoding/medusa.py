@@ -64,7 +64,9 @@ class MedusaPolicy:
     async def prepare(self, request: GenerationRequest, model: ModelRunner, tokenizer, session) -> Prepared:
         options = request.policy_options
         heads, tree = self.heads, self._tree(request)
-        if options.get("acceptance") == "typical" and not request.sampling.greedy:
+        # typical acceptance weighs every node by the target's distribution at the sequence's current place,
+        # which a grammar's mask would get wrong below the root: under a grammar, the exact descent
+        if options.get("acceptance") == "typical" and not request.sampling.greedy and request.grammar is None:
             threshold, alpha = options.get("posterior_threshold", 0.09), options.get("posterior_alpha", 0.3)
 
             def rule(sampler, tree, node_tokens, logits):

@@ -1,23 +1,26 @@
 """Turning logits into the distribution a request samples from, and sampling it.
 
 The order of operations (fixed, shared by every policy so that exact policies sample the same distribution
-as naive): logit_bias, presence/frequency penalties over the tokens generated so far, then temperature,
-top_k, top_p, min_p, renormalise. Temperature 0 is the point mass on the argmax of the biased, penalised
-logits.
+as naive): logit_bias, presence/frequency penalties over the tokens generated so far, the grammar's mask
+(decoding/grammar.py: tokens it forbids get -inf), then temperature, top_k, top_p, min_p, renormalise.
+Temperature 0 is the point mass on the argmax of the biased, penalised, masked logits.
 """
 
 from __future__ import annotations
 
 import torch
 
+from edgespec.decoding.grammar import Grammar
 from edgespec.decoding.types import SamplingParams, TokenLogprob
 
 
 class Sampler:
     """Per-request sampling state: the seeded generator and the counts the penalties need."""
 
-    def __init__(self, params: SamplingParams, vocab_size: int):
+    def __init__(self, params: SamplingParams, vocab_size: int, grammar: Grammar | None = None):
+        """grammar: what the output must match; the sampler then keeps the sequence's place in it."""
         self.params = params
+        self.constraint = grammar.constraint() if grammar is not None else None
         self.vocab_size = vocab_size
         self.generator = torch.Generator()
         if params.seed is not None:
@@ -32,16 +35,20 @@ class Sampler:
                 self.bias[token] = value
 
     def observe(self, token_id: int) -> None:
-        """Record a generated token (for the penalties)."""
+        """Record a generated token (for the penalties, and the grammar's place)."""
         self.counts[token_id] += 1
+        if self.constraint is not None:
+            self.constraint.consume(token_id)
 
     def adjusted_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [V] float32 -> logits after bias and penalties [V]."""
+        """logits [V] float32 -> logits after bias, penalties and the grammar's mask [V]."""
         p = self.params
         if self.bias is not None:
             logits = logits + self.bias
         if p.presence_penalty or p.frequency_penalty:
             logits = logits - p.presence_penalty * (self.counts > 0) - p.frequency_penalty * self.counts
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits)
         return logits
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:

@@ -11,14 +11,16 @@ decodes a request alone.
 from __future__ import annotations
 
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
+
+import torch
 
 from edgespec.decoding.sampling import Sampler
 from edgespec.decoding.stats import StepStats
 from edgespec.decoding.text import TextStream
 from edgespec.decoding.types import GenerationRequest
-from edgespec.model.engine import Program
+from edgespec.model.engine import Program, Rows
 from edgespec.model.runner import ModelRunner
 
 
@@ -48,7 +50,7 @@ async def start(name: str, request: GenerationRequest, model: ModelRunner, token
                 ) -> tuple[Sampler, TextStream, StepStats]:
     """What every such program starts from: the request's Sampler (built on the model thread), the TextStream
     its tokens go through, and statistics tied to the session."""
-    sampler = await model.call(Sampler, request.sampling, model.cfg.vocab_size)
+    sampler = await model.call(Sampler, request.sampling, model.cfg.vocab_size, request.grammar)
     text = TextStream(tokenizer, request.stop, request.stop_token_ids, request.max_tokens)
     stats = StepStats(name)
     stats.session = session
@@ -58,13 +60,44 @@ async def start(name: str, request: GenerationRequest, model: ModelRunner, token
 
 async def run_alone(policy: SequencePolicy, request: GenerationRequest, model: ModelRunner, tokenizer):
     """Decode the request on a session of its own: its TokenEvents. The session is released whatever happens
-    (a client that disconnects frees it at once)."""
-    session = await model.open(policy.capacity(request, model), prompt=request.prompt_ids)
+    (a client that disconnects frees it at once). A request with a trigger is scored first (decide)."""
+    capacity = policy.capacity(request, model)
+    if request.trigger is not None:
+        capacity = max(capacity, len(request.prompt_ids) + len(request.trigger.ids))
+    session = await model.open(capacity, prompt=request.prompt_ids)
     try:
+        decided = None
+        if request.trigger is not None:
+            request, decided = await decide(request, model, session)
         prepared = await policy.prepare(request, model, tokenizer, session)
+        if decided is not None:
+            prepared.stats.extra["tool_trigger"] = decided
         # closed here, not when collected: the engine stops the program before the session is released
         async with aclosing(model.engine.run(session, prepared.program)) as events:
             async for event in events:
                 yield event
     finally:
         await model.release(session)
+
+
+async def decide(request: GenerationRequest, model: ModelRunner, session) -> tuple[GenerationRequest, dict]:
+    """Score the request's trigger right after its prompt, in the engine's steps like any sequence: the request
+    to decode (under the trigger's grammar when log P(trigger | prompt) reaches its threshold, else under its
+    own) and the figures for its statistics. The trigger's slots are given back, and so is the prompt's last
+    one, so the policy's program starts as it would have (with that one row's pass)."""
+    trigger, prompt, scored = request.trigger, request.prompt_ids, []
+
+    def program():
+        first = yield Rows(prompt[session.length:], last_only=True)  # logits [1, 1, V]: the trigger's first token
+        rest = yield Rows(list(trigger.ids[:-1]))  # logits [1, T - 1, V]: each next trigger token
+        logits = torch.cat([first.logits[0], rest.logits[0]])  # [T, V]
+        ids = torch.tensor(trigger.ids)[:, None]  # [T, 1]
+        scored.append(float(torch.log_softmax(logits, dim=-1).gather(1, ids).sum()))
+        model.truncate(session, len(prompt) - 1)
+
+    async with aclosing(model.engine.run(session, program())) as events:
+        async for _ in events:
+            pass
+    forced = scored[0] >= trigger.threshold
+    chosen = replace(request, grammar=trigger.forced if forced else request.grammar, trigger=None)
+    return chosen, {"logprob": round(scored[0], 4), "threshold": trigger.threshold, "forced": forced}

@@ -26,6 +26,7 @@ class StepStats:
         self.accepted_lengths: dict[int, int] | None = None  # tree policies: steps by accepted length
         self.exact: bool | None = None  # set by policies with a non-exact option: whether this request was exact
         self.session = None  # the runner's Session of the generation: how many others shared its passes
+        self.extra: dict = {}  # more figures for the `decoding` object (a tool trigger's score)
 
     def tokens_emitted(self, n: int, wire: dict[str, tuple[int, int]]) -> None:
         """Count n new tokens; `wire` is the session's (bytes, requests) per link so far."""
@@ -55,6 +56,7 @@ class StepStats:
             # other sequences in this one's forward passes, on average (concurrent requests share passes)
             drafting["shared_with_mean"] = round(self.session.shared_with / self.session.passes, 3)
         return {
+            **self.extra,
             "policy": self.policy,
             **drafting,
             "steps": self.steps,

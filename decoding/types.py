@@ -7,6 +7,10 @@ TokenEvents as OpenAI JSON or SSE chunks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from edgespec.decoding.grammar import Grammar, Trigger
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,8 @@ class GenerationRequest:
     stop_token_ids: frozenset[int] = frozenset()
     policy: str = "naive"
     policy_options: dict = field(default_factory=dict)
+    grammar: Grammar | None = None  # what the output must match (tools, response_format); None: free text
+    trigger: Trigger | None = None  # tool_choice auto: a score before decoding may switch to its grammar
 
 
 @dataclass(frozen=True)
