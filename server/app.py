@@ -14,8 +14,17 @@ from sse_starlette import EventSourceResponse
 from starlette.datastructures import Headers
 
 from edgespec.server.errors import APIError, error_response, install_error_handlers
-from edgespec.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, JoinRequest
+from edgespec.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    JoinRequest,
+    SamplingFields,
+)
 from edgespec.server.render import Renderer
+from edgespec.server.responses_protocol import ResponsesRequest, sampling_fields, to_chat_input
+from edgespec.server.responses_render import ResponsesRenderer
+from edgespec.server.responses_store import ResponseStore, conversation_after
 from edgespec.server.service import CompletionService
 from edgespec.workers.auth import bearer_ok
 from edgespec.workers.cluster import cluster_health
@@ -103,6 +112,7 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
     install_error_handlers(app)
 
     app.add_middleware(_LimitsAndCounts, settings=settings, metrics=metrics)
+    stored = ResponseStore()  # finished Responses API conversations, for previous_response_id
 
     async def require_key(request: Request) -> None:
         if not settings.api_key:
@@ -172,14 +182,38 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
     async def chat(req: ChatCompletionRequest, request: Request):
         service.check_model(req.model)
-        prompt = service.chat_prompt(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+        chat_input = req.chat_input()
         top = (req.top_logprobs or 0) if req.logprobs else None
-        gen = service.generation_request(req, prompt, req.max_completion_tokens or req.max_tokens,
-                                         req.logprobs, top or 0, "messages")
-        renderer = Renderer("chat", service.model_id, service.tokenizer, len(prompt), top)
-        return await _respond(service, gen, renderer, req, request)
+        gen = await service.chat_request(req, chat_input, req.max_completion_tokens or req.max_tokens, req.logprobs,
+                                         top or 0)
+        renderer = Renderer("chat", service.model_id, service.tokenizer, len(gen.prompt_ids), top,
+                            legacy=chat_input.legacy_functions)
+        return await _respond(service.deltas(gen, service.extractor(chat_input)), renderer, req, request)
+
+    @app.post("/v1/responses", dependencies=[Depends(require_key)])
+    async def responses(req: ResponsesRequest, request: Request):
+        service.check_model(req.model)
+        history = stored.get(req.previous_response_id) if req.previous_response_id else ()
+        chat_input = to_chat_input(req, history)
+        fields = SamplingFields(**sampling_fields(req))
+        gen = await service.chat_request(fields, chat_input, fields.max_tokens, max_param="max_output_tokens")
+        renderer = ResponsesRenderer(service.model_id, req, len(gen.prompt_ids))
+
+        def keep() -> None:  # the conversation, for a continuation by previous_response_id
+            if req.store:
+                stored.put(renderer.id, conversation_after(chat_input, req.instructions, renderer.assistant_message()))
+
+        deltas = await _started(service.deltas(gen, service.extractor(chat_input)))
+        if req.stream:
+            return EventSourceResponse(_response_events(deltas, renderer, keep), sep="\n", ping=15)
+        collected = await _collect(deltas, request)
+        if collected is None:
+            return Response(status_code=499)
+        body = renderer.response(collected)
+        keep()
+        return JSONResponse(body)
 
     @app.post("/v1/completions", dependencies=[Depends(require_key)])
     async def completions(req: CompletionRequest, request: Request):
@@ -188,7 +222,7 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
         top = req.logprobs
         gen = service.generation_request(req, prompt, req.max_tokens, top is not None, top or 0, "prompt")
         renderer = Renderer("text", service.model_id, service.tokenizer, len(prompt), top)
-        return await _respond(service, gen, renderer, req, request)
+        return await _respond(service.deltas(gen, service.extractor(None)), renderer, req, request)
 
     @app.post("/v1/embeddings", dependencies=[Depends(require_key)])
     async def embeddings(req: EmbeddingRequest):
@@ -204,45 +238,84 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
     return app
 
 
-async def _respond(service: CompletionService, gen, renderer: Renderer, req, request: Request):
-    events = service.generate(gen)
-    # The first event comes before any response is sent, so a request that cannot start (no room for its
-    # KV cache, say) gets a proper status code even when streamed.
+async def _started(deltas):
+    """The deltas with their first one awaited before any response is sent, so that a request that cannot start
+    (no room for its KV cache, say) gets a proper status code even when streamed."""
     try:
-        first = await anext(events)
+        first = await anext(deltas)
     except BaseException:
-        await events.aclose()
+        await deltas.aclose()
         raise
+
+    async def again():
+        async with aclosing(deltas):
+            yield first
+            async for delta in deltas:
+                yield delta
+
+    return again()
+
+
+async def _collect(deltas, request: Request) -> list | None:
+    """Every delta up to the finish, or None when the client left (generation stops)."""
+    collected = []
+    async with aclosing(deltas):
+        async for delta in deltas:
+            collected.append(delta)
+            if delta.finish_reason is not None:
+                return collected
+            if await request.is_disconnected():
+                return None
+    return collected
+
+
+async def _respond(deltas, renderer: Renderer, req, request: Request):
+    deltas = await _started(deltas)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return EventSourceResponse(_sse(events, first, renderer, include_usage), sep="\n", ping=15)
-    collected = [first]
-    async with aclosing(events):
-        while collected[-1].finish_reason is None:
-            if await request.is_disconnected():
-                return Response(status_code=499)  # nobody is listening: stop generating
-            collected.append(await anext(events))
+        return EventSourceResponse(_sse(deltas, renderer, include_usage), sep="\n", ping=15)
+    collected = await _collect(deltas, request)
+    if collected is None:
+        return Response(status_code=499)  # nobody is listening: stop generating
     return JSONResponse(renderer.response(collected))
 
 
-async def _sse(events, first, renderer: Renderer, include_usage: bool):
-    """OpenAI stream framing: role chunk, content chunks, finish chunk, optional usage chunk, [DONE]."""
-    async with aclosing(events):
+async def _sse(deltas, renderer: Renderer, include_usage: bool):
+    """OpenAI stream framing: role chunk, content and call chunks, finish chunk, optional usage chunk, [DONE]."""
+    async with aclosing(deltas):
         try:
             opening = renderer.first_chunk()
             if opening is not None:
                 yield {"data": _dumps(opening | ({"usage": None} if include_usage else {}))}
-            event, stats = first, None
-            while True:
-                chunk = renderer.chunk(event, include_usage)
-                if chunk is not None:
+            stats = None
+            async for delta in deltas:
+                for chunk in renderer.chunks(delta, include_usage):
                     yield {"data": _dumps(chunk)}
-                if event.finish_reason is not None:
-                    stats = event.stats
+                if delta.finish_reason is not None:
+                    stats = delta.stats
                     break
-                event = await anext(events)
             if include_usage:
                 yield {"data": _dumps(renderer.usage_chunk(stats))}
         except APIError as exc:
             yield {"data": _dumps(exc.body())}
     yield {"data": "[DONE]"}
+
+
+async def _response_events(deltas, renderer: ResponsesRenderer, keep):
+    """The Responses API's stream: `event: TYPE` and its JSON, from response.created to response.completed (or
+    .incomplete, or .failed on an error mid-stream); no [DONE]."""
+    async with aclosing(deltas):
+        events = renderer.start()
+        try:
+            async for delta in deltas:
+                if delta.finish_reason is None:
+                    events += renderer.delta(delta)
+                else:
+                    events += renderer.finish(delta)
+                    keep()
+                for event in events:
+                    yield {"event": event["type"], "data": _dumps(event)}
+                events = []
+        except APIError as exc:
+            for event in [*events, *renderer.failed(exc)]:
+                yield {"event": event["type"], "data": _dumps(event)}

@@ -28,6 +28,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--kv-cache-gib", type=float, help="memory bound of all sessions' KV caches (default 2)")
     p.add_argument("--max-waiting", type=int, help="requests that may wait for KV cache room (default 64; more: 503)")
     p.add_argument("--queue-timeout-s", type=float, help="how long a request may wait for KV cache room (default 60)")
+    p.add_argument("--tool-call-threshold", type=float, help="tool_choice auto: call when log P(the call opening) "
+                   "reaches this (default -7)")
     p.add_argument("--log-level")
     p.add_argument("--local-workers", type=int, help="start N worker processes on loopback and serve through them")
     p.add_argument("--cluster", help="TOML file naming running workers (see config/cluster.example.toml)")
@@ -93,6 +95,8 @@ def _worker_parser(sub) -> None:
     p.add_argument("--memory-budget-gib", type=float)
     p.add_argument("--model", help="local copy of the model (folder or .gguf); default: the embedded one")
     p.add_argument("--threads", type=int)
+    p.add_argument("--tool-call-threshold", type=float, help="tool_choice auto: call when log P(the call opening) "
+                   "reaches this (default -7)")
     p.add_argument("--log-level")
     p.add_argument("--join", help="controller URL to announce this worker to at start-up")
     p.add_argument("--advertise-url", help="URL at which the controller reaches this worker (with --join)")

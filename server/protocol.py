@@ -1,14 +1,20 @@
-"""OpenAI request bodies (pydantic) for chat and text completions, with the `decoding` extension."""
+"""OpenAI request bodies (pydantic) for chat and text completions, with the `decoding` extension; a chat
+request's messages, tools, legacy functions and response format become one ChatInput (server/chat_input.py)."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from edgespec.server.chat_input import ChatInput, Message, ResponseFormat, ToolCall, ToolChoiceNamed, ToolSpec
+from edgespec.server.errors import APIError
+
+NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
 
 
 class APIModel(BaseModel):
-    # Unknown fields (tools, user, response_format, ...) are accepted and ignored, as clients send many.
+    # Unknown fields (user, store, metadata, ...) are accepted and ignored, as clients send many.
     model_config = ConfigDict(extra="allow")
 
 
@@ -21,14 +27,90 @@ class TextPart(APIModel):
     text: str
 
 
+class FunctionCallIn(APIModel):
+    """A call in an earlier assistant turn: arguments as the JSON string the API returned."""
+
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(APIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(APIModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant
+    function_call: FunctionCallIn | None = None  # assistant, legacy
+    tool_call_id: str | None = None  # tool
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def message(self) -> Message:
+        """As the tools layer takes it: developer is system; a legacy function result is a tool result."""
+        calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in self.tool_calls or ())
+        if self.function_call is not None:
+            calls += (ToolCall(f"call_{self.function_call.name}", self.function_call.name,
+                               self.function_call.arguments),)
+        role = {"developer": "system", "function": "tool"}.get(self.role, self.role)
+        call_id = self.tool_call_id or (f"call_{self.name}" if self.role == "function" else None)
+        return Message(role, self.text(), calls, call_id, self.name if role == "tool" else None)
+
+
+class FunctionSpec(APIModel):
+    name: str = Field(pattern=NAME)
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+
+    def spec(self) -> ToolSpec:
+        return ToolSpec(self.name, self.description, self.parameters or {"type": "object", "properties": {}})
+
+
+class ToolIn(APIModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(APIModel):
+    name: str
+
+
+class NamedTool(APIModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(APIModel):
+    name: str = "response"
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = False
+    description: str | None = None
+
+
+class ResponseFormatIn(APIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormatIn:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a json_schema response format needs its json_schema: {name, schema}")
+        return self
+
+    def format(self) -> ResponseFormat | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return ResponseFormat("json_object")
+        js = self.json_schema
+        return ResponseFormat("json_schema", js.schema_, js.name, bool(js.strict))
 
 
 class DecodingOption(APIModel):
@@ -93,6 +175,32 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ToolIn] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool = True
+    functions: list[FunctionSpec] | None = None  # the legacy form of tools
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
+    response_format: ResponseFormatIn | None = None
+
+    def chat_input(self) -> ChatInput:
+        """The messages, tools and response format as the tools layer takes them (APIError for a
+        contradiction between fields)."""
+        legacy = self.functions is not None
+        if legacy and self.tools is not None:
+            raise APIError(400, "send tools or the legacy functions, not both", "functions")
+        if legacy:
+            specs, choice, parallel = [f.spec() for f in self.functions], self.function_call, False
+        else:
+            specs, choice = [t.function.spec() for t in self.tools or ()], self.tool_choice
+            parallel = self.parallel_tool_calls
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise APIError(400, "tool names must be unique", "functions" if legacy else "tools")
+        if isinstance(choice, NamedTool | NamedFunction):
+            choice = ToolChoiceNamed(choice.function.name if isinstance(choice, NamedTool) else choice.name)
+        fmt = self.response_format.format() if self.response_format is not None else None
+        return ChatInput(tuple(m.message() for m in self.messages), tuple(specs), choice or "auto", parallel, fmt,
+                         legacy)
 
 
 class CompletionRequest(SamplingFields):

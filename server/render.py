@@ -1,4 +1,5 @@
-"""Renders TokenEvents as OpenAI JSON: chat and text completions, whole or as stream chunks."""
+"""Renders a generation's ChatDeltas as OpenAI JSON: chat and text completions, whole or as stream chunks, with
+the calls a chat answer made (tool_calls, or the legacy function_call)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from edgespec.decoding.types import TokenEvent, TokenLogprob
+from edgespec.decoding.types import TokenLogprob
+from edgespec.server.chat_input import ChatDelta, ToolCall
+from edgespec.server.tool_output import content_or_none
 
 
 def _byte_decoder(tokenizer) -> dict[str, int] | None:
@@ -34,9 +37,11 @@ class Renderer:
     tokenizer: object
     prompt_tokens: int
     top_logprobs: int | None = None  # None: no logprobs requested
+    legacy: bool = False  # calls asked through the legacy `functions`: answered as function_call
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
     completion_tokens: int = 0
+    _calls: int = 0  # tool calls streamed so far: the next one's index
     _text_offset: int = 0
     _byte_of: dict | None = None  # byte-level BPE symbol -> byte, built on first use
 
@@ -93,21 +98,47 @@ class Renderer:
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return self._envelope("chat.completion.chunk", [choice])
 
-    def chunk(self, event: TokenEvent, include_usage: bool) -> dict | None:
-        """The chunk for one event, or None when it carries nothing to show."""
-        self.completion_tokens += len(event.token_ids)
-        if not event.text and not event.finish_reason and self.top_logprobs is None:
-            return None
+    def _call_deltas(self, calls: list[ToolCall]) -> list[dict]:
+        # Each call in two deltas, its name then its arguments, as OpenAI streams them: clients join a call's
+        # argument fragments by index (the legacy function_call has no index: one call only)
+        out = []
+        for call in calls:
+            if self.legacy:
+                out += [{"function_call": {"name": call.name, "arguments": ""}},
+                        {"function_call": {"arguments": call.arguments}}]
+                continue
+            index, self._calls = self._calls, self._calls + 1
+            out += [{"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                                     "function": {"name": call.name, "arguments": ""}}]},
+                    {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}]
+        return out
+
+    def chunks(self, delta: ChatDelta, include_usage: bool) -> list[dict]:
+        """The chunks for one delta (none when it carries nothing to show); the finish reason and the
+        statistics go on the last."""
+        self.completion_tokens += delta.tokens
         extra = {"usage": None} if include_usage else {}
-        if event.stats is not None:
-            extra["decoding"] = event.stats
-        logprobs = self._logprobs(event.logprobs)
-        if self.kind == "chat":
-            delta = {"content": event.text} if event.text else {}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": event.finish_reason}
-            return self._envelope("chat.completion.chunk", [choice], **extra)
-        choice = {"index": 0, "text": event.text, "logprobs": logprobs, "finish_reason": event.finish_reason}
-        return self._envelope("text_completion", [choice], **extra)
+        logprobs = self._logprobs(delta.logprobs)
+        if self.kind != "chat":
+            if not delta.content and not delta.finish_reason and self.top_logprobs is None:
+                return []
+            choice = {"index": 0, "text": delta.content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+            return [self._envelope("text_completion", [choice], **extra, **self._stats(delta))]
+        deltas = ([{"content": delta.content}] if delta.content else []) + self._call_deltas(delta.calls)
+        if not deltas and (delta.finish_reason or self.top_logprobs is not None):
+            deltas.append({})  # the finish reason (or the logprobs of tokens that show nothing yet) alone
+        out = []
+        for i, d in enumerate(deltas):
+            last = i == len(deltas) - 1
+            choice = {"index": 0, "delta": d, "logprobs": logprobs if i == 0 else None,
+                      "finish_reason": delta.finish_reason if last else None}
+            out.append(self._envelope("chat.completion.chunk", [choice], **extra,
+                                      **(self._stats(delta) if last else {})))
+        return out
+
+    @staticmethod
+    def _stats(delta: ChatDelta) -> dict:
+        return {"decoding": delta.stats} if delta.stats is not None else {}
 
     def usage_chunk(self, stats: dict | None) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -116,16 +147,22 @@ class Renderer:
 
     # whole responses
 
-    def response(self, events: list[TokenEvent]) -> dict:
-        text = "".join(e.text for e in events)
-        n = sum(len(e.token_ids) for e in events)
-        last = events[-1]
-        logprobs = self._logprobs([lp for e in events for lp in e.logprobs])
-        if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": last.finish_reason}
-            obj = "chat.completion"
-        else:
+    def response(self, deltas: list[ChatDelta]) -> dict:
+        text = "".join(d.content for d in deltas)
+        n = sum(d.tokens for d in deltas)
+        last = deltas[-1]
+        logprobs = self._logprobs([lp for d in deltas for lp in d.logprobs])
+        if self.kind != "chat":
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
-            obj = "text_completion"
-        return self._envelope(obj, [choice], usage=usage(self.prompt_tokens, n, last.stats), decoding=last.stats)
+            return self._envelope("text_completion", [choice], usage=usage(self.prompt_tokens, n, last.stats),
+                                  decoding=last.stats)
+        calls = [c for d in deltas for c in d.calls]
+        message = {"role": "assistant", "content": text if not calls else content_or_none(text)}
+        if calls and self.legacy:
+            message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+        elif calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": last.finish_reason}
+        return self._envelope("chat.completion", [choice], usage=usage(self.prompt_tokens, n, last.stats),
+                              decoding=last.stats)

@@ -1,11 +1,13 @@
-"""The completion service: OpenAI requests in, TokenEvents (and embeddings) out. No tensor code: token ids
-only."""
+"""The completion service: OpenAI requests in, TokenEvents or ChatDeltas (and embeddings) out. No tensor code:
+token ids, text and grammars."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 
+from edgespec.decoding.grammar import Grammar, GrammarError, Grammars, Trigger
 from edgespec.decoding.policy import UnknownPolicyError, select_policy
 from edgespec.decoding.types import GenerationRequest, SamplingParams, TokenEvent
 from edgespec.model.admission import QueueFullError
@@ -14,10 +16,14 @@ from edgespec.model.kv_pool import CapacityError
 from edgespec.model.load import LoadedModel
 from edgespec.model.runner import SessionLostError
 from edgespec.model.stage import StageFailure
+from edgespec.server import structured
+from edgespec.server.chat_input import ChatDelta, ChatInput
 from edgespec.server.errors import APIError
 from edgespec.server.metrics import Metrics
-from edgespec.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from edgespec.server.protocol import CompletionRequest, EmbeddingRequest, SamplingFields
 from edgespec.server.settings import ServeSettings
+from edgespec.server.tool_output import CallExtractor
+from edgespec.server.tool_prompt import ChatTemplate
 
 RETRY_AFTER_S = 5  # what a 503 of a full admission queue suggests: about one answer's time here
 
@@ -39,6 +45,8 @@ class CompletionService:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.stop_token_ids = frozenset(eos)
+        self.template = ChatTemplate(self.tokenizer)  # probed once: the model's own tool format, or the polyfill
+        self.grammars = Grammars(self.tokenizer, loaded.cfg.vocab_size)
         if settings.policy not in policies:
             raise UnknownPolicyError(settings.policy, sorted(policies))
 
@@ -47,14 +55,39 @@ class CompletionService:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}'",
                            "model", "model_not_found")
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in req.messages]
+    def chat_prompt(self, chat: ChatInput) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.template.render(chat)
         except Exception as exc:  # a template may reject an order of roles
             raise APIError(400, f"the messages do not fit the model's chat template: {exc}", "messages") from exc
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def structure(self, chat: ChatInput) -> tuple[Grammar | None, Trigger | None]:
+        """The grammar the answer must match (tools, response format) and, for tool_choice auto, the trigger
+        whose score decides between a call and that grammar; APIError 400 naming the parameter at fault."""
+        try:
+            plan = structured.plan(chat, self.template.syntax)
+        except structured.GrammarError as exc:
+            raise APIError(400, str(exc), exc.param, "invalid_value") from exc
+        if plan is None:
+            return None, None
+        param = "tools" if chat.calls_allowed else "response_format"
+        # on a thread: the first grammar builds the vocabulary's byte strings (1.5 s for SmolLM2)
+        try:
+            grammar = await asyncio.to_thread(self.grammars.compile, plan.grammar)
+            forced = await asyncio.to_thread(self.grammars.compile, plan.forced) if plan.forced else None
+        except GrammarError as exc:
+            raise APIError(400, f"the {param} schema cannot be used for generation: {exc}", param,
+                           "invalid_value") from exc
+        if forced is None:
+            return grammar, None
+        ids = tuple(self.tokenizer.encode(plan.trigger, add_special_tokens=False))
+        return grammar, Trigger(ids, self.settings.tool_call_threshold, forced)
+
+    def extractor(self, chat: ChatInput | None) -> CallExtractor:
+        """What turns an answer's text into content and calls (a text completion: content only)."""
+        enabled = chat is not None and chat.calls_allowed
+        return CallExtractor(self.template.syntax, enabled, legacy=chat is not None and chat.legacy_functions)
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
         if isinstance(req.prompt, str):
@@ -65,9 +98,22 @@ class CompletionService:
             raise APIError(400, f"prompt token ids must be in [0, {vocab}), got {bad[0]}", "prompt")
         return list(req.prompt)
 
-    def generation_request(self, req, prompt_ids: list[int], max_tokens: int | None, logprobs: bool,
-                           top_logprobs: int, prompt_param: str) -> GenerationRequest:
-        """Check limits and build the internal request (raises APIError with the parameter's name)."""
+    async def chat_request(self, req: SamplingFields, chat: ChatInput, max_tokens: int | None, logprobs: bool = False,
+                           top_logprobs: int = 0, max_param: str = "max_tokens") -> GenerationRequest:
+        """A chat request (chat completions or the Responses API) as the internal request: its prompt rendered
+        with its tools, and the grammar its tools and response format need."""
+        prompt = self.chat_prompt(chat)
+        grammar, trigger = await self.structure(chat)
+        question = next((m.content for m in reversed(chat.messages) if m.role == "user"), None)
+        return self.generation_request(req, prompt, max_tokens, logprobs, top_logprobs, "messages", grammar, trigger,
+                                       question, max_param)
+
+    def generation_request(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int | None, logprobs: bool,
+                           top_logprobs: int, prompt_param: str, grammar: Grammar | None = None,
+                           trigger: Trigger | None = None, question: str | None = None,
+                           max_param: str = "max_tokens") -> GenerationRequest:
+        """Check limits and build the internal request (raises APIError with the parameter's name); question:
+        a chat's last user message, for the policies that prompt around it."""
         n_prompt = len(prompt_ids)
         if max_tokens is None:
             max_tokens = self.context - n_prompt
@@ -76,7 +122,7 @@ class CompletionService:
                 400,
                 f"This model's maximum context length is {self.context} tokens. However, you requested "
                 f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the completion).",
-                prompt_param if max_tokens <= 0 else "max_tokens", "context_length_exceeded")
+                prompt_param if max_tokens <= 0 else max_param, "context_length_exceeded")
         bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
         vocab = self.loaded.cfg.vocab_size
         if any(not 0 <= k < vocab for k in bias):
@@ -95,17 +141,18 @@ class CompletionService:
             getattr(chosen, "check", lambda _: None)(options)
         except ValueError as exc:
             raise APIError(400, f"decoding policy {chosen.name!r}: {exc}", "decoding", "invalid_policy_option") from exc
+        if chosen.name == "outline" and (grammar is not None or trigger is not None):
+            raise APIError(400, "outline writes its own skeleton and cannot keep to tools or a response format; "
+                                "use another policy (auto picks one)", "decoding", "invalid_policy_option")
         policy = chosen.name
         sampling = SamplingParams(
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=bias,
             logprobs=logprobs, top_logprobs=top_logprobs)
-        if "question" in chosen.options and "question" not in options and isinstance(req, ChatCompletionRequest):
-            # policies that prompt around the question (outline, auto's router) get the last user message
-            question = next((m.text() for m in reversed(req.messages) if m.role == "user"), None)
-            options = {**options, "question": question} if question else options
+        if "question" in chosen.options and "question" not in options and question:
+            options = {**options, "question": question}  # outline and auto's router prompt around it
         return GenerationRequest(prompt_ids, max_tokens, sampling, req.stop_list(), self.stop_token_ids,
-                                 policy, options)
+                                 policy, options, grammar, trigger)
 
     async def generate(self, gen: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """The policy's events, with metrics; model-side failures become APIErrors."""
@@ -123,6 +170,17 @@ class CompletionService:
         finally:
             self.metrics.in_flight.dec()
             self.metrics.kv_bytes.set(self.loaded.runner.kv_bytes())
+
+    async def deltas(self, gen: GenerationRequest, extractor: CallExtractor) -> AsyncIterator[ChatDelta]:
+        """generate()'s events as the answer's content and calls."""
+        async with aclosing(self.generate(gen)) as events:
+            async for event in events:
+                delta = extractor.push(event.text)
+                if event.finish_reason is not None:
+                    end = extractor.finish(event.finish_reason)
+                    delta = ChatDelta(delta.content + end.content, delta.calls + end.calls, end.finish_reason)
+                delta.tokens, delta.logprobs, delta.stats = len(event.token_ids), event.logprobs, event.stats
+                yield delta
 
     async def embeddings(self, req: EmbeddingRequest) -> tuple[list[list[float]], int]:
         """One unit vector per input (model/embedding.py: the final-normed last layer, mean-pooled), and the

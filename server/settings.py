@@ -69,6 +69,9 @@ class ServeSettings(BaseSettings):
                                      "||Z - X|| / ||X||; it also picks the profiled acceptance the placement uses")
     headsplit_profile: str | None = Field(None, description="HeadSplit profile JSON (default: the shipped one for "
                                           "the served model, from `edgespec profile-headsplit`)")
+    tool_call_threshold: float = Field(-7.0, description="tool_choice auto: the answer is a call when log P(the "
+                                       "call's opening | prompt) reaches this (SmolLM2-135M: device commands "
+                                       "-4.6..-6.5, chit-chat -8.2..-16.4); higher calls less often")
     log_level: str = "info"
 
     @model_validator(mode="after")

@@ -1,0 +1,173 @@
+"""The grammar a chat request's output must follow: its tool calls and its response format, as llguidance
+lark grammars (../shared/notes/tools.md, §3.4).
+
+JSON is always compact (`{"a":1}`): no whitespace is allowed anywhere in it, so no tokens go to spaces. Every
+grammar ends where the output is complete; the matcher then allows only EOS.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+
+from edgespec.server.chat_input import ChatInput, ResponseFormat, ToolChoiceNamed, ToolSpec
+from edgespec.server.json_schema import close_schema, compact
+from edgespec.server.tool_prompt import CallSyntax
+
+PARALLEL_CALLS = 4  # most calls in one answer when parallel_tool_calls is on
+TOOL_MAX_ITEMS = 3  # caps inside call arguments: with them 6/8 HA commands finished, without 3/8 (the notes, §2)
+TOOL_MAX_LENGTH = 48
+RESPONSE_MAX_ITEMS = 8  # response formats: arrays capped (the model loops in them), strings not (an answer is long)
+
+# tool_choice auto: free text that does not contain the open tag, or such text, the tag and the calls. TEXT_OPEN
+# can only end at the first tag, so after it the calls are enforced: a malformed call cannot pass as text.
+_TEXT_OR_CALLS = "\n".join([
+    "start: TEXT | TEXT_OPEN calls",
+    "TEXT: ANY & ~(ANY OPEN ANY)",
+    "TEXT_OPEN: TEXT OPEN",
+    "ANY: /(?s:.*)/",
+])
+# Keywords that give an object schema a shape; a tool's parameters with none of them take no arguments.
+_SHAPE_KEYWORDS = ("properties", "additionalProperties", "patternProperties", "anyOf", "oneOf", "allOf", "$ref",
+                   "required", "minProperties")
+
+
+@dataclass(frozen=True)
+class GrammarPlan:
+    """How to constrain one generation. `grammar`: the lark grammar the whole output must match. With
+    tool_choice auto, the service scores the log-probability of `trigger` right after the prompt and, above
+    its threshold, generates under `forced` (the calls only) instead: a 135M model rarely opens a call by
+    itself (log P("<tool_call>[") was -4.6..-6.5 for device commands, -8.2..-16.4 for chit-chat)."""
+
+    grammar: str
+    forced: str | None = None
+    trigger: str | None = None
+
+
+class GrammarError(ValueError):
+    """The request's tools, tool_choice or response_format cannot be turned into a grammar; `param` names the
+    request parameter at fault."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def plan(chat: ChatInput, syntax: CallSyntax) -> GrammarPlan | None:
+    """The grammars for `chat` with calls written in `syntax`; None when its output is free text.
+    GrammarError: a named tool that is not listed, required/named with no tools, or a schema llguidance cannot
+    compile."""
+    forcing = chat.tool_choice == "required" or isinstance(chat.tool_choice, ToolChoiceNamed)
+    if forcing and not chat.tools:
+        raise GrammarError("tool_choice asks for a tool call, but the request lists no tools", "tool_choice")
+    fmt = chat.response_format
+    json_rules = _response_rules(fmt) if fmt is not None else None
+    if not chat.calls_allowed:
+        return None if json_rules is None else GrammarPlan(f"start: json\n{json_rules}")
+    max_calls = PARALLEL_CALLS if chat.parallel_tool_calls and not chat.legacy_functions else 1
+    call_rules = _call_rules(_chosen_tools(chat), syntax, max_calls)
+    forced = f"start: OPEN calls\n{call_rules}"
+    if forcing:
+        return GrammarPlan(forced)
+    trigger = syntax.open + ("[" if syntax.array else "")
+    if json_rules is not None:
+        return GrammarPlan(f"start: json | OPEN calls\n{json_rules}\n{call_rules}", forced, trigger)
+    return GrammarPlan(f"{_TEXT_OR_CALLS}\n{call_rules}", forced, trigger)
+
+
+def _chosen_tools(chat: ChatInput) -> tuple[ToolSpec, ...]:
+    choice = chat.tool_choice
+    if not isinstance(choice, ToolChoiceNamed):
+        return chat.tools
+    named = tuple(t for t in chat.tools if t.name == choice.name)
+    if not named:
+        listed = ", ".join(t.name for t in chat.tools)
+        raise GrammarError(f"tool_choice names the function {choice.name!r}, which is not among the tools "
+                           f"({listed})", "tool_choice")
+    return named[:1]
+
+
+def _response_rules(fmt: ResponseFormat) -> str:
+    """The rule `json` for a response format, checked."""
+    if fmt.type == "json_schema" and fmt.schema is not None:
+        schema = close_schema(fmt.schema, max_items=RESPONSE_MAX_ITEMS, max_length=None)
+    else:
+        schema = {"type": "object"}
+    rules = f"json: %json{compact(_compact_json(schema))}"
+    error = llguidance.LLMatcher.validate_grammar(f"start: json\n{rules}")
+    if error:
+        raise GrammarError(f"response_format: the schema cannot be used for generation: {_message(error)}",
+                           "response_format")
+    return rules
+
+
+def _call_rules(tools: tuple[ToolSpec, ...], syntax: CallSyntax, max_calls: int) -> str:
+    """Rules `OPEN` (the open tag) and `calls` (what follows it up to and including the last close tag) for at
+    most `max_calls` calls of `tools`, checked."""
+    objects = [_call_object(t, i) for i, t in enumerate(tools)]
+    close = json.dumps(syntax.close)
+    rules = [f"OPEN: {json.dumps(syntax.open)}"]
+    if syntax.array:
+        array = {"type": "array", "minItems": 1, "maxItems": max_calls, "items": _any_of(objects)}
+        rules.append(f"calls: list {close}")
+        rules.append(f"list: %json{compact(_compact_json(array))}")
+    else:
+        # One object per tag; a template in this style shows it on lines of its own, which the grammar allows.
+        one = f'"\\n"? call "\\n"? {close}'
+        more = f' ("\\n" OPEN {one}){{0,{max_calls - 1}}}' if max_calls > 1 else ""
+        rules.append(f"calls: {one}{more}")
+        rules.append(f"call: %json{compact(_compact_json(_any_of(objects)))}")
+    text = "\n".join(rules)
+    if llguidance.LLMatcher.validate_grammar(f"start: OPEN calls\n{text}"):
+        raise _tool_error(tools, objects)
+    return text
+
+
+def _call_object(tool: ToolSpec, index: int) -> dict[str, Any]:
+    """The schema of one call of `tool`: {"name": its name, "arguments": its closed parameters}."""
+    params = tool.parameters or {}
+    if not any(k in params for k in _SHAPE_KEYWORDS):
+        params = {"type": "object", **params, "properties": {}}  # no parameters: the only arguments are {}
+    params = close_schema(params, max_items=TOOL_MAX_ITEMS, max_length=TOOL_MAX_LENGTH)
+    # Its own base URI, so that the client's local refs ("#/$defs/X") resolve inside it, not in our wrapper.
+    params.setdefault("$id", f"urn:edgespec:tool:{index}")
+    return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": params},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _tool_error(tools: tuple[ToolSpec, ...], objects: list[dict[str, Any]]) -> GrammarError:
+    """Which tool's schema failed, found by checking each on its own."""
+    for tool, obj in zip(tools, objects, strict=True):
+        error = llguidance.LLMatcher.validate_grammar(f"start: %json{compact(_compact_json(obj))}")
+        if error:
+            return GrammarError(f"tools: the parameters of function {tool.name!r} cannot be used for generation: "
+                                f"{_message(error)}", "tools")
+    return GrammarError("tools: the tools' schemas cannot be combined into one grammar", "tools")
+
+
+def _any_of(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    return objects[0] if len(objects) == 1 else {"anyOf": objects}
+
+
+def _compact_json(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` with llguidance's option for compact JSON. It is only read at the top level of a %json block
+    (a `%llguidance {...}` header does not reach it: 1.9.1 takes any key there and ignores it)."""
+    options = schema.get("x-guidance")
+    merged = {**(options if isinstance(options, dict) else {}), "whitespace_flexible": False}
+    return {"x-guidance": merged, **{k: v for k, v in schema.items() if k != "x-guidance"}}
+
+
+def _message(error: str) -> str:
+    """llguidance's message on one line, without its position prefix, caret lines and the excerpt of our
+    grammar (which would show the client a schema they did not write)."""
+    lines = []
+    for line in error.strip().splitlines():
+        if re.match(r"\s*\d+ \| ", line):
+            break
+        if line.strip(" ^"):
+            lines.append(line.strip())
+    return re.sub(r"^at \d+\(\d+\): ", "", " ".join(lines))

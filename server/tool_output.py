@@ -1,0 +1,137 @@
+"""Generated text back into content and tool calls, as it streams (../shared/notes/tools.md, §3.5-3.6).
+
+Calls are emitted whole, once their close tag arrives: a streaming client gets one delta per complete call, as
+Ollama sends them, and a generation cut inside a call leaves no partial call behind.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import string
+from typing import Any
+
+from edgespec.server.chat_input import ChatDelta, ToolCall
+from edgespec.server.json_schema import compact
+from edgespec.server.tool_prompt import CallSyntax
+
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+def new_call_id() -> str:
+    """An OpenAI-style call id: "call_" and 24 random letters and digits."""
+    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+
+
+def content_or_none(text: str) -> str | None:
+    """A non-streamed message's content: None when there is nothing but whitespace."""
+    return None if text.strip() == "" else text
+
+
+class CallExtractor:
+    """Splits one generation's text into content and calls.
+
+    Text that could still become the open tag is held back, as with stop strings; text inside a call is never
+    shown. Trailing whitespace is held until more content follows, so the newlines around and between calls
+    never reach the client when a call is made. With `enabled` False (no calls allowed) every piece of
+    text is content at once.
+    """
+
+    def __init__(self, syntax: CallSyntax, enabled: bool, legacy: bool = False):
+        self.syntax = syntax
+        self.enabled = enabled
+        self.legacy = legacy
+        self.made_call = False
+        self._pending = ""  # outside a call: text that may be the start of the open tag
+        self._blank = ""  # trailing whitespace of the content, not shown yet
+        self._call: str | None = None  # inside a call: its text so far
+
+    def push(self, text: str) -> ChatDelta:
+        """The content that may be shown after `text`, and the calls it completed."""
+        if not self.enabled:
+            return ChatDelta(content=text)
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        rest = self._pending + text
+        self._pending = ""
+        while rest:
+            if self._call is None:
+                at = rest.find(self.syntax.open)
+                if at < 0:
+                    keep = _partial_suffix(rest, self.syntax.open)
+                    content.append(self._visible(rest[:len(rest) - keep]))
+                    self._pending = rest[len(rest) - keep:]
+                    break
+                content.append(self._visible(rest[:at]))
+                self._call, rest = "", rest[at + len(self.syntax.open):]
+            else:
+                block = self._call + rest
+                end = block.find(self.syntax.close)
+                if end < 0:
+                    self._call = block
+                    break
+                self._call, rest = None, block[end + len(self.syntax.close):]
+                parsed = self._parse(block[:end])
+                if parsed is None:  # not a call after all (only possible without a grammar): show it as it was
+                    content.append(self._visible(self.syntax.open + block[:end] + self.syntax.close))
+                else:
+                    calls.extend(parsed)
+        if calls:
+            self.made_call = True
+        return ChatDelta(content="".join(content), calls=calls)
+
+    def finish(self, reason: str) -> ChatDelta:
+        """The content still held and the finish reason: "tool_calls" ("function_call" when asked through the
+        legacy functions fields) if any call was made; "length" if the generation ended inside a call, whose
+        partial text is dropped; else `reason`."""
+        if not self.enabled:
+            return ChatDelta(finish_reason=reason)
+        cut = self._call is not None
+        tail = self._blank + self._pending
+        self._call, self._pending, self._blank = None, "", ""
+        # The held trailing whitespace ends the text when no call was made; next to a call it is dropped.
+        content = tail if not (self.made_call or cut) else tail.rstrip()
+        if cut:
+            finish = "length"
+        elif self.made_call:
+            finish = "function_call" if self.legacy else "tool_calls"
+        else:
+            finish = reason
+        return ChatDelta(content=content, finish_reason=finish)
+
+    def _visible(self, text: str) -> str:
+        """`text` as content to show now: its trailing whitespace waits for what follows it, so that none is
+        shown right before a call, whichever way the text was split into pushes."""
+        held = self._blank + text
+        shown = held.rstrip()
+        self._blank = held[len(shown):]
+        return shown
+
+    def _parse(self, block: str) -> list[ToolCall] | None:
+        """The calls in the text between two tags; None when it is not calls in this syntax. An empty array is
+        the model saying that no function applies: no call."""
+        try:
+            value = json.loads(block)
+        except ValueError:
+            return None
+        items = value if self.syntax.array else [value]
+        if not isinstance(items, list) or not all(_is_call(item) for item in items):
+            return None
+        return [ToolCall(new_call_id(), item["name"], _arguments(item.get("arguments", {}))) for item in items]
+
+
+def _is_call(item: Any) -> bool:
+    return isinstance(item, dict) and isinstance(item.get("name"), str) and item["name"] != ""
+
+
+def _arguments(value: Any) -> str:
+    """Arguments as a compact JSON string; a model that wrote them as a string of JSON already is taken as is."""
+    return value if isinstance(value, str) else compact(value)
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

@@ -1,0 +1,161 @@
+"""The prompt of a chat request with tools: the model's own chat template where it can show tools and calls,
+else a polyfill in SmolLM2's trained function-calling format (../shared/notes/tools.md, §3).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from edgespec.server.chat_input import ChatInput, Message, ToolCall, ToolSpec
+from edgespec.server.json_schema import compact
+
+
+@dataclass(frozen=True)
+class CallSyntax:
+    """How calls appear in the model's text: between `open` and `close`, either one tag holding a JSON array of
+    `{"name", "arguments"}` objects (array=True) or one tag per call holding one such object."""
+
+    open: str
+    close: str
+    array: bool
+
+
+SMOLLM2 = CallSyntax("<tool_call>", "</tool_call>", True)
+HERMES = CallSyntax("<tool_call>", "</tool_call>", False)  # Qwen / Hermes templates; several calls: several tags
+
+# SmolLM2's function-calling system prompt, word for word from its model card (the trailing spaces included):
+# the 135M model was trained on it, and emits no call at all under a prompt of our own.
+SMOLLM2_TOOL_PROMPT = (
+    "You are an expert in composing functions. You are given a question and a set of possible functions. \n"
+    "Based on the question, you will need to make one or more function/tool calls to achieve the purpose. \n"
+    "If none of the functions can be used, point it out and refuse to answer. \n"
+    "If the given question lacks the parameters required by the function, also point it out.\n"
+    "\n"
+    "You have access to the following tools:\n"
+    "<tools>{tools}</tools>\n"
+    "\n"
+    "The output MUST strictly adhere to the following format, and NO other text MUST be included.\n"
+    "The example format is as follows. Please make sure the parameter type is correct. If no function call is "
+    "needed, please make the tool calls an empty list '[]'.\n"
+    "<tool_call>[\n"
+    '{{"name": "func_name1", "arguments": {{"argument1": "value1", "argument2": "value2"}}}},\n'
+    "... (more tool calls as required)\n"
+    "]</tool_call>"
+)
+
+# Unusual names, so that finding them in a render means the template printed what it was given.
+_PROBE_TOOL = "edgespec_probe_tool_q7x"
+_PROBE_CALL = "edgespec_probe_call_k3z"
+
+
+class ChatTemplate:
+    """Renders a ChatInput with a tokenizer's chat template.
+
+    The template is probed once, at construction: `native` when it shows both the tools it is given and a
+    past call in the `<tool_call>` format (its `syntax` is then HERMES); otherwise the tools, calls and tool
+    results are written into the messages in SmolLM2's format (syntax SMOLLM2).
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.native = False
+        self.syntax = SMOLLM2
+        probe_call = {"type": "function", "id": "call_probe", "function": {"name": _PROBE_CALL, "arguments": {}}}
+        conversation = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [probe_call]},
+            {"role": "tool", "tool_call_id": "call_probe", "name": _PROBE_CALL, "content": "ok"},
+        ]
+        try:
+            shown_tools = self._apply(conversation[:1], True, tools=[_hf_tool(ToolSpec(_PROBE_TOOL, "probe"))])
+            shown_call = self._apply(conversation, False)
+        except Exception:  # a template that cannot render the probe cannot be trusted with tools
+            return
+        # A template that cannot show its own call format is not trusted either: the grammar and the parser
+        # need to know it, so anything but <tool_call> falls back to the polyfill.
+        if _PROBE_TOOL in shown_tools and _PROBE_CALL in shown_call and HERMES.open in shown_call:
+            self.native = True
+            self.syntax = HERMES
+
+    def render(self, chat: ChatInput) -> str:
+        """The prompt text of `chat`, ending with the generation prompt. ValueError: the template rejected the
+        conversation (an order of roles it does not allow, say), with its message."""
+        if self.native:
+            tools = [_hf_tool(t) for t in chat.tools] if chat.calls_allowed else None
+            messages = [_hf_message(m) for m in chat.messages]
+        else:
+            tools = None
+            messages = _polyfill_messages(chat)
+        try:
+            return self._apply(messages, True, tools=tools)
+        except Exception as exc:  # the template is the model's code; any failure is the request's
+            raise ValueError(f"the chat template rejected the conversation: {exc}") from exc
+
+    def _apply(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        kwargs = {"tools": tools} if tools else {}
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **kwargs)
+
+
+def tool_block(tools: tuple[ToolSpec, ...]) -> str:
+    """SmolLM2's function-calling system prompt listing `tools` (the client's parameter schemas as given)."""
+    listed = [{"name": t.name, "description": t.description, "parameters": t.parameters} for t in tools]
+    return SMOLLM2_TOOL_PROMPT.format(tools=compact(listed))
+
+
+def _polyfill_messages(chat: ChatInput) -> list[dict[str, Any]]:
+    messages = list(chat.messages)
+    out: list[dict[str, Any]] = []
+    if chat.calls_allowed:
+        # One system message at the start: the tool block, then the client's own leading system text.
+        leading = 0
+        while leading < len(messages) and messages[leading].role == "system":
+            leading += 1
+        parts = [tool_block(chat.tools)] + [m.content for m in messages[:leading] if m.content]
+        out.append({"role": "system", "content": "\n\n".join(parts)})
+        messages = messages[leading:]
+    previous: Message | None = None
+    for m in messages:
+        if m.role == "tool":
+            block = f"<tool_response>\n{m.content}\n</tool_response>"
+            if previous is not None and previous.role == "tool":  # consecutive results share one user turn
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block})
+        elif m.role == "assistant" and m.tool_calls:
+            calls = compact([{"name": c.name, "arguments": _arguments(c)} for c in m.tool_calls])
+            tag = f"{SMOLLM2.open}{calls}{SMOLLM2.close}"
+            out.append({"role": "assistant", "content": f"{m.content}\n{tag}" if m.content else tag})
+        else:
+            out.append({"role": m.role, "content": m.content})
+        previous = m
+    return out
+
+
+def _arguments(call: ToolCall) -> Any:
+    """A past call's arguments as JSON, or the raw string when the client sent something that is not JSON."""
+    try:
+        return json.loads(call.arguments)
+    except ValueError:
+        return call.arguments
+
+
+def _hf_tool(tool: ToolSpec) -> dict[str, Any]:
+    return {"type": "function",
+            "function": {"name": tool.name, "description": tool.description, "parameters": tool.parameters}}
+
+
+def _hf_message(m: Message) -> dict[str, Any]:
+    """`m` in the shape Hugging Face chat templates expect (content never None: some templates concatenate it)."""
+    d: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        d["tool_calls"] = [{"type": "function", "id": c.id, "function": {"name": c.name, "arguments": _arguments(c)}}
+                           for c in m.tool_calls]
+    if m.role == "tool":
+        d["tool_call_id"] = m.tool_call_id or ""
+        if m.name:
+            d["name"] = m.name
+    return d
