@@ -19,7 +19,7 @@ class AutoPolicy:
 
     async def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
         question = request.policy_options.get("question")
-        if request.grammar is not None or request.trigger is not None:
+        if request.grammar is not None:
             # outline writes its own skeleton and expansions: it cannot keep to a grammar
             suits, reason = False, "tools or a response format"
         else:

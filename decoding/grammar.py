@@ -95,16 +95,3 @@ class Constraint:
         if not self.matcher.consume_token(token):
             raise GrammarError(f"token {token} is not allowed here: {self.matcher.get_error()}")
         self._allowed = None
-
-
-@dataclass(frozen=True)
-class Trigger:
-    """tool_choice auto, decided before decoding: when log P(ids | prompt) under the model is at least
-    `threshold`, the request decodes under `forced` (a call) instead of its own grammar (free text that may
-    call). A lazy grammar alone never fires on a small model (0 of 8 device commands began a call by
-    themselves) and an always-JSON envelope always calls (7 of 7, "Tell me a joke" too): the score separates
-    them (log P("<tool_call>[") -4.6..-6.5 for device commands, -8.2..-16.4 for chit-chat)."""
-
-    ids: tuple[int, ...]
-    threshold: float
-    forced: Grammar

@@ -11,16 +11,15 @@ decodes a request alone.
 from __future__ import annotations
 
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
+from edgespec.decoding.decide import decide
 from edgespec.decoding.sampling import Sampler
 from edgespec.decoding.stats import StepStats
 from edgespec.decoding.text import TextStream
 from edgespec.decoding.types import GenerationRequest
-from edgespec.model.engine import Program, Rows
+from edgespec.model.engine import Program
 from edgespec.model.runner import ModelRunner
 
 
@@ -60,18 +59,19 @@ async def start(name: str, request: GenerationRequest, model: ModelRunner, token
 
 async def run_alone(policy: SequencePolicy, request: GenerationRequest, model: ModelRunner, tokenizer):
     """Decode the request on a session of its own: its TokenEvents. The session is released whatever happens
-    (a client that disconnects frees it at once). A request with a trigger is scored first (decide)."""
+    (a client that disconnects frees it at once). A request with a tool trigger or route is decided first
+    (decoding/decide.py)."""
     capacity = policy.capacity(request, model)
     if request.trigger is not None:
         capacity = max(capacity, len(request.prompt_ids) + len(request.trigger.ids))
     session = await model.open(capacity, prompt=request.prompt_ids)
     try:
         decided = None
-        if request.trigger is not None:
+        if request.trigger is not None or request.route is not None:
             request, decided = await decide(request, model, session)
         prepared = await policy.prepare(request, model, tokenizer, session)
         if decided is not None:
-            prepared.stats.extra["tool_trigger"] = decided
+            prepared.stats.extra["tool_choice"] = decided
         # closed here, not when collected: the engine stops the program before the session is released
         async with aclosing(model.engine.run(session, prepared.program)) as events:
             async for event in events:
@@ -79,25 +79,3 @@ async def run_alone(policy: SequencePolicy, request: GenerationRequest, model: M
     finally:
         await model.release(session)
 
-
-async def decide(request: GenerationRequest, model: ModelRunner, session) -> tuple[GenerationRequest, dict]:
-    """Score the request's trigger right after its prompt, in the engine's steps like any sequence: the request
-    to decode (under the trigger's grammar when log P(trigger | prompt) reaches its threshold, else under its
-    own) and the figures for its statistics. The trigger's slots are given back, and so is the prompt's last
-    one, so the policy's program starts as it would have (with that one row's pass)."""
-    trigger, prompt, scored = request.trigger, request.prompt_ids, []
-
-    def program():
-        first = yield Rows(prompt[session.length:], last_only=True)  # logits [1, 1, V]: the trigger's first token
-        rest = yield Rows(list(trigger.ids[:-1]))  # logits [1, T - 1, V]: each next trigger token
-        logits = torch.cat([first.logits[0], rest.logits[0]])  # [T, V]
-        ids = torch.tensor(trigger.ids)[:, None]  # [T, 1]
-        scored.append(float(torch.log_softmax(logits, dim=-1).gather(1, ids).sum()))
-        model.truncate(session, len(prompt) - 1)
-
-    async with aclosing(model.engine.run(session, program())) as events:
-        async for _ in events:
-            pass
-    forced = scored[0] >= trigger.threshold
-    chosen = replace(request, grammar=trigger.forced if forced else request.grammar, trigger=None)
-    return chosen, {"logprob": round(scored[0], 4), "threshold": trigger.threshold, "forced": forced}

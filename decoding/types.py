@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from edgespec.decoding.grammar import Grammar, Trigger
+    from edgespec.decoding.decide import Route, Trigger
+    from edgespec.decoding.grammar import Grammar
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ class GenerationRequest:
     policy: str = "naive"
     policy_options: dict = field(default_factory=dict)
     grammar: Grammar | None = None  # what the output must match (tools, response_format); None: free text
-    trigger: Trigger | None = None  # tool_choice auto: a score before decoding may switch to its grammar
+    trigger: Trigger | None = None  # tool_choice auto: a score before decoding may switch to a call
+    route: Route | None = None  # several tools: which one a call opens with, scored before decoding
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 
-from edgespec.decoding.grammar import Grammar, GrammarError, Grammars, Trigger
+from edgespec.decoding.decide import Route, Trigger
+from edgespec.decoding.grammar import Grammar, GrammarError, Grammars
 from edgespec.decoding.policy import UnknownPolicyError, select_policy
 from edgespec.decoding.types import GenerationRequest, SamplingParams, TokenEvent
 from edgespec.model.admission import QueueFullError
@@ -62,27 +63,38 @@ class CompletionService:
             raise APIError(400, f"the messages do not fit the model's chat template: {exc}", "messages") from exc
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    async def structure(self, chat: ChatInput) -> tuple[Grammar | None, Trigger | None]:
-        """The grammar the answer must match (tools, response format) and, for tool_choice auto, the trigger
-        whose score decides between a call and that grammar; APIError 400 naming the parameter at fault."""
+    async def structure(self, chat: ChatInput) -> tuple[Grammar | None, Trigger | None, Route | None]:
+        """The grammar the answer must match (tools, response format); for tool_choice auto, the trigger whose
+        score decides whether the answer is a call; with several tools, the route that decides which tool a
+        call opens with (decoding/decide.py). APIError 400 naming the parameter at fault."""
         try:
             plan = structured.plan(chat, self.template.syntax)
         except structured.GrammarError as exc:
             raise APIError(400, str(exc), exc.param, "invalid_value") from exc
         if plan is None:
-            return None, None
+            return None, None, None
         param = "tools" if chat.calls_allowed else "response_format"
         # on a thread: the first grammar builds the vocabulary's byte strings (1.5 s for SmolLM2)
         try:
-            grammar = await asyncio.to_thread(self.grammars.compile, plan.grammar)
-            forced = await asyncio.to_thread(self.grammars.compile, plan.forced) if plan.forced else None
+            grammar, forced, *routed = await asyncio.to_thread(
+                lambda: [self.grammars.compile(g) if g else None for g in [plan.grammar, plan.forced,
+                                                                          *(g for _, g in plan.routes)]])
         except GrammarError as exc:
             raise APIError(400, f"the {param} schema cannot be used for generation: {exc}", param,
                            "invalid_value") from exc
-        if forced is None:
-            return grammar, None
-        ids = tuple(self.tokenizer.encode(plan.trigger, add_special_tokens=False))
-        return grammar, Trigger(ids, self.settings.tool_call_threshold, forced)
+        encode = self._encode
+        trigger = Trigger(encode(plan.trigger), self.settings.tool_call_threshold, forced) if forced else None
+        request = next((m.content for m in reversed(chat.messages) if m.role == "user" and m.content), None)
+        route = None
+        if plan.routes and request:
+            contexts = self.template.channel_contexts(chat.tools)
+            by_name = dict(zip((t.name for t in chat.tools), contexts, strict=True))
+            route = Route(tuple(n for n, _ in plan.routes), tuple(encode(by_name[n]) for n, _ in plan.routes),
+                          encode(request), tuple(routed))
+        return grammar, trigger, route
+
+    def _encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(text, add_special_tokens=False))
 
     def extractor(self, chat: ChatInput | None) -> CallExtractor:
         """What turns an answer's text into content and calls (a text completion: content only)."""
@@ -103,14 +115,14 @@ class CompletionService:
         """A chat request (chat completions or the Responses API) as the internal request: its prompt rendered
         with its tools, and the grammar its tools and response format need."""
         prompt = self.chat_prompt(chat)
-        grammar, trigger = await self.structure(chat)
+        grammar, trigger, route = await self.structure(chat)
         question = next((m.content for m in reversed(chat.messages) if m.role == "user"), None)
         return self.generation_request(req, prompt, max_tokens, logprobs, top_logprobs, "messages", grammar, trigger,
-                                       question, max_param)
+                                       route, question, max_param)
 
     def generation_request(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int | None, logprobs: bool,
                            top_logprobs: int, prompt_param: str, grammar: Grammar | None = None,
-                           trigger: Trigger | None = None, question: str | None = None,
+                           trigger: Trigger | None = None, route: Route | None = None, question: str | None = None,
                            max_param: str = "max_tokens") -> GenerationRequest:
         """Check limits and build the internal request (raises APIError with the parameter's name); question:
         a chat's last user message, for the policies that prompt around it."""
@@ -141,7 +153,7 @@ class CompletionService:
             getattr(chosen, "check", lambda _: None)(options)
         except ValueError as exc:
             raise APIError(400, f"decoding policy {chosen.name!r}: {exc}", "decoding", "invalid_policy_option") from exc
-        if chosen.name == "outline" and (grammar is not None or trigger is not None):
+        if chosen.name == "outline" and grammar is not None:
             raise APIError(400, "outline writes its own skeleton and cannot keep to tools or a response format; "
                                 "use another policy (auto picks one)", "decoding", "invalid_policy_option")
         policy = chosen.name
@@ -152,7 +164,7 @@ class CompletionService:
         if "question" in chosen.options and "question" not in options and question:
             options = {**options, "question": question}  # outline and auto's router prompt around it
         return GenerationRequest(prompt_ids, max_tokens, sampling, req.stop_list(), self.stop_token_ids,
-                                 policy, options, grammar, trigger)
+                                 policy, options, grammar, trigger, route)
 
     async def generate(self, gen: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """The policy's events, with metrics; model-side failures become APIErrors."""

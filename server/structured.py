@@ -46,6 +46,7 @@ class GrammarPlan:
     grammar: str
     forced: str | None = None
     trigger: str | None = None
+    routes: tuple[tuple[str, str], ...] = ()  # several tools: (name, the calls grammar whose first is that tool)
 
 
 class GrammarError(ValueError):
@@ -69,14 +70,18 @@ def plan(chat: ChatInput, syntax: CallSyntax) -> GrammarPlan | None:
     if not chat.calls_allowed:
         return None if json_rules is None else GrammarPlan(f"start: json\n{json_rules}")
     max_calls = PARALLEL_CALLS if chat.parallel_tool_calls and not chat.legacy_functions else 1
-    call_rules = _call_rules(_chosen_tools(chat), syntax, max_calls)
+    tools = _chosen_tools(chat)
+    call_rules = _call_rules(tools, syntax, max_calls)
     forced = f"start: OPEN calls\n{call_rules}"
+    # which tool a call opens with is decided before decoding (decoding/decide.py): one grammar per tool
+    routes = tuple((t.name, f"start: OPEN calls\n{_call_rules(tools, syntax, max_calls, first=i)}")
+                   for i, t in enumerate(tools)) if len(tools) > 1 else ()
     if forcing:
-        return GrammarPlan(forced)
+        return GrammarPlan(forced, routes=routes)
     trigger = syntax.open + ("[" if syntax.array else "")
     if json_rules is not None:
-        return GrammarPlan(f"start: json | OPEN calls\n{json_rules}\n{call_rules}", forced, trigger)
-    return GrammarPlan(f"{_TEXT_OR_CALLS}\n{call_rules}", forced, trigger)
+        return GrammarPlan(f"start: json | OPEN calls\n{json_rules}\n{call_rules}", forced, trigger, routes)
+    return GrammarPlan(f"{_TEXT_OR_CALLS}\n{call_rules}", forced, trigger, routes)
 
 
 def _chosen_tools(chat: ChatInput) -> tuple[ToolSpec, ...]:
@@ -105,24 +110,30 @@ def _response_rules(fmt: ResponseFormat) -> str:
     return rules
 
 
-def _call_rules(tools: tuple[ToolSpec, ...], syntax: CallSyntax, max_calls: int) -> str:
+def _call_rules(tools: tuple[ToolSpec, ...], syntax: CallSyntax, max_calls: int, first: int | None = None) -> str:
     """Rules `OPEN` (the open tag) and `calls` (what follows it up to and including the last close tag) for at
-    most `max_calls` calls of `tools`, checked."""
+    most `max_calls` calls of `tools`, checked; first: the index of the tool the first call must be (unchecked:
+    its schema is one the plain rules checked)."""
     objects = [_call_object(t, i) for i, t in enumerate(tools)]
     close = json.dumps(syntax.close)
     rules = [f"OPEN: {json.dumps(syntax.open)}"]
     if syntax.array:
         array = {"type": "array", "minItems": 1, "maxItems": max_calls, "items": _any_of(objects)}
+        if first is not None:
+            array["prefixItems"] = [objects[first]]
         rules.append(f"calls: list {close}")
         rules.append(f"list: %json{compact(_compact_json(array))}")
     else:
         # One object per tag; a template in this style shows it on lines of its own, which the grammar allows.
         one = f'"\\n"? call "\\n"? {close}'
         more = f' ("\\n" OPEN {one}){{0,{max_calls - 1}}}' if max_calls > 1 else ""
-        rules.append(f"calls: {one}{more}")
+        head = one if first is None else f'"\\n"? first_call "\\n"? {close}'
+        rules.append(f"calls: {head}{more}")
         rules.append(f"call: %json{compact(_compact_json(_any_of(objects)))}")
+        if first is not None:
+            rules.append(f"first_call: %json{compact(_compact_json(objects[first]))}")
     text = "\n".join(rules)
-    if llguidance.LLMatcher.validate_grammar(f"start: OPEN calls\n{text}"):
+    if first is None and llguidance.LLMatcher.validate_grammar(f"start: OPEN calls\n{text}"):
         raise _tool_error(tools, objects)
     return text
 

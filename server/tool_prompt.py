@@ -48,6 +48,7 @@ SMOLLM2_TOOL_PROMPT = (
 # Unusual names, so that finding them in a render means the template printed what it was given.
 _PROBE_TOOL = "edgespec_probe_tool_q7x"
 _PROBE_CALL = "edgespec_probe_call_k3z"
+_CHANNEL_MARK = "edgespec_request_m8v"  # where the request goes in a route's context
 
 
 class ChatTemplate:
@@ -93,6 +94,18 @@ class ChatTemplate:
         except Exception as exc:  # the template is the model's code; any failure is the request's
             raise ValueError(f"the chat template rejected the conversation: {exc}") from exc
 
+    def channel_contexts(self, tools: tuple[ToolSpec, ...]) -> list[str]:
+        """For each tool, the text before a user turn whose system message names the tool: the context under
+        which the request's likelihood says how well the tool explains it (decoding/decide.py, the route)."""
+        out = []
+        for tool in tools:
+            described = f"{tool.name}: {tool.description}" if tool.description else tool.name
+            messages = [{"role": "system", "content": f"The user asks for this function: {described}"},
+                        {"role": "user", "content": _CHANNEL_MARK}]
+            text = self._apply(messages, False)
+            out.append(text[:text.index(_CHANNEL_MARK)])
+        return out
+
     def _apply(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                tools: list[dict[str, Any]] | None = None) -> str:
         kwargs = {"tools": tools} if tools else {}
@@ -110,11 +123,13 @@ def _polyfill_messages(chat: ChatInput) -> list[dict[str, Any]]:
     messages = list(chat.messages)
     out: list[dict[str, Any]] = []
     if chat.calls_allowed:
-        # One system message at the start: the tool block, then the client's own leading system text.
+        # One system message at the start: the client's own leading system text, then the tool block. In this
+        # order log P("<tool_call>[") separated Home Assistant's device commands (-4.7..-6.1) from chit-chat
+        # (-7.7..-17.2); with the tool block first a command scored -10.4 and a chit-chat prompt -10.8.
         leading = 0
         while leading < len(messages) and messages[leading].role == "system":
             leading += 1
-        parts = [tool_block(chat.tools)] + [m.content for m in messages[:leading] if m.content]
+        parts = [m.content for m in messages[:leading] if m.content] + [tool_block(chat.tools)]
         out.append({"role": "system", "content": "\n\n".join(parts)})
         messages = messages[leading:]
     previous: Message | None = None

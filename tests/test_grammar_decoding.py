@@ -15,7 +15,8 @@ import pytest
 import torch
 from model_fixtures import chi_square_pvalue, make_medusa_heads
 
-from edgespec.decoding.grammar import GrammarError, Grammars, Trigger
+from edgespec.decoding.decide import Trigger
+from edgespec.decoding.grammar import GrammarError, Grammars
 from edgespec.decoding.medusa import MedusaPolicy
 from edgespec.decoding.medusa_heads import MedusaModel
 from edgespec.decoding.naive import NaivePolicy
@@ -139,9 +140,9 @@ def test_a_trigger_is_scored_and_changes_nothing_else(tiny_loaded, grammars):
     for policy in (NaivePolicy(), SpeculativePolicy()):
         got = generate(policy, tiny_loaded, PROMPT, max_tokens=24, trigger=never)
         assert got[0] == plain[0]
-        scored = got[2].stats["tool_trigger"]
-        assert scored["forced"] is False and scored["logprob"] < 0
+        scored = got[2].stats["tool_choice"]
+        assert scored["call"] is False and scored["trigger_logprob"] < 0
     # -inf: always forced, and the output is the forced grammar's
     always = generate(NaivePolicy(), tiny_loaded, PROMPT, trigger=Trigger(trigger_ids, float("-inf"), forced))
     jsonschema.validate(json.loads(always[1]), SCHEMA)
-    assert always[2].stats["tool_trigger"]["forced"] is True
+    assert always[2].stats["tool_choice"]["call"] is True

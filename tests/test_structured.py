@@ -16,7 +16,7 @@ from model_fixtures import smollm2_folder
 from transformers import AutoTokenizer
 
 from edgespec.server.chat_input import ChatInput, Message, ResponseFormat, ToolChoiceNamed, ToolSpec
-from edgespec.server.structured import GrammarError, GrammarPlan, plan
+from edgespec.server.structured import GrammarError, plan
 from edgespec.server.tool_prompt import HERMES, SMOLLM2
 
 EOS = 2  # <|im_end|>
@@ -125,10 +125,21 @@ def test_no_tools_and_no_format_is_free_text():
 @pytest.mark.parametrize("text", GOOD_CALLS)
 def test_required_accepts_valid_calls(run, text):
     grammar = plan(_chat(choice="required"), SMOLLM2)
-    assert grammar == GrammarPlan(grammar.grammar)  # no trigger: the calls are the only output
+    assert grammar.forced is None and grammar.trigger is None  # no trigger: the calls are the only output
     accepted, detail = run(grammar.grammar, text)
     assert accepted, detail
     _validate_calls(text)
+
+
+def test_each_route_opens_with_its_tool_and_may_go_on_with_any(run):
+    routes = dict(plan(_chat(choice="required"), SMOLLM2).routes)
+    assert list(routes) == [t.name for t in HA_TOOLS]
+    first = routes["HassTurnOff"]
+    assert run(first, _tag(_call("HassTurnOff", area="kitchen")))[0]
+    assert run(first, _tag(_call("HassTurnOff", area="kitchen"), _call("HassTurnOn", area="hall")))[0]
+    assert not run(first, _tag(_call("HassTurnOn", area="kitchen")))[0]
+    assert not run(first, _tag(_call("HassTurnOn", area="hall"), _call("HassTurnOff", area="kitchen")))[0]
+    assert plan(_chat(choice=ToolChoiceNamed("HassTurnOff")), SMOLLM2).routes == ()  # one tool: nothing to route
 
 
 @pytest.mark.parametrize("text", [

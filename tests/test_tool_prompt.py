@@ -94,8 +94,8 @@ def test_polyfill_puts_tools_and_the_clients_system_text_in_one_system_turn(smol
     system = prompt.split("<|im_end|>")[0]
     expected_tools = [{"name": t.name, "description": t.description, "parameters": t.parameters} for t in TOOLS]
     assert json.dumps(expected_tools, separators=(",", ":")) in system  # the client's schemas, "strict" and all
-    assert system.startswith("<|im_start|>system\n" + tool_block(TOOLS))
-    assert system.endswith("\n\nYou are a voice assistant for Home Assistant.")
+    # the client's text first: in this order the call's score separates commands from chit-chat
+    assert system == "<|im_start|>system\nYou are a voice assistant for Home Assistant.\n\n" + tool_block(TOOLS)
     assert "You are a helpful AI assistant named SmolLM" not in prompt
     assert prompt.endswith("<|im_start|>user\nthanks<|im_end|>\n<|im_start|>assistant\n")
 
