@@ -18,6 +18,11 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 _SUBSCHEMA_SINGLE = ("additionalProperties", "items", "contains", "then", "else", "unevaluatedItems")
 # Any of these already bounds a string's length or content: adding maxLength could contradict it.
 _STRING_BOUNDS = ("maxLength", "enum", "const", "pattern", "format")
+# Numbers are bounded too: under a grammar the 135M model wrote "confidence":0.0000... until max_tokens (3 of 8
+# structured answers). JSON Schema cannot bound digits, but a step bounds the decimals (llguidance then allows
+# at most three, and no exponent) and a range the integer part.
+NUMBER_STEP = 0.001
+NUMBER_MAGNITUDE = 10**9
 
 
 def compact(obj: Any) -> str:
@@ -31,7 +36,9 @@ def close_schema(schema: dict[str, Any], max_items: int | None, max_length: int 
     - an object schema with `properties` and no `additionalProperties` gets `additionalProperties: false`;
     - an array schema without `maxItems` gets `maxItems: max(max_items, minItems)` (unless max_items is None);
     - a string schema without maxLength, enum, const, pattern or format gets `maxLength: max(max_length,
-      minLength)` (unless max_length is None).
+      minLength)` (unless max_length is None);
+    - a number schema without multipleOf, enum or const gets `multipleOf: NUMBER_STEP`, and a number or
+      integer schema without a lower or an upper bound gets -NUMBER_MAGNITUDE or NUMBER_MAGNITUDE.
 
     Every instance of the result is an instance of `schema`. Keywords it does not know (HA's inner
     `"strict": true`) are kept as they are; `schema` is never mutated.
@@ -55,6 +62,13 @@ def _close(s: Any, max_items: int | None, max_length: int | None, in_all_of: boo
     if (max_length is not None and _is(types, s, "string", ("minLength",))
             and not any(k in s for k in _STRING_BOUNDS)):
         s["maxLength"] = max(max_length, _int(s.get("minLength")))
+    if "enum" not in s and "const" not in s and (types & {"number", "integer"}):
+        if "number" in types and "multipleOf" not in s:
+            s["multipleOf"] = NUMBER_STEP
+        if "minimum" not in s and "exclusiveMinimum" not in s:
+            s["minimum"] = -NUMBER_MAGNITUDE
+        if "maximum" not in s and "exclusiveMaximum" not in s:
+            s["maximum"] = NUMBER_MAGNITUDE
     for key in _SUBSCHEMA_MAPS:
         if isinstance(s.get(key), dict):
             for sub in s[key].values():

@@ -21,7 +21,11 @@ from edgespec.server.tool_prompt import CallSyntax
 PARALLEL_CALLS = 4  # most calls in one answer when parallel_tool_calls is on
 TOOL_MAX_ITEMS = 3  # caps inside call arguments: with them 6/8 HA commands finished, without 3/8 (the notes, §2)
 TOOL_MAX_LENGTH = 48
-RESPONSE_MAX_ITEMS = 8  # response formats: arrays capped (the model loops in them), strings not (an answer is long)
+# Response formats: arrays capped (the model loops in them), and strings where the client set no maxLength: the
+# 135M model's answers ran on until max_tokens cut the JSON (6 of 8 structured prompts at 128 tokens, "1. 1. 1."
+# in one), and a cut document does not parse. A client that wants longer strings says so in its schema.
+RESPONSE_MAX_ITEMS = 8
+RESPONSE_MAX_LENGTH = 256
 
 # tool_choice auto: free text that does not contain the open tag, or such text, the tag and the calls. TEXT_OPEN
 # can only end at the first tag, so after it the calls are enforced: a malformed call cannot pass as text.
@@ -99,7 +103,7 @@ def _chosen_tools(chat: ChatInput) -> tuple[ToolSpec, ...]:
 def _response_rules(fmt: ResponseFormat) -> str:
     """The rule `json` for a response format, checked."""
     if fmt.type == "json_schema" and fmt.schema is not None:
-        schema = close_schema(fmt.schema, max_items=RESPONSE_MAX_ITEMS, max_length=None)
+        schema = close_schema(fmt.schema, max_items=RESPONSE_MAX_ITEMS, max_length=RESPONSE_MAX_LENGTH)
     else:
         schema = {"type": "object"}
     rules = f"json: %json{compact(_compact_json(schema))}"

@@ -138,3 +138,13 @@ def test_closed_schema_only_narrows(instance):
 
 def test_compact():
     assert compact({"a": [1, 2], "b": "é"}) == '{"a":[1,2],"b":"é"}'
+
+
+def test_numbers_get_a_step_and_a_range_unless_the_schema_bounds_them():
+    closed = close_schema({"type": "object", "properties": {
+        "c": {"type": "number"}, "n": {"type": "integer", "minimum": 0}, "e": {"type": "number", "enum": [1.5]},
+        "m": {"type": ["number", "null"], "multipleOf": 0.5, "exclusiveMaximum": 3}}}, None, None)["properties"]
+    assert closed["c"] == {"type": "number", "multipleOf": 0.001, "minimum": -10**9, "maximum": 10**9}
+    assert closed["n"] == {"type": "integer", "minimum": 0, "maximum": 10**9}
+    assert closed["e"] == {"type": "number", "enum": [1.5]}
+    assert closed["m"] == {"type": ["number", "null"], "multipleOf": 0.5, "exclusiveMaximum": 3, "minimum": -10**9}

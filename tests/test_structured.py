@@ -260,14 +260,15 @@ def test_json_object(run):
 
 def test_json_schema_outputs_validate(run):
     grammar = plan(_chat(tools=(), fmt=ResponseFormat("json_schema", HA_TASK, "ha_task", True)), SMOLLM2).grammar
-    long_summary = "word " * 60  # strings are not capped in a response format
+    long_summary = "word " * 51  # 255 characters: strings are capped at 256 where the schema sets no maxLength
     good = [{"summary": None, "steps": []}, {"summary": long_summary, "steps": ["a", "b"]}]
     for value in good:
         text = json.dumps(value, separators=(",", ":"))
         assert run(grammar, text)[0], text
         jsonschema.validate(value, HA_TASK)
     for value in [{"summary": "x"}, {"summary": "x", "steps": [], "extra": 1},
-                  {"summary": "x", "steps": ["s"] * 9}]:  # arrays are: at 8
+                  {"summary": "x", "steps": ["s"] * 9},  # arrays are capped at 8
+                  {"summary": long_summary + "ab", "steps": []}]:
         assert not run(grammar, json.dumps(value, separators=(",", ":")))[0], value
 
 

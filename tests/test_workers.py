@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from processes import greedy, model_id, start_server, start_worker
+from processes import REPO, greedy, model_id, start_server, start_worker
 
 from edgespec.workers.host import StageHost, StepError
 from edgespec.workers.settings import WorkerSettings
@@ -204,11 +204,24 @@ def test_killed_worker_fails_requests_in_flight_then_recovers(tiny, reference, t
 SMOL_PROMPT = "What is the capital of France? Answer in one sentence."
 
 
+def tool_calls(url: str) -> list[tuple[str, str]]:
+    """Home Assistant's request with its tools, tool_choice required: the calls (the route's and the trigger's
+    passes, and the grammar, go through the stages like any other)."""
+    ha = json.loads((REPO / "bench/prompts/home_assistant.json").read_text())
+    body = {"model": model_id(url), "temperature": 0, "max_tokens": 64, "tools": ha["tools"], "tool_choice": "auto",
+            "messages": [{"role": "system", "content": ha["system"]},
+                         {"role": "user", "content": ha["commands"][1]["prompt"]}]}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
+    r.raise_for_status()
+    message = r.json()["choices"][0]["message"]
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
+
+
 @pytest.fixture(scope="module")
 def smollm2_reference(tmp_path_factory):
     ref, url = start_server(tmp_path_factory.mktemp("smolref"), "ref")
     try:
-        yield greedy(url, SMOL_PROMPT, 32)
+        yield greedy(url, SMOL_PROMPT, 32), tool_calls(url)
     finally:
         ref.stop()
 
@@ -216,9 +229,12 @@ def smollm2_reference(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_smollm2_over_workers_matches_in_process(n, smollm2_reference, tmp_path):
+    text, calls = smollm2_reference
+    assert calls  # the command is a call in-process: over workers it must be the same call
     dist, url = start_server(tmp_path, f"dist{n}", "--local-workers", str(n))
     try:
-        assert greedy(url, SMOL_PROMPT, 32) == smollm2_reference
+        assert greedy(url, SMOL_PROMPT, 32) == text
+        assert tool_calls(url) == calls
     finally:
         dist.stop()
 
