@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import struct
-from contextlib import aclosing, asynccontextmanager
+from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -26,12 +25,9 @@ from edgespec.server.responses_protocol import ResponsesRequest, sampling_fields
 from edgespec.server.responses_render import ResponsesRenderer
 from edgespec.server.responses_store import ResponseStore, conversation_after
 from edgespec.server.service import CompletionService
+from edgespec.server.streaming import collect, respond, response_events, started
 from edgespec.workers.auth import bearer_ok
 from edgespec.workers.cluster import cluster_health
-
-
-def _dumps(obj) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
 
 
 class _LimitsAndCounts:
@@ -190,7 +186,7 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
                                          top or 0)
         renderer = Renderer("chat", service.model_id, service.tokenizer, len(gen.prompt_ids), top,
                             legacy=chat_input.legacy_functions)
-        return await _respond(service.deltas(gen, service.extractor(chat_input)), renderer, req, request)
+        return await respond(service.deltas(gen, service.extractor(chat_input)), renderer, req, request)
 
     @app.post("/v1/responses", dependencies=[Depends(require_key)])
     async def responses(req: ResponsesRequest, request: Request):
@@ -205,10 +201,10 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
             if req.store:
                 stored.put(renderer.id, conversation_after(chat_input, req.instructions, renderer.assistant_message()))
 
-        deltas = await _started(service.deltas(gen, service.extractor(chat_input)))
+        deltas = await started(service.deltas(gen, service.extractor(chat_input)))
         if req.stream:
-            return EventSourceResponse(_response_events(deltas, renderer, keep), sep="\n", ping=15)
-        collected = await _collect(deltas, request)
+            return EventSourceResponse(response_events(deltas, renderer, keep), sep="\n", ping=15)
+        collected = await collect(deltas, request)
         if collected is None:
             return Response(status_code=499)
         body = renderer.response(collected)
@@ -222,7 +218,7 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
         top = req.logprobs
         gen = service.generation_request(req, prompt, req.max_tokens, top is not None, top or 0, "prompt")
         renderer = Renderer("text", service.model_id, service.tokenizer, len(prompt), top)
-        return await _respond(service.deltas(gen, service.extractor(None)), renderer, req, request)
+        return await respond(service.deltas(gen, service.extractor(None)), renderer, req, request)
 
     @app.post("/v1/embeddings", dependencies=[Depends(require_key)])
     async def embeddings(req: EmbeddingRequest):
@@ -236,86 +232,3 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     return app
-
-
-async def _started(deltas):
-    """The deltas with their first one awaited before any response is sent, so that a request that cannot start
-    (no room for its KV cache, say) gets a proper status code even when streamed."""
-    try:
-        first = await anext(deltas)
-    except BaseException:
-        await deltas.aclose()
-        raise
-
-    async def again():
-        async with aclosing(deltas):
-            yield first
-            async for delta in deltas:
-                yield delta
-
-    return again()
-
-
-async def _collect(deltas, request: Request) -> list | None:
-    """Every delta up to the finish, or None when the client left (generation stops)."""
-    collected = []
-    async with aclosing(deltas):
-        async for delta in deltas:
-            collected.append(delta)
-            if delta.finish_reason is not None:
-                return collected
-            if await request.is_disconnected():
-                return None
-    return collected
-
-
-async def _respond(deltas, renderer: Renderer, req, request: Request):
-    deltas = await _started(deltas)
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return EventSourceResponse(_sse(deltas, renderer, include_usage), sep="\n", ping=15)
-    collected = await _collect(deltas, request)
-    if collected is None:
-        return Response(status_code=499)  # nobody is listening: stop generating
-    return JSONResponse(renderer.response(collected))
-
-
-async def _sse(deltas, renderer: Renderer, include_usage: bool):
-    """OpenAI stream framing: role chunk, content and call chunks, finish chunk, optional usage chunk, [DONE]."""
-    async with aclosing(deltas):
-        try:
-            opening = renderer.first_chunk()
-            if opening is not None:
-                yield {"data": _dumps(opening | ({"usage": None} if include_usage else {}))}
-            stats = None
-            async for delta in deltas:
-                for chunk in renderer.chunks(delta, include_usage):
-                    yield {"data": _dumps(chunk)}
-                if delta.finish_reason is not None:
-                    stats = delta.stats
-                    break
-            if include_usage:
-                yield {"data": _dumps(renderer.usage_chunk(stats))}
-        except APIError as exc:
-            yield {"data": _dumps(exc.body())}
-    yield {"data": "[DONE]"}
-
-
-async def _response_events(deltas, renderer: ResponsesRenderer, keep):
-    """The Responses API's stream: `event: TYPE` and its JSON, from response.created to response.completed (or
-    .incomplete, or .failed on an error mid-stream); no [DONE]."""
-    async with aclosing(deltas):
-        events = renderer.start()
-        try:
-            async for delta in deltas:
-                if delta.finish_reason is None:
-                    events += renderer.delta(delta)
-                else:
-                    events += renderer.finish(delta)
-                    keep()
-                for event in events:
-                    yield {"event": event["type"], "data": _dumps(event)}
-                events = []
-        except APIError as exc:
-            for event in [*events, *renderer.failed(exc)]:
-                yield {"event": event["type"], "data": _dumps(event)}

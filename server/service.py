@@ -75,22 +75,19 @@ class CompletionService:
             return None, None, None
         param = "tools" if chat.calls_allowed else "response_format"
         # on a thread: the first grammar builds the vocabulary's byte strings (1.5 s for SmolLM2)
+        texts = [plan.grammar, plan.forced, *(g for _, g in plan.routes)]
         try:
             grammar, forced, *routed = await asyncio.to_thread(
-                lambda: [self.grammars.compile(g) if g else None for g in [plan.grammar, plan.forced,
-                                                                          *(g for _, g in plan.routes)]])
+                lambda: [self.grammars.compile(g) if g else None for g in texts])
         except GrammarError as exc:
             raise APIError(400, f"the {param} schema cannot be used for generation: {exc}", param,
                            "invalid_value") from exc
-        encode = self._encode
-        trigger = Trigger(encode(plan.trigger), self.settings.tool_call_threshold, forced) if forced else None
+        trigger = Trigger(self._encode(plan.trigger), self.settings.tool_call_threshold, forced) if forced else None
         request = next((m.content for m in reversed(chat.messages) if m.role == "user" and m.content), None)
         route = None
-        if plan.routes and request:
-            contexts = self.template.channel_contexts(chat.tools)
-            by_name = dict(zip((t.name for t in chat.tools), contexts, strict=True))
-            route = Route(tuple(n for n, _ in plan.routes), tuple(encode(by_name[n]) for n, _ in plan.routes),
-                          encode(request), tuple(routed))
+        if plan.routes and request:  # one route per tool, in the tools' order
+            contexts = tuple(self._encode(c) for c in self.template.channel_contexts(chat.tools))
+            route = Route(tuple(n for n, _ in plan.routes), contexts, self._encode(request), tuple(routed))
         return grammar, trigger, route
 
     def _encode(self, text: str) -> tuple[int, ...]:
