@@ -187,7 +187,7 @@ class ChatCompletionRequest(SamplingFields):
         contradiction between fields)."""
         legacy = self.functions is not None
         if legacy and self.tools is not None:
-            raise APIError(400, "send tools or the legacy functions, not both", "functions")
+            raise APIError(400, "send tools or the legacy functions, not both", "functions", "invalid_value")
         if legacy:
             specs, choice, parallel = [f.spec() for f in self.functions], self.function_call, False
         else:
@@ -195,7 +195,7 @@ class ChatCompletionRequest(SamplingFields):
             parallel = self.parallel_tool_calls
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
-            raise APIError(400, "tool names must be unique", "functions" if legacy else "tools")
+            raise APIError(400, "tool names must be unique", "functions" if legacy else "tools", "invalid_value")
         if isinstance(choice, NamedTool | NamedFunction):
             choice = ToolChoiceNamed(choice.function.name if isinstance(choice, NamedTool) else choice.name)
         fmt = self.response_format.format() if self.response_format is not None else None

@@ -67,13 +67,15 @@ class CompletionService:
         """The grammar the answer must match (tools, response format); for tool_choice auto, the trigger whose
         score decides whether the answer is a call; with several tools, the route that decides which tool a
         call opens with (decoding/decide.py). APIError 400 naming the parameter at fault."""
+        # the parameters as the request named them: the legacy fields are functions and function_call
+        names = {"tools": "functions", "tool_choice": "function_call"} if chat.legacy_functions else {}
         try:
             plan = structured.plan(chat, self.template.syntax)
         except structured.GrammarError as exc:
-            raise APIError(400, str(exc), exc.param, "invalid_value") from exc
+            raise APIError(400, str(exc), names.get(exc.param, exc.param), "invalid_value") from exc
         if plan is None:
             return None, None, None
-        param = "tools" if chat.calls_allowed else "response_format"
+        param = names.get("tools", "tools") if chat.calls_allowed else "response_format"
         # on a thread: the first grammar builds the vocabulary's byte strings (1.5 s for SmolLM2)
         texts = [plan.grammar, plan.forced, *(g for _, g in plan.routes)]
         try:

@@ -82,12 +82,14 @@ class CallExtractor:
 
     def finish(self, reason: str) -> ChatDelta:
         """The content still held and the finish reason: "tool_calls" ("function_call" when asked through the
-        legacy functions fields) if any call was made; "length" if the generation ended inside a call, whose
-        partial text is dropped; else `reason`."""
+        legacy functions fields) if any call was made; "length" if the generation ended inside a call, or
+        inside its open tag, whose partial text is dropped; else `reason`."""
         if not self.enabled:
             return ChatDelta(finish_reason=reason)
         cut = self._call is not None
-        tail = self._blank + self._pending
+        # Text held as a possible start of the open tag: cut there by max_tokens, it was a call on its way
+        # (a forced call's first tokens are the tag), not content; at a stop it was text after all.
+        tail = self._blank + (self._pending if reason != "length" else "")
         self._call, self._pending, self._blank = None, "", ""
         # The held trailing whitespace ends the text when no call was made; next to a call it is dropped.
         content = tail if not (self.made_call or cut) else tail.rstrip()

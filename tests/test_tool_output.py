@@ -63,6 +63,13 @@ def test_held_prefix_that_is_not_a_tag_is_released():
     assert last.content == " <to" and last.finish_reason == "stop"
 
 
+def test_a_cut_inside_the_open_tag_shows_none_of_it():
+    # max_tokens ended a forced call after "<tool": those tokens were the call's, not text
+    for pieces in (["<", "tool"], ["Sure. <tool_"]):
+        deltas, last = _stream(CallExtractor(SMOLLM2, enabled=True), pieces, reason="length")
+        assert "<" not in _content(deltas, last) and last.finish_reason == "length" and not _calls(deltas, last)
+
+
 def test_call_split_across_many_pushes():
     pieces = [CALL[i:i + 3] for i in range(0, len(CALL), 3)]
     deltas, last = _stream(CallExtractor(SMOLLM2, enabled=True), pieces)
