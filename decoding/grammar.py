@@ -13,6 +13,8 @@ rather than llguidance.torch, whose torch.compile spent 9.9 s in gcc at its firs
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import llguidance
@@ -31,25 +33,42 @@ class Grammars:
     at the first grammar, not at start-up: 1.5 s for SmolLM2's 49,152 tokens, which a server that never sees
     a structured request need not spend."""
 
+    # Grammars checked lately, by text: a client sends the same tools with every request (Home Assistant's six
+    # tools make 8 grammars a request, one per tool for the route, each with every tool: 12-16 ms each to check).
+    CACHED = 256
+
     def __init__(self, tokenizer, vocab_size: int):
         """tokenizer: the served model's Hugging Face tokenizer; vocab_size: the model's logits' width."""
         self._hf = tokenizer
         self.vocab_size = vocab_size
         self._ll: llguidance.LLTokenizer | None = None
+        self._checked: OrderedDict[str, Grammar] = OrderedDict()
+        self._lock = threading.Lock()  # requests compile on threads of their own
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
-        if self._ll is None:
-            self._ll = llguidance.hf.from_tokenizer(self._hf)
-        return self._ll
+        with self._lock:  # built once, whichever request's thread gets here first
+            if self._ll is None:
+                self._ll = llguidance.hf.from_tokenizer(self._hf)
+            return self._ll
 
     def compile(self, lark: str) -> Grammar:
         """A grammar in llguidance's lark dialect, checked; GrammarError says what is wrong with it."""
+        with self._lock:
+            grammar = self._checked.get(lark)
+            if grammar is not None:
+                self._checked.move_to_end(lark)
+                return grammar
         # against the vocabulary too: a grammar that fails is the request's error, not a step's
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(lark, self.tokenizer)
         if failed:
             raise GrammarError("; ".join(messages) or "the grammar does not compile")
-        return Grammar(lark, self.tokenizer, self.vocab_size)
+        grammar = Grammar(lark, self.tokenizer, self.vocab_size)
+        with self._lock:
+            self._checked[lark] = grammar
+            if len(self._checked) > self.CACHED:
+                self._checked.popitem(last=False)
+        return grammar
 
 
 @dataclass(frozen=True)
