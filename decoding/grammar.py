@@ -94,10 +94,6 @@ class Constraint:
         self._bits = llguidance.numpy.allocate_token_bitmask(1, grammar.tokenizer.vocab_size)  # int32 [1, V/32]
         self._allowed: np.ndarray | None = None  # bool [V] for the current state, built when first asked
 
-    def allowed(self) -> torch.Tensor:
-        """bool [V]: the tokens the grammar allows next (only the end-of-sequence token once it is complete)."""
-        return torch.from_numpy(self._allowed_now())
-
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] float32 -> logits [V] with the tokens the grammar forbids at -inf.
 
@@ -108,6 +104,7 @@ class Constraint:
         return torch.from_numpy(out)
 
     def _allowed_now(self) -> np.ndarray:
+        """bool [V]: the tokens the grammar allows next (only the end-of-sequence token once it is complete)."""
         if self._allowed is None:
             llguidance.numpy.fill_next_token_bitmask(self.matcher, self._bits, 0)
             bits = np.unpackbits(self._bits[0].view(np.uint8), bitorder="little").astype(bool)
