@@ -250,8 +250,8 @@ def test_local_worker_respawns_when_its_port_was_taken(tiny, monkeypatch):
         taken.listen()
         busy = taken.getsockname()[1]
         ports = iter([busy])
-        real = cluster.free_port
-        monkeypatch.setattr(cluster, "free_port", lambda: next(ports, None) or real())
+        real = cluster.free_ports
+        monkeypatch.setattr(cluster, "free_ports", lambda n, avoid=None: [next(ports, None) or real(1, avoid)[0]])
         config = cluster.launch_local_workers(1, tiny, threads=1)
         try:
             assert config.workers[0].url.endswith(f":{busy}")
@@ -260,6 +260,32 @@ def test_local_worker_respawns_when_its_port_was_taken(tiny, monkeypatch):
             assert not config.workers[0].url.endswith(f":{busy}")  # started again on a free port
         finally:
             config.stop()
+
+
+def test_two_local_workers_given_one_port_end_as_two_processes(tiny, monkeypatch):
+    """The flaky 409 ("this worker holds layers [2, 4), not [0, 2]"): two workers once got the same port, both
+    URLs reached the one that bound it, and assigning "worker1" moved worker0's layers. Ports are now found
+    together (distinct), and a URL answered by a process other than the one started there is respawned."""
+    import asyncio
+
+    from edgespec.workers import cluster
+
+    assert len(set(cluster.free_ports(8))) == 8
+    real = cluster.free_ports
+    first = iter([real(1)[0]] * 2)
+    monkeypatch.setattr(cluster, "free_ports",
+                        lambda n, avoid=None: [next(first) for _ in range(n)] if n == 2 else real(n, avoid))
+    config = cluster.launch_local_workers(2, tiny, threads=1)
+    try:
+        assert config.workers[0].url == config.workers[1].url  # the old race, forced
+        answers = asyncio.run(cluster.wait_healthy(config, timeout_s=120))
+        assert config.workers[0].url != config.workers[1].url
+        assert answers[0]["instance"] != answers[1]["instance"]
+        for spec, proc in zip(config.workers, config.processes, strict=True):
+            info = httpx.get(spec.url + "/info", headers={"authorization": f"Bearer {config.token}"}).json()
+            assert info["pid"] == proc.pid and info["name"] == spec.name
+    finally:
+        config.stop()
 
 
 def test_a_forked_session_reads_its_parents_prefix_and_is_applied_once(tiny):

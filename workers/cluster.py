@@ -60,9 +60,26 @@ class ClusterConfig:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int, avoid: int | None = None) -> list[int]:
+    """n distinct ports free on loopback now. The sockets are held until all n are found: two ports asked for
+    one after the other can be the same (the first was free again once closed). That happened: two local
+    workers were given one port, the second failed to bind, both URLs reached the first worker, and a
+    re-assignment of "worker1" moved worker0's layers ("this worker holds layers [2, 4), not [0, 2]", 409)."""
+    socks, ports = [], []
+    try:
+        while len(ports) < n:
+            s = socket.socket()
+            socks.append(s)  # an avoided port is held too, so that it is not found again
+            s.bind(("127.0.0.1", 0))
+            if s.getsockname()[1] != avoid:
+                ports.append(s.getsockname()[1])
+        return ports
+    finally:
+        for s in socks:
+            s.close()
 
 
 def worker_command(port: int, token: str, name: str, model: str | None, threads: int) -> list[str]:
@@ -111,55 +128,69 @@ def launch_local_workers(n: int, model: str | None, threads: int, cpus: str | No
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cpu_sets = parse_cpu_sets(cpus, n)
 
-    def spawn(i: int) -> None:
+    def spawn(i: int, port: int | None = None) -> None:
         # a port found free can be taken before the worker binds it: wait_healthy respawns on a new one
-        port, name = free_port(), f"worker{i}"
-        while port == avoid:
-            port = free_port()
+        port, name = port or free_ports(1, avoid)[0], f"worker{i}"
         # output goes to the controller's own stderr, so a worker that fails to start says why
         config.processes[i] = subprocess.Popen(worker_command(port, token, name, model, threads),
                                                stdout=sys.stderr, stderr=subprocess.STDOUT, env=env,
                                                preexec_fn=_child_setup(cpu_sets[i]))
         config.workers[i] = WorkerSpec(f"http://127.0.0.1:{port}", name)
 
-    for i in range(n):
-        spawn(i)
+    for i, port in enumerate(free_ports(n, avoid)):
+        spawn(i, port)
     config.respawn = spawn
     return config
 
 
 async def wait_healthy(config: ClusterConfig, timeout_s: float, tries: int = 3) -> list[dict]:
-    """Wait until every worker answers /health; a local worker that exits (or whose port turns out to be
-    someone else's) is started again on a new port, up to `tries` times."""
+    """Wait until every worker answers /health, each a process of its own; a local worker that exits (or whose
+    port turns out to be someone else's) is started again on a new port, up to `tries` times."""
     deadline = time.monotonic() + timeout_s
     headers = {"authorization": f"Bearer {config.token}"}
     async with httpx.AsyncClient(headers=headers, timeout=5) as client:
-        answers = []
+        answers: list[dict] = []
         for i in range(len(config.workers)):
             attempt = 1
             while True:
-                problem = None
-                try:
-                    r = await client.get(config.workers[i].url + "/health")
-                    if r.status_code == 200:
-                        answers.append(r.json())
-                        break
-                    problem = f"answered {r.status_code}: {r.text[:200]}"
-                except httpx.HTTPError:
-                    local = config.processes[i] if i < len(config.processes) else None
-                    if local is not None and local.poll() is not None:
-                        problem = f"exited with {local.returncode} during start-up"
+                local = config.processes[i] if i < len(config.processes) else None
+                answer, problem = await _health(client, config.workers[i].url, local, answers)
+                if answer is not None:
+                    answers.append(answer)
+                    break
                 if problem and (config.respawn is None or attempt >= tries):
                     raise RuntimeError(f"worker {config.workers[i].url} {problem}")
                 if problem:
                     attempt += 1
-                    if config.processes[i].poll() is None:
-                        config.processes[i].terminate()
+                    if local is not None and local.poll() is None:
+                        local.terminate()
                     config.respawn(i)
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"worker {config.workers[i].url} did not answer within {timeout_s:.0f} s")
                 await asyncio.sleep(0.3)
     return answers
+
+
+async def _health(client: httpx.AsyncClient, url: str, local: subprocess.Popen | None,
+                  earlier: list[dict]) -> tuple[dict | None, str | None]:
+    # (the worker's /health answer, None) once it answers as itself; (None, a problem) when it never will;
+    # (None, None) while it is starting
+    try:
+        r = await client.get(url + "/health")
+        if r.status_code != 200:
+            return None, f"answered {r.status_code}: {r.text[:200]}"
+        answer = r.json()
+        if local is not None:  # the process we started, not one that had the port first
+            pid = (await client.get(url + "/info")).json().get("pid")
+            if pid != local.pid:
+                return None, f"is answered by another process (pid {pid}, not {local.pid})"
+        if any(a.get("instance") == answer.get("instance") for a in earlier):
+            return None, "is the same process as an earlier worker"  # two URLs, one worker
+        return answer, None
+    except httpx.HTTPError:
+        if local is not None and local.poll() is not None:
+            return None, f"exited with {local.returncode} during start-up"
+        return None, None
 
 
 async def cluster_health(urls: list[str], token: str) -> list[dict]:

@@ -107,6 +107,7 @@ class StageHost:
         return {
             "name": self.name,
             "instance": self.instance,
+            "pid": os.getpid(),  # a local worker's launcher checks that its URL reaches the process it started
             "memory": {"total_bytes": total_memory_bytes(), "budget_bytes": budget,
                        "resident_bytes": resident_bytes(), "weight_bytes": self.weight_bytes,
                        "kv_bytes": self.stage.kv_bytes() if self.stage else 0,
