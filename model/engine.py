@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from edgespec.model.stage import ClusterFault, StageFailure
+
 _END = object()
 
 
@@ -104,6 +106,7 @@ class _Sequence:
     earlier: list = field(default_factory=list)  # their hidden states [1, chunk, H], when features are wanted
     cancelled: bool = False  # the consumer went away (a client that disconnected)
     finished: bool = False
+    faults: int = 0  # steps of its that a stage failure voided since its last good one
 
     def emit(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, item))
@@ -170,7 +173,13 @@ class Engine:
                 self.live = [s for s in self.live if not s.finished]
                 if not self.live:
                     return
-                await self.runner.thread.run(self._steps)
+                fault = await self.runner.thread.run(self._steps)
+                if fault is not None:  # a stage failed (a lost worker): re-place the stages, then step again
+                    batch, error, generation = fault
+                    try:
+                        await self.runner.recover(error, generation)
+                    except Exception as exc:
+                        await self.runner.thread.run(self._fail, batch, exc)
         except BaseException as exc:  # the model thread is gone (shutdown): fail whoever still waits
             for seq in self.live:
                 if not seq.finished:
@@ -180,18 +189,30 @@ class Engine:
 
     # on the model thread
 
-    def _steps(self) -> None:
-        # Steps back to back while every running sequence has rows and no other job waits for the thread.
+    def _steps(self) -> tuple[list[_Sequence], Exception, int] | None:
+        # Steps back to back while every running sequence has rows and no other job waits for the thread. A step
+        # that a stage failure voided ends them: (its sequences, the error, the placement generation it ran
+        # under), for the event loop to re-place the stages; its sequences keep their rows for the next step.
         while True:
             for seq in self.live:
                 self._ready(seq)
             self._answer()
             batch = [s for s in self.live if not s.finished and s.rows is not None]
             if not batch:
-                return
-            self._step(batch)
+                return None
+            generation = self.runner.generation
+            error = self._step(batch)
+            if error is not None:
+                return batch, error, generation
             if self.runner.thread.pending():
-                return
+                return None
+
+    def _fail(self, batch: list[_Sequence], error: Exception) -> None:
+        # the stages could not be re-placed: the step's sequences end with the error (model thread)
+        for seq in batch:
+            if not seq.finished:
+                self._finish(seq, error)
+                seq.program.close()
 
     def _ready(self, seq: _Sequence) -> None:
         # a new or cancelled sequence: run it to its first rows, or end it
@@ -256,6 +277,8 @@ class Engine:
         works = [self._work(seq, chunk if cut else None) for seq, cut in zip(batch, long, strict=True)]
         began = time.perf_counter()
         results = self._pass(works)
+        if isinstance(results, StageFailure):
+            return self._fault(batch, results)
         seconds = time.perf_counter() - began
         step_rows = sum(len(w.ids) for w in works)
         for seq, work, result in zip(batch, works, results, strict=True):
@@ -275,11 +298,22 @@ class Engine:
                 continue
             if seq.earlier:
                 hidden = torch.cat([*seq.earlier, hidden], dim=1)
-            seq.rows, seq.done, seq.earlier = None, 0, []
+            seq.rows, seq.done, seq.earlier, seq.faults = None, 0, [], 0
             self._advance(seq, Out(logits, hidden, seconds, len(batch), step_rows))
         if len(batch) > 1:
             self.shared_steps += 1
             self.shared_calls += len(batch)
+        return None
+
+    def _fault(self, batch: list[_Sequence], error: StageFailure) -> StageFailure | None:
+        # The step is void (its slots are rewritten when it runs again: every session is rebuilt from its tokens
+        # on the new placement first); a sequence whose steps keep failing ends with the error instead.
+        for seq in batch:
+            seq.faults += 1
+            if seq.faults > self.runner.RECOVERIES:
+                self._finish(seq, ClusterFault(f"{error} (still failing after {self.runner.RECOVERIES} re-placements)"))
+                seq.program.close()
+        return error if any(not seq.finished for seq in batch) else None
 
     def _work(self, seq: _Sequence, chunk: int | None) -> Work:
         # the sequence's rows for this step: all of them, or the next `chunk` of a plain run
@@ -292,19 +326,27 @@ class Engine:
             return Work(session, ids[:chunk], start, None, None, True, rows.features)
         return Work(session, ids, start, rows.positions, rows.mask, rows.last_only, rows.features)
 
-    def _pass(self, works: list) -> list:
+    def _pass(self, works: list) -> list | StageFailure:
         # Every work's (logits, hidden) or exception: one pass over all of them; when that fails, each alone,
-        # so that one sequence's error (its KV budget, say) fails no other.
+        # so that one sequence's error (its KV budget, say) fails no other. A stage failure fails the step (the
+        # stages are re-placed and it runs again) where the runner can recover, else the works it hit.
         runner = self.runner
         if len(works) > 1:
             try:
                 return runner.forward_rows(works)
+            except StageFailure as exc:
+                if runner.recovers:
+                    return exc
             except Exception:
                 pass
         results = []
         for work in works:
             try:
                 results.append(runner.forward_work(work))
+            except StageFailure as exc:
+                if runner.recovers:
+                    return exc
+                results.append(exc)
             except Exception as exc:
                 results.append(exc)
         return results

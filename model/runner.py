@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ from edgespec.model.engine import Engine, Work
 from edgespec.model.kv_pool import CapacityError
 from edgespec.model.prefix import PrefixCache
 from edgespec.model.stack import TokenEnds
-from edgespec.model.stage import BatchEntry
+from edgespec.model.stage import BatchEntry, ClusterFault, StageFailure
 from edgespec.model.thread import ModelThread
 
 
@@ -36,7 +36,9 @@ class Session:
     capacity: int
     length: int = 0  # cached slots
     generation: int = 0  # the runner's placement generation its caches were built under
-    tokens: list[int] | None = field(default_factory=list)  # ids in slots 0..length; None: cannot be replayed
+    # the ids in slots 0..len(tokens), a plain run that can be replayed (a rebuild after a re-plan) or reused as a
+    # prefix; shorter than `length` after a tree pass or a failed write, until a commit says what the slots hold
+    tokens: list[int] = field(default_factory=list)
     passes: int = 0  # forward passes run for it
     shared_with: int = 0  # other sessions' calls in those passes, summed
     forked: bool = False  # one of a group forked from a parent (outline's points): never kept for prefix reuse
@@ -46,19 +48,26 @@ class Session:
 class RunnerOptions:
     """How a ModelRunner serves: cuts(n), the segment ends for the pipelined prefill of n tokens (None: one
     piece); prefix, finished sessions kept for prefix reuse (None: off); admission, the queue of requests
-    waiting for KV room."""
+    waiting for KV room; recover(error, generation), awaited on the event loop when a stage failed in work
+    begun under that placement generation (a lost worker): it re-places the stages unless that happened since
+    (bumping the generation, so that every session is rebuilt from its tokens) and returns whether the work
+    may run again (None: stage failures are final)."""
 
     cuts: Callable[[int], list[int]] | None = None
     prefix: PrefixCache | None = None
     admission: Admission = field(default_factory=Admission)
+    recover: Callable[[Exception, int], Awaitable[bool]] | None = None
 
 
 class SessionLostError(RuntimeError):
     """The placement changed under a session whose cache cannot be rebuilt from its tokens."""
 
 
+
 class ModelRunner:
     """Embedding -> stages -> final norm and head, with per-session KV caches on the stages."""
+
+    RECOVERIES = 3  # re-placements tried for one piece of work before its stage failure is final
 
     def __init__(self, cfg: ModelConfig, ends: TokenEnds, pipeline, thread: ModelThread,
                  options: RunnerOptions | None = None):
@@ -74,6 +83,7 @@ class ModelRunner:
         self.cuts = options.cuts
         self.prefix = options.prefix
         self.admission = options.admission
+        self._recover = options.recover
         self.held: set[str] = set()  # every session holding a cache (kept prefixes aside)
         self.steps = self.step_rows = 0  # forward passes of any kind, and the token rows they carried
         self.engine = Engine(self)
@@ -81,6 +91,19 @@ class ModelRunner:
     def placement_changed(self) -> None:
         """The stages were re-assigned and hold no sessions: each is rebuilt at its next forward (model thread)."""
         self.generation += 1
+
+    @property
+    def recovers(self) -> bool:
+        """Whether a stage failure can be recovered from by re-placing the stages (a cluster with workers)."""
+        return self._recover is not None
+
+    async def recover(self, error: Exception, generation: int) -> None:
+        """A stage failed with `error` in work begun under placement `generation` (event loop): re-place the
+        stages so that the work can run again, or raise ClusterFault when it cannot."""
+        if self._recover is None or not isinstance(error, StageFailure):
+            raise error
+        if not await self._recover(error, generation):
+            raise ClusterFault(f"{error}; and no placement of the model fits the devices left") from error
 
     async def call(self, fn, *args):
         """Run fn(*args) on the model thread, in turn with the forward passes (a policy's tensor work)."""
@@ -96,9 +119,11 @@ class ModelRunner:
         session = Session(f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}", capacity, generation=self.generation)
         found = self.prefix.match(prompt, self.generation) if self.prefix and prompt else None
         joined = None  # when the request joined the admission queue
+        failures = 0
         try:
             while True:
                 try:
+                    session.generation = self.generation
                     if found:
                         entry, n = found
                         await self._run(self.pipeline.fork, entry.session.id, session.id, n, capacity)
@@ -119,6 +144,12 @@ class ModelRunner:
                         raise
                     joined = self.admission.join(exc) if joined is None else joined
                     await self.admission.wait(joined, exc)
+                except StageFailure as exc:  # a lost worker: open again on the placement without it
+                    failures += 1
+                    if failures > self.RECOVERIES:
+                        raise
+                    await self.recover(exc, session.generation)
+                    found = None  # kept prefixes were on the old placement
         except BaseException:  # a cancelled await may still have opened the cache on the model thread
             if joined is not None:
                 self.admission.leave(joined, admitted=False)
@@ -129,7 +160,7 @@ class ModelRunner:
         """A new session that reads the parent's first prefix_len slots in place on every stage (outline's
         points after the prompt they share: its blocks are held once); `capacity` counts those slots too.
         After a re-plan it is rebuilt from its tokens like any session, into blocks of its own."""
-        tokens = parent.tokens[:prefix_len] if parent.tokens is not None else None
+        tokens = parent.tokens[:prefix_len]
         child = Session(f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}", capacity, length=prefix_len,
                         generation=self.generation, tokens=tokens, forked=True)
         try:
@@ -150,8 +181,9 @@ class ModelRunner:
     async def _release(self, session: Session) -> None:
         self.held.discard(session.id)
         freed = [session]
-        if self.prefix is not None and session.tokens is not None and session.generation == self.generation \
-                and not session.forked and session.length >= self.prefix.min_tokens:
+        if self.prefix is not None and len(session.tokens) == session.length and \
+                session.generation == self.generation and not session.forked and \
+                session.length >= self.prefix.min_tokens:
             kept = await self._keep(session)
             if kept is not None:
                 nbytes = self.pipeline.session_bytes(kept.id)  # in-process stages know; workers: None, estimated
@@ -200,7 +232,7 @@ class ModelRunner:
                 else:
                     hidden = self.pipeline.forward(session.id, hidden, positions, start, mask)
             except BaseException:
-                session.tokens = None  # its caches may be half written: never replay or reuse them
+                del session.tokens[start:]  # slots start.. may be half written: never replay or reuse them
                 raise
             logits = self.ends.logits(hidden[:, -1:] if last_only else hidden)
             if then is None:
@@ -210,19 +242,18 @@ class ModelRunner:
     @staticmethod
     def _note_tokens(session: Session, ids: list[int], positions, mask, start: int) -> bool:
         # Record the ids written at slots start.. (a plain run of tokens can be replayed or reused as a prefix);
-        # a tree is not a plain run. Returns whether this write is plain.
+        # a tree is not a plain run: the slots before it still are. Returns whether this write is plain.
         plain = positions is None and mask is None
-        if session.tokens is not None:
-            if plain:
-                session.tokens[start:] = ids
-            else:
-                session.tokens = None
+        if plain and len(session.tokens) >= start:
+            session.tokens[start:] = ids
+        else:
+            del session.tokens[start:]
         return plain
 
     def _rebuild(self, session: Session, start: int) -> None:
         # The stages were re-assigned (a re-plan) and dropped their caches: prefill the session's tokens again
         # on the new placement. Only plain runs of tokens can be rebuilt this way.
-        if session.tokens is None:
+        if len(session.tokens) < start:
             raise SessionLostError("the cluster was re-planned while this request ran and its cache could not be "
                                    "rebuilt; please retry")
         self.pipeline.release(session.id)
@@ -294,8 +325,7 @@ class ModelRunner:
         at the end of each write, and attention reads only up to it, so the next forward (written at
         `length`) truncates it there. Over workers this spares a round trip per worker per verification."""
         session.length = length
-        if session.tokens is not None:
-            del session.tokens[length:]
+        del session.tokens[length:]
 
     def commit(self, session: Session, kept: list[int], dest: int, tokens: list[int] | None = None) -> None:
         """Keep the cached slots `kept` (ascending) as slots dest, dest+1, ... and end the session there (the
@@ -307,7 +337,7 @@ class ModelRunner:
         if moved and session.generation == self.generation:  # else the next forward rebuilds it from the tokens
             self.pipeline.commit(session.id, kept, dest)
         session.length = dest + len(kept)
-        session.tokens = list(tokens) if tokens is not None else None
+        session.tokens = list(tokens) if tokens is not None else session.tokens[:dest]
 
     def others_running(self, session: Session) -> int:
         """How many other sequences run in the engine now (whose steps this one's share)."""

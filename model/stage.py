@@ -26,6 +26,14 @@ class StageFailure(RuntimeError):
         self.status = status
 
 
+class ClusterFault(StageFailure):
+    """A stage failed and the stages could not be re-placed (no placement fits the devices left, or the work
+    kept failing): final for the work it hit."""
+
+    def __init__(self, message: str, status: int = 503):
+        super().__init__(message, status)
+
+
 class StepError(ValueError):
     """A call whose step number is older than the last one applied to its session (a stale or reordered
     call: applying it could overwrite slots written since)."""

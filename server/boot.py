@@ -25,7 +25,7 @@ from edgespec.model.thread import ModelThread
 from edgespec.model.timing import model_card
 from edgespec.model.weights import open_source
 from edgespec.planning.headsplit import head_card, place, profiled_alphas, profiled_devices
-from edgespec.planning.plan import Plan, PlanOptions
+from edgespec.planning.plan import PlanOptions
 from edgespec.planning.profile import ClusterProfile
 from edgespec.server.metrics import Metrics
 from edgespec.server.replanner import ClusterManager, prefill_cuts
@@ -65,12 +65,14 @@ def obtain_profile(settings: ServeSettings, files: ModelFiles, devices: list[Dev
     return profile
 
 
-def runner_options(settings: ServeSettings, plan: Plan | None) -> RunnerOptions:
-    """Prefill cuts, prefix reuse and admission, from the settings."""
+def runner_options(settings: ServeSettings, cluster: ClusterManager | None) -> RunnerOptions:
+    """Prefill cuts, prefix reuse and admission, from the settings; over workers, recovery by re-placement."""
     prefix = PrefixCache(int(settings.prefix_cache_mib * 2**20), settings.prefix_min_tokens) \
         if settings.prefix_cache_mib > 0 else None
     admission = Admission(settings.max_waiting, settings.queue_timeout_s)
-    return RunnerOptions(prefill_cuts(settings, plan), prefix, admission)
+    if cluster is None:
+        return RunnerOptions(prefill_cuts(settings, None), prefix, admission)
+    return RunnerOptions(prefill_cuts(settings, cluster.plan), prefix, admission, cluster.recover)
 
 
 def observe_runner(runner: ModelRunner, metrics: Metrics) -> None:
@@ -120,7 +122,7 @@ def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[Loaded
                  ", ".join(f"{s.device} [{s.first}, {s.last})" for s in manager.plan.stages))
         manager.apply(manager.plan)
         loaded = load_with_pipeline(files, settings.dtype, manager.pipeline, thread,
-                                    options=runner_options(settings, manager.plan))
+                                    options=runner_options(settings, manager))
         manager.runner = loaded.runner
         observe_runner(loaded.runner, metrics)
     except BaseException:

@@ -66,6 +66,7 @@ class ClusterManager:
         self.pending_joins: list[Device] = []
         self.broken = False  # the last placement failed to apply: try again at the next check
         self.lock = asyncio.Lock()
+        self.recovering = asyncio.Lock()
 
     # planning
 
@@ -131,6 +132,29 @@ class ClusterManager:
             self.metrics.replans.labels(reason, "applied").inc()
             return True
 
+    async def recover(self, error: Exception, generation: int) -> bool:
+        """A forward call failed (`error`) in work begun under placement `generation` (ModelRunner.recover):
+        look at every worker now, re-plan without those that do not answer (or, when all answer, assign the
+        same placement again, which clears whatever the failure left half done), so that the work runs again on
+        the new placement. False when no placement fits the workers left."""
+        async with self.recovering:  # one look at a time; the others find the placement changed
+            if self.runner.generation != generation:
+                return True
+            log.warning("a stage failed (%s): checking the workers", error)
+            members = list(self.members.values())
+            timeout = min(self.settings.stage_timeout_s, self.settings.recover_probe_s)
+            async with httpx.AsyncClient(headers=self._auth(), timeout=timeout) as client:
+                infos = await asyncio.gather(*(self._info(client, m) for m in members))
+            lost = [m.name for m, info in zip(members, infos, strict=True) if info is None and m.up]
+            for m, info in zip(members, infos, strict=True):
+                if info is None:
+                    m.up, m.misses = False, max(m.misses, MISSES_TO_LOSE)
+            if lost:
+                log.warning("lost worker(s) %s mid-generation", ", ".join(lost))
+            replanned = await self.replan("worker_lost" if lost else "stage_failed", force=True)
+            self._gauges()
+            return replanned or self.runner.generation != generation
+
     # watching
 
     def request_join(self, url: str, name: str) -> None:
@@ -152,13 +176,15 @@ class ClusterManager:
         except (httpx.HTTPError, ValueError):
             return None
 
+    def _auth(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.config.token}"}
+
     async def check(self) -> None:
         """One look at every worker; re-plan for whatever changed."""
-        headers = {"authorization": f"Bearer {self.config.token}"}
         members = list(self.members.values())
         # A worker computing a long prefill segment answers late (its tensor work runs on its event loop): only
         # a refused connection or a call as slow as a stage timeout counts as a miss.
-        async with httpx.AsyncClient(headers=headers, timeout=self.settings.stage_timeout_s) as client:
+        async with httpx.AsyncClient(headers=self._auth(), timeout=self.settings.stage_timeout_s) as client:
             infos = await asyncio.gather(*(self._info(client, m) for m in members))
         placed = {s.device: s for s in self.plan.stages}
         lost, back, hot = [], [], []
