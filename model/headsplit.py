@@ -107,6 +107,7 @@ class HeadSplitPipeline:
         self.steps: dict[str, int] = {}  # session -> its forward passes so far (the step number of the last)
         self.memory: MemoryWatch | None = None
         self.replacements = 0
+        self.carried: dict[str, tuple] = {}  # session -> (epsilon, stats, wire) taken over from a lost placement
 
     @classmethod
     def local(cls, src: TensorSource, cfg: ModelConfig, dtype: torch.dtype, layers: list[LayerPlace],
@@ -124,11 +125,17 @@ class HeadSplitPipeline:
     def open(self, session: str, capacity: int, epsilon: float | None = None) -> None:
         for device in self.devices.values():
             device.open(session, capacity)
-        self.stats[session] = SpeculationStats([0] * self.cfg.n_layers, [0] * self.cfg.n_layers)
-        self.epsilons[session] = self.epsilon if epsilon is None else epsilon
-        self.wire_stats[session] = {}
+        kept_eps, stats, wire = self.carried.pop(session, (self.epsilon, None, None))
+        self.stats[session] = stats or SpeculationStats([0] * self.cfg.n_layers, [0] * self.cfg.n_layers)
+        self.epsilons[session] = kept_eps if epsilon is None else epsilon
+        self.wire_stats[session] = wire or {}
         self.lengths[session] = 0
         self.steps[session] = 0
+
+    def adopt(self, old: HeadSplitPipeline) -> None:
+        """Take over the sessions of `old`, a placement that lost a device: when the runner opens them here again
+        to rebuild them from their tokens, their tolerance, speculation counts and wire figures carry on."""
+        self.carried = {s: (old.epsilons[s], old.stats[s], old.wire_stats.get(s)) for s in old.stats}
 
     def set_epsilon(self, session: str, epsilon: float) -> None:
         """The session's speculation tolerance from now on (a request's `epsilon`)."""

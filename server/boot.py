@@ -15,7 +15,7 @@ from edgespec.decoding.medusa_heads import MedusaModel
 from edgespec.decoding.target_fit import SHIPPED
 from edgespec.model.admission import Admission
 from edgespec.model.config import ModelConfig
-from edgespec.model.headsplit import HeadSplitPipeline, MemoryWatch
+from edgespec.model.headsplit import HeadSplitPipeline
 from edgespec.model.linear import weight_format
 from edgespec.model.load import LoadedModel, load_local, load_with_pipeline
 from edgespec.model.prefix import PrefixCache
@@ -27,12 +27,12 @@ from edgespec.model.weights import open_source
 from edgespec.planning.headsplit import head_card, place, profiled_alphas, profiled_devices
 from edgespec.planning.plan import PlanOptions
 from edgespec.planning.profile import ClusterProfile
+from edgespec.server.headsplit_cluster import HeadSplitCluster
 from edgespec.server.metrics import Metrics
 from edgespec.server.replanner import ClusterManager, prefill_cuts
 from edgespec.server.settings import ServeSettings
 from edgespec.workers.client import RemotePipeline, ResultMailbox
 from edgespec.workers.cluster import ClusterConfig, launch_local_workers, parse_ranges, wait_healthy
-from edgespec.workers.head_client import remote_headsplit
 from edgespec.workers.profiler import Device, ProfileOptions, cache_path, profile_cluster
 
 log = logging.getLogger(__name__)
@@ -151,27 +151,16 @@ def headsplit_runner(settings: ServeSettings, loaded: LoadedModel, cluster: Clus
                            context)
             pipe = HeadSplitPipeline.local(open_source(loaded.files), cfg, dtype, layers,
                                            settings.headsplit_epsilon, int(settings.kv_cache_gib * 2**30))
+            recover = None
         else:
-            urls = {m.name: m.url for m in cluster.members.values() if m.up}
-            profile = cluster.profile
-            capacities = {n: profile.device(n).memory_capacity_bytes for n in urls}
-
-            def link(a: str, b: str) -> float:  # one message of a token's hidden state, with the margin
-                return profile.transfer_ms(a, b, 1)
-
-            def replan(slots: int) -> list:  # every device within the threshold, for `slots` cached tokens
-                room = {n: int(settings.memory_threshold * c) for n, c in capacities.items()}
-                return place(profiled_devices(record, room, context), card, alphas, link, max(slots, 1))
-
-            layers = place(profiled_devices(record, capacities, context), card, alphas, link, context)
-            pipe = remote_headsplit(urls, cluster.config.token, layers, cfg, settings.dtype, settings.model,
-                                    settings.headsplit_epsilon, settings.stage_timeout_s)
-            pipe.memory = MemoryWatch(capacities, replan, settings.memory_threshold)
-        log.info("headsplit placement: %s", "; ".join(
-            f"{i}: groups {lp.groups}, proj {lp.proj}, ffn {lp.ffn}{', speculates' if lp.speculate else ''}"
-            for i, lp in enumerate(layers)))
+            devices = HeadSplitCluster(settings, cluster, record, card, alphas, cfg, context)
+            pipe, recover = devices.pipeline(), devices.recover
         admission = Admission(settings.max_waiting, settings.queue_timeout_s)
-        return ModelRunner(cfg, loaded.runner.ends, pipe, loaded.runner.thread, RunnerOptions(admission=admission))
+        runner = ModelRunner(cfg, loaded.runner.ends, pipe, loaded.runner.thread,
+                             RunnerOptions(admission=admission, recover=recover))
+        if cluster is not None:
+            devices.runner = runner
+        return runner
 
     return LazyRunner(build)
 

@@ -27,6 +27,7 @@ from edgespec.workers.profiler import Device, ProfileOptions, profile_workers
 
 log = logging.getLogger(__name__)
 MISSES_TO_LOSE = 2
+RESTARTS = 5
 
 
 @dataclass
@@ -37,6 +38,7 @@ class Member:
     misses: int = 0
     instance: str | None = None
     hot: bool = False  # memory above the threshold, already acted on
+    restarts: int = 0  # times a local worker's process was started again
 
 
 def prefill_cuts(settings: ServeSettings, plan: Plan | None):
@@ -141,19 +143,21 @@ class ClusterManager:
             if self.runner.generation != generation:
                 return True
             log.warning("a stage failed (%s): checking the workers", error)
-            members = list(self.members.values())
-            timeout = min(self.settings.stage_timeout_s, self.settings.recover_probe_s)
-            async with httpx.AsyncClient(headers=self._auth(), timeout=timeout) as client:
-                infos = await asyncio.gather(*(self._info(client, m) for m in members))
-            lost = [m.name for m, info in zip(members, infos, strict=True) if info is None and m.up]
-            for m, info in zip(members, infos, strict=True):
-                if info is None:
+            alive = await self.answering(list(self.members), self.probe_s)
+            lost = [m.name for m in self.members.values() if m.name not in alive and m.up]
+            for m in self.members.values():
+                if m.name not in alive:
                     m.up, m.misses = False, max(m.misses, MISSES_TO_LOSE)
             if lost:
                 log.warning("lost worker(s) %s mid-generation", ", ".join(lost))
             replanned = await self.replan("worker_lost" if lost else "stage_failed", force=True)
             self._gauges()
             return replanned or self.runner.generation != generation
+
+    @property
+    def probe_s(self) -> float:
+        """How long a worker has to answer after a failed call before it counts as lost."""
+        return min(self.settings.stage_timeout_s, self.settings.recover_probe_s)
 
     # watching
 
@@ -175,6 +179,13 @@ class ClusterManager:
             return r.json() if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return None
+
+    async def answering(self, names: list[str], timeout_s: float) -> set[str]:
+        """Which of these workers answer /info within timeout_s now."""
+        members = [self.members[n] for n in names if n in self.members]
+        async with httpx.AsyncClient(headers=self._auth(), timeout=timeout_s) as client:
+            infos = await asyncio.gather(*(self._info(client, m) for m in members))
+        return {m.name for m, info in zip(members, infos, strict=True) if info is not None}
 
     def _auth(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.config.token}"}
@@ -209,6 +220,7 @@ class ClusterManager:
                 hot.append((m.name, mem["kv_bytes"], placed[m.name]))
             elif use < self.settings.memory_threshold:
                 m.hot = False
+        self._restart_local()
         joined = await self._take_joins()
         if lost:
             log.warning("lost worker(s) %s", ", ".join(lost))
@@ -220,6 +232,18 @@ class ClusterManager:
         elif self.broken:
             await self.replan("retry", force=True)
         self._gauges()
+
+    def _restart_local(self) -> None:
+        # A local worker whose process died is started again, on a new port: once it answers it is back, and
+        # planned in. A worker that keeps dying is left down after RESTARTS tries.
+        for i, proc in enumerate(self.config.processes):
+            m = self.members.get(self.config.workers[i].name)
+            if m is None or m.up or proc is None or proc.poll() is None or m.restarts >= RESTARTS:
+                continue
+            m.restarts += 1
+            self.config.respawn(i)
+            m.url = self.config.workers[i].url
+            log.warning("local worker %s exited (%s); started again at %s", m.name, proc.returncode, m.url)
 
     def _options_for(self, hot: list[tuple[str, int, object]]) -> PlanOptions:
         # Hold the KV the busiest worker has now with room to grow (caches double as they fill), and keep

@@ -52,6 +52,14 @@ class Proc:
         self.proc.kill()
         self.proc.wait(15)
 
+    def started(self, url: str, headers: dict | None = None) -> None:
+        """wait_healthy, and on failure stop the process: a test that never got it cannot stop it."""
+        try:
+            self.wait_healthy(url, headers)
+        except BaseException:
+            self.stop()
+            raise
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -67,7 +75,7 @@ def start_worker(tmp: Path, token: str, model: str | None, name: str, port: int 
     args = ["worker", "--port", str(port), "--token", token, "--name", name, "--threads", "1", *extra]
     proc = Proc(args + (["--model", model] if model else []), tmp / f"{name}.log")
     url = f"http://127.0.0.1:{port}"
-    proc.wait_healthy(url, {"authorization": f"Bearer {token}"})
+    proc.started(url, {"authorization": f"Bearer {token}"})
     return proc, url
 
 
@@ -76,7 +84,7 @@ def start_server(tmp: Path, name: str, *extra: str, env: dict | None = None) -> 
     proc = Proc(["serve", "--port", str(port), "--log-level", "warning", *extra],
                 tmp / f"{name}.log", env)
     url = f"http://127.0.0.1:{port}"
-    proc.wait_healthy(url)
+    proc.started(url)
     return proc, url
 
 

@@ -168,9 +168,10 @@ def test_killed_worker_costs_the_stream_nothing_and_rejoins(tiny, reference, tmp
     cluster = tmp_path / "cluster.toml"
     cluster.write_text(f'token = "{token}"\n[[workers]]\nurl = "{url0}"\nname = "w0"\n'
                        f'[[workers]]\nurl = "{url1}"\nname = "w1"\n')
-    server, url = start_server(tmp_path, "serve", "--model", tiny, "--cluster", str(cluster), "--placement", "even",
-                               "--monitor-interval-s", "0.5")
+    server = None
     try:
+        server, url = start_server(tmp_path, "serve", "--model", tiny, "--cluster", str(cluster), "--placement",
+                                   "even", "--monitor-interval-s", "0.5")
         lines = []
         with _stream(url, PROMPTS[0], 24) as r:
             assert r.status_code == 200
@@ -199,7 +200,8 @@ def test_killed_worker_costs_the_stream_nothing_and_rejoins(tiny, reference, tmp
         assert httpx.get(url + "/health", timeout=60).status_code == 200
         assert greedy(url, PROMPTS[0], 24) == reference[PROMPTS[0]]
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
         w0.stop()
         w1.stop()
 
