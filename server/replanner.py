@@ -1,11 +1,13 @@
 """The controller's cluster manager: places layers by the plan, watches the workers, re-plans.
 
 Re-planning happens when a worker's memory use (weights plus KV caches over its budget) crosses the
-threshold, when a worker is lost (two missed checks, or a failed call), and when one joins (or comes back
-empty). A new placement is applied on the model thread between forward passes: every worker of the new plan
-is assigned its layers (which drops its caches), then each open session prefills its tokens again on the
-new placement at its next step (ModelRunner.placement_changed). Sessions whose cache is not a plain run
-of tokens end with a clear error instead. No tensor code here.
+threshold, when a worker is lost (two missed checks; or at once, when a forward call fails mid-generation:
+`recover`), and when one joins (or comes back empty; a local worker whose process died is started again). A
+new placement is applied on the model thread between forward passes: every worker of the new plan is assigned
+its layers (which drops its caches), then each open session prefills its tokens again on the new placement at
+its next step (ModelRunner.placement_changed), so a stream continues with the tokens it would have had. When no
+placement over the workers left fits, the controller holds every layer itself while its memory allows, until
+workers answer again. No tensor code here.
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ from dataclasses import dataclass, replace
 
 import httpx
 
+from edgespec.model.load import local_pipeline
+from edgespec.model.source import resolve_model
 from edgespec.planning.plan import InfeasibleError, Plan, PlanOptions, even_plan, make_plan
 from edgespec.planning.profile import ClusterProfile
 from edgespec.server.metrics import Metrics
 from edgespec.server.settings import ServeSettings
 from edgespec.workers.client import RemotePipeline, WorkerRef
 from edgespec.workers.cluster import ClusterConfig
+from edgespec.workers.host import available_memory_bytes
 from edgespec.workers.profiler import Device, ProfileOptions, profile_workers
 
 log = logging.getLogger(__name__)
@@ -65,6 +70,7 @@ class ClusterManager:
         self.pipeline: RemotePipeline | None = None
         self.mailbox = None  # workers.client.ResultMailbox of the last stage's results
         self.runner = None  # set once the controller's model is loaded
+        self.here = None  # the in-process pipeline of every layer, while no placement over workers fits
         self.pending_joins: list[Device] = []
         self.broken = False  # the last placement failed to apply: try again at the next check
         self.lock = asyncio.Lock()
@@ -82,6 +88,10 @@ class ClusterManager:
     def apply(self, plan: Plan) -> None:
         """Assign every worker of the plan its layers and route through them (on the model thread)."""
         refs = self.refs(plan)
+        if self.here is not None:  # back from serving every layer here
+            self.here.close()
+            self.here = None
+            self.runner.pipeline = self.pipeline
         self.broken = True
         try:
             for ref in refs:
@@ -112,12 +122,15 @@ class ClusterManager:
             try:
                 plan = self.make_plan(self.profile.without(down), options)
             except InfeasibleError as exc:
+                if reason in ("worker_lost", "stage_failed") and await self._serve_here(exc):
+                    self.metrics.replans.labels(reason, "controller").inc()
+                    return True
                 log.error("re-plan (%s) found no placement; keeping the current one: %s", reason, exc)
                 self.metrics.replans.labels(reason, "infeasible").inc()
                 return False
             same = [(s.device, s.first, s.last) for s in plan.stages] == \
                    [(s.device, s.first, s.last) for s in self.plan.stages]
-            if same and not force:
+            if same and not force and self.here is None:
                 log.info("re-plan (%s) kept the placement", reason)
                 self.metrics.replans.labels(reason, "kept").inc()
                 return False
@@ -158,6 +171,34 @@ class ClusterManager:
     def probe_s(self) -> float:
         """How long a worker has to answer after a failed call before it counts as lost."""
         return min(self.settings.stage_timeout_s, self.settings.recover_probe_s)
+
+    async def _serve_here(self, why: InfeasibleError) -> bool:
+        """No placement over the workers left fits: the controller takes every layer itself, when its free
+        memory holds their weights and the KV the placement was planned for. Workers that answer again are
+        planned back in (apply)."""
+        if self.here is not None:
+            return True
+        card, options = self.profile.model, self.options
+        need = card.n_layers * (card.layer_weight_bytes() + options.context * options.concurrency *
+                                card.kv_bytes_per_token())
+        free = available_memory_bytes()
+        if need > free:
+            log.error("no placement over the workers left (%s), and this controller's free memory (%.2f GiB) "
+                      "cannot hold every layer (%.2f GiB)", why, free / 2**30, need / 2**30)
+            return False
+        log.warning("no placement over the workers left (%s): the controller serves every layer itself", why)
+
+        def take_over() -> None:  # on the model thread, between steps
+            files = resolve_model(self.settings.model)
+            self.here = local_pipeline(files, self.settings.dtype, self.settings.kv_cache_gib)
+            self.pipeline.replace([])
+            self.runner.pipeline = self.here
+            self.runner.cuts = None
+            self.runner.placement_changed()
+
+        await self.runner.call(take_over)
+        self.plan = replace(self.plan, stages=[])
+        return True
 
     # watching
 

@@ -102,3 +102,28 @@ def test_a_hung_worker_is_planned_out_and_rejoins(served):
         os.kill(victim, signal.SIGCONT)
     wait_all_back(url, 2)
     assert stream(url, "naive")[0] == want
+
+
+def test_with_every_worker_hung_the_controller_serves_alone_until_they_answer(served):
+    proc, url = served
+    wait_all_back(url, 2)
+    want, _ = stream(url, "speculative")
+    victims = [worker_pid(proc.proc.pid, w["url"]) for w in workers(url)]
+
+    def hang(i: int) -> None:
+        if i == 5:
+            for pid in victims:
+                os.kill(pid, signal.SIGSTOP)
+
+    try:
+        got, payloads = stream(url, "speculative", hang)
+        assert not any("error" in p for p in payloads)
+        assert got == want
+        assert workers(url) == []  # every layer on the controller meanwhile
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+        assert 'outcome="controller"' in metrics
+    finally:
+        for pid in victims:
+            os.kill(pid, signal.SIGCONT)
+    wait_all_back(url, 2)
+    assert stream(url, "speculative")[0] == want

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from edgespec.model.config import ModelConfig
+from edgespec.model.cpu_share import ThreadGovernor
 from edgespec.model.linear import bytes_per_param, linear_bytes, weight_format
 from edgespec.model.source import resolve_model
 from edgespec.model.stack import LayerStack
@@ -46,6 +47,18 @@ def total_memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def available_memory_bytes() -> int:
+    """What the kernel says new allocations can take without swapping (MemAvailable); the total elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return total_memory_bytes()
+
+
 def resident_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -56,6 +69,9 @@ class StageHost:
 
     def __init__(self, settings: WorkerSettings):
         self.settings = settings
+        # fewer torch threads while other processes take cores (model/cpu_share.py); asked before each forward
+        self.governor = ThreadGovernor(settings.threads or torch.get_num_threads(), torch.set_num_threads) \
+            if settings.adapt_threads else None
         self.instance = uuid.uuid4().hex
         self.name = settings.name or f"{socket.gethostname()}:{settings.port}"
         self.assignment: Assignment | None = None
@@ -168,6 +184,7 @@ class StageHost:
             if cached_step == step:
                 return out, 0.0
             raise StepError(f"step {step} of session {session!r} was applied but its output is gone")
+        self._govern()
         t0 = time.perf_counter()
         tensors = decode(body, ("hidden",), ("positions", "mask"))
         hidden = tensors["hidden"]
@@ -197,6 +214,7 @@ class StageHost:
             if all(retries) and self.last_batch is not None and self.last_batch[0] == message.key:
                 return self.last_batch[1], 0.0
             raise StepError(f"batch {message.key} repeats steps already applied")
+        self._govern()
         t0 = time.perf_counter()
         cfg = self.cfg
         if message.hidden.shape[1] != cfg.hidden_size:
@@ -213,6 +231,10 @@ class StageHost:
             self.last_output.pop(session, None)  # a single-session retry of these steps has no output to give
         self.last_batch = (message.key, out)
         return out, time.perf_counter() - t0
+
+    def _govern(self) -> None:
+        if self.governor is not None:
+            self.governor.tick()
 
     def _validate(self, hidden, positions, mask, start: int) -> None:
         cfg = self.cfg
