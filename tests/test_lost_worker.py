@@ -28,8 +28,9 @@ def stream(url: str, decoding, on_chunk=None, max_tokens: int = 40) -> tuple[str
     text, payloads, n = [], [], 0
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
         assert r.status_code == 200
-        lines = [line for line in r.iter_lines() if line]
-        for line in lines:
+        last = None
+        for line in r.iter_lines():  # as they arrive: the fault comes mid-stream
+            last = line or last
             if not line.startswith("data: {"):
                 continue
             payloads.append(json.loads(line[6:]))
@@ -39,7 +40,7 @@ def stream(url: str, decoding, on_chunk=None, max_tokens: int = 40) -> tuple[str
                     n += 1
                     if on_chunk:
                         on_chunk(n)
-        assert lines[-1] == "data: [DONE]"
+        assert last == "data: [DONE]"
     return "".join(text), payloads
 
 
@@ -50,7 +51,7 @@ def workers(url: str) -> list[dict]:
 def worker_pid(server_pid: int, worker_url: str) -> int:
     """The local worker process (a child of the controller) that listens where worker_url says."""
     port = worker_url.rsplit(":", 1)[1]
-    out = subprocess.run(["ps", "--ppid", str(server_pid), "-o", "pid=,args="], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-ww", "--ppid", str(server_pid), "-o", "pid=,args="], capture_output=True, text=True).stdout
     pids = [int(line.split()[0]) for line in out.splitlines() if f"--port {port} " in line + " "]
     assert len(pids) == 1, out
     return pids[0]
