@@ -92,11 +92,15 @@ class ClusterManager:
             self.here.close()
             self.here = None
             self.runner.pipeline = self.pipeline
-        self.broken = True
         try:
             for ref in refs:
                 self.pipeline.assign(ref)
             self.broken = False
+        except BaseException:
+            # set only on failure: a check that comes while an assignment is under way must not take it for a
+            # failed one (it re-planned again, and every session was prefilled twice)
+            self.broken = True
+            raise
         finally:
             # Even after a failed assignment the old routing is void (some workers hold new layers): route by
             # the new plan, whose sessions' opens check each worker's layers, until the next check re-plans.
@@ -107,6 +111,7 @@ class ClusterManager:
             self.plan = plan
         for s in plan.stages:
             log.info("worker %s (%s) holds layers [%d, %d)", s.device, self.members[s.device].url, s.first, s.last)
+            self.members[s.device].restarts = 0  # serving again: a later death is not part of a crash loop
         self._gauges()
 
     def _gauges(self) -> None:
@@ -276,12 +281,16 @@ class ClusterManager:
 
     def _restart_local(self) -> None:
         # A local worker whose process died is started again, on a new port: once it answers it is back, and
-        # planned in. A worker that keeps dying is left down after RESTARTS tries.
+        # planned in. One that dies RESTARTS times before it serves again (a crash loop) is left down.
         for i, proc in enumerate(self.config.processes):
             m = self.members.get(self.config.workers[i].name)
-            if m is None or m.up or proc is None or proc.poll() is None or m.restarts >= RESTARTS:
+            if m is None or m.up or proc is None or proc.poll() is None or m.restarts > RESTARTS:
                 continue
             m.restarts += 1
+            if m.restarts > RESTARTS:
+                log.error("local worker %s died %d times before it served again: not started again", m.name,
+                          RESTARTS)
+                continue
             self.config.respawn(i)
             m.url = self.config.workers[i].url
             log.warning("local worker %s exited (%s); started again at %s", m.name, proc.returncode, m.url)

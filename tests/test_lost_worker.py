@@ -51,7 +51,8 @@ def workers(url: str) -> list[dict]:
 def worker_pid(server_pid: int, worker_url: str) -> int:
     """The local worker process (a child of the controller) that listens where worker_url says."""
     port = worker_url.rsplit(":", 1)[1]
-    out = subprocess.run(["ps", "-ww", "--ppid", str(server_pid), "-o", "pid=,args="], capture_output=True, text=True).stdout
+    ps = ["ps", "-ww", "--ppid", str(server_pid), "-o", "pid=,args="]
+    out = subprocess.run(ps, capture_output=True, text=True).stdout
     pids = [int(line.split()[0]) for line in out.splitlines() if f"--port {port} " in line + " "]
     assert len(pids) == 1, out
     return pids[0]
@@ -99,6 +100,8 @@ def test_a_hung_worker_is_planned_out_and_rejoins(served):
         assert not any("error" in p for p in payloads)
         assert got == want
         assert len(workers(url)) == 1  # served by the other worker alone meanwhile
+        health = httpx.get(url + "/health", timeout=30).json()
+        assert health["status"] == "degraded" and len(health["lost"]) == 1
     finally:
         os.kill(victim, signal.SIGCONT)
     wait_all_back(url, 2)
