@@ -66,13 +66,14 @@ async def decide(request: GenerationRequest, model: ModelRunner, session) -> tup
     route = request.route
     if route is not None and calling:
         # the contexts are the same for every request with these tools: kept, their blocks are reused
-        sessions = [await model.open(len(ctx) + len(route.request), prompt=list(ctx)) for ctx in route.contexts]
+        sessions = []
         try:
+            for ctx in route.contexts:  # opened inside the try: a cancelled open leaves none of them held
+                sessions.append(await model.open(len(ctx) + len(route.request), prompt=list(ctx)))
             scores = await _score(model, [(s, ctx, route.request) for s, ctx in zip(sessions, route.contexts,
                                                                                       strict=True)])
         finally:
-            for s in sessions:
-                await model.release(s)
+            await model.release_all(sessions)
         best = max(range(len(scores)), key=scores.__getitem__)
         grammar = route.grammars[best]
         figures["route"] = {"chose": route.names[best],

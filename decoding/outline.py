@@ -172,11 +172,8 @@ class OutlinePolicy:
                                 "point_tokens": budget.made, "ended_at_sentence": budget.ended_early,
                                 "verify": verify, "expanded_tokens": sum(budget.made)}
             yield TokenEvent([], "", "stop", [], final)
-        finally:
-            for session in sessions:  # in any order: the points share the prompt's blocks by reference
-                await model.release(session)
-            if parent is not None:
-                await model.release(parent)
+        finally:  # the points first (they share the prompt's blocks by reference), in one task
+            await model.release_all([*sessions, *([parent] if parent is not None else [])])
 
     @staticmethod
     async def _stream(events, points: list[str], outline_ids: list[int], stats: StepStats):
