@@ -26,7 +26,7 @@ from edgespec.server.responses_render import ResponsesRenderer
 from edgespec.server.responses_store import ResponseStore, conversation_after
 from edgespec.server.service import CompletionService
 from edgespec.server.streaming import collect, respond, response_events, started
-from edgespec.workers.auth import bearer_ok
+from edgespec.workers.auth import any_bearer_ok, bearer_ok
 from edgespec.workers.cluster import cluster_health
 
 
@@ -47,8 +47,9 @@ class _LimitsAndCounts:
             return
         status = 500
         limit = self.settings.max_request_bytes
-        # /internal/ carries hidden states between stages (cluster token; large prefill bodies)
-        limited = not scope["path"].startswith("/internal/")
+        # stage results carry hidden states between stages (large prefill bodies); the route checks the cluster
+        # token before it reads one
+        limited = scope["path"] != "/internal/stage-result"
         received = 0
         exceeded = False
 
@@ -110,10 +111,10 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
     app.add_middleware(_LimitsAndCounts, settings=settings, metrics=metrics)
     stored = ResponseStore()  # finished Responses API conversations, for previous_response_id
 
+    api_keys = settings.api_keys()
+
     async def require_key(request: Request) -> None:
-        if not settings.api_key:
-            return
-        if not bearer_ok(request.headers.get("authorization"), settings.api_key):
+        if api_keys and not any_bearer_ok(request.headers.get("authorization"), api_keys):
             raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'", None,
                            "invalid_api_key")
 
@@ -128,7 +129,10 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
         for w, ref in zip(workers, refs, strict=True):
             w.update(name=ref.name, layers=[ref.first, ref.last])
         ok = all(w.get("status") == "ok" and w.get("assigned") for w in workers)
-        body = {"status": "ok" if ok else "degraded", "model": service.model_id, "workers": workers}
+        # workers planned out after a loss: the placement serves without them (200), but the cluster is short
+        lost = [{"name": m.name, "url": m.url} for m in cluster.members.values() if not m.up]
+        body = {"status": "ok" if ok and not lost else "degraded", "model": service.model_id, "workers": workers,
+                "lost": lost}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     def require_cluster_token(request: Request):
@@ -217,7 +221,8 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
         prompt = service.completion_prompt(req)
         top = req.logprobs
         gen = service.generation_request(req, prompt, req.max_tokens, top is not None, top or 0, "prompt")
-        renderer = Renderer("text", service.model_id, service.tokenizer, len(prompt), top)
+        echo = service.completion_echo(req) if req.echo else None
+        renderer = Renderer("text", service.model_id, service.tokenizer, len(prompt), top, echo=echo)
         return await respond(service.deltas(gen, service.extractor(None)), renderer, req, request)
 
     @app.post("/v1/embeddings", dependencies=[Depends(require_key)])

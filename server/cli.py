@@ -20,7 +20,12 @@ def _serve_parser(sub) -> None:
     p.add_argument("--served-model-name")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
-    p.add_argument("--api-key")
+    p.add_argument("--api-key", action="append", help="require 'Authorization: Bearer KEY' on /v1 routes; repeat "
+                   "the flag or separate keys by commas to accept several")
+    p.add_argument("--api-key-file", help="a file of accepted API keys, one per line (blank lines and # comments "
+                   "skipped); read at start, together with any --api-key")
+    p.add_argument("--max-request-bytes", type=int, help="largest /v1 request body (default 4 MiB; more: 413)")
+    p.add_argument("--max-header-bytes", type=int, help="largest request line and headers (default 32 KiB; more: 431)")
     p.add_argument("--policy", help="default decoding policy")
     p.add_argument("--weights", "--dtype", dest="dtype", choices=FORMATS,
                    help="weight format (default auto: a GGUF's own quantization, float32 for a folder)")
@@ -35,7 +40,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--cluster", help="TOML file naming running workers (see config/cluster.example.toml)")
     p.add_argument("--advertise-url", help="URL at which workers reach this controller")
     p.add_argument("--worker-threads", type=int, help="torch threads of each local worker (0: all cores)")
-    p.add_argument("--stage-timeout-s", type=float)
+    p.add_argument("--stage-timeout-s", type=float, help="timeout of one call to a worker (default 60)")
+    p.add_argument("--recover-probe-s", type=float, help="after a failed call, a worker that does not answer "
+                   "within this many seconds is planned out (default 5)")
     p.add_argument("--worker-cpus", help="CPU sets of the local workers, e.g. '0;1'")
     p.add_argument("--placement", choices=["plan", "even"], help="layers by the planner (default) or evenly")
     p.add_argument("--profile", help="profile JSON to plan from (default: cached, or measured at start)")
@@ -100,6 +107,8 @@ def _worker_parser(sub) -> None:
     p.add_argument("--log-level")
     p.add_argument("--join", help="controller URL to announce this worker to at start-up")
     p.add_argument("--advertise-url", help="URL at which the controller reaches this worker (with --join)")
+    p.add_argument("--max-header-bytes", type=int, help="largest request line and headers (default 32 KiB; more: 431)")
+    p.add_argument("--max-body-bytes", type=int, help="largest request body (default 64 MiB; more: 413)")
 
 
 def _bench_parser(sub) -> None:
@@ -225,11 +234,11 @@ def serve(args: argparse.Namespace) -> None:
     from edgespec.decoding.policy import build_policies
     from edgespec.server.app import create_app
     from edgespec.server.boot import headsplit_runner, load_draft_models, load_medusa, load_served_model
+    from edgespec.server.http_limits import uvicorn_http_options
     from edgespec.server.metrics import Metrics
     from edgespec.server.service import CompletionService
-    from edgespec.server.settings import ServeSettings
 
-    settings = ServeSettings(**_overrides(args))
+    settings = serve_settings(args)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     metrics = Metrics()
     loaded, cluster = load_served_model(settings, metrics)
@@ -251,7 +260,7 @@ def serve(args: argparse.Namespace) -> None:
                                   settings.headsplit_epsilon)
         service = CompletionService(loaded, policies, settings, metrics, cluster)
         uvicorn.run(create_app(service, shutdown), host=settings.host, port=settings.port,
-                    log_level=settings.log_level)
+                    log_level=settings.log_level, **uvicorn_http_options(settings.max_header_bytes))
     finally:
         shutdown()
 
@@ -259,12 +268,14 @@ def serve(args: argparse.Namespace) -> None:
 def worker(args: argparse.Namespace) -> None:
     import uvicorn
 
+    from edgespec.server.http_limits import uvicorn_http_options
     from edgespec.workers.app import create_worker_app
     from edgespec.workers.settings import WorkerSettings
 
     settings = WorkerSettings(**_overrides(args))
     app = create_worker_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                **uvicorn_http_options(settings.max_header_bytes))
 
 
 def profile(args: argparse.Namespace) -> None:
@@ -321,12 +332,8 @@ def compare_headsplit(args: argparse.Namespace) -> None:
     run(args)
 
 
-def main(argv: list[str] | None = None) -> None:
-    # Before torch loads libgomp: OpenMP threads spin 300000 rounds after each parallel region by default.
-    # When stages are processes on shared cores, only one computes at a time and the spinning threads of
-    # the others take its cores: measured with 4 local workers on 2 cores, 17 decode tokens/s with the
-    # default, 24 with 50000 in every process; in-process serving is unchanged.
-    os.environ.setdefault("GOMP_SPINCOUNT", "50000")
+def build_parser() -> argparse.ArgumentParser:
+    """The `edgespec` command line: one subcommand per tool."""
     parser = argparse.ArgumentParser(prog="edgespec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
@@ -338,7 +345,23 @@ def main(argv: list[str] | None = None) -> None:
     _eval_formats_parser(sub)
     _train_parsers(sub)
     _headsplit_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def serve_settings(args: argparse.Namespace):
+    """The ServeSettings of parsed `serve` arguments (over EDGESPEC_* environment variables)."""
+    from edgespec.server.settings import ServeSettings
+
+    return ServeSettings(**_overrides(args))
+
+
+def main(argv: list[str] | None = None) -> None:
+    # Before torch loads libgomp: OpenMP threads spin 300000 rounds after each parallel region by default.
+    # When stages are processes on shared cores, only one computes at a time and the spinning threads of
+    # the others take its cores: measured with 4 local workers on 2 cores, 17 decode tokens/s with the
+    # default, 24 with 50000 in every process; in-process serving is unchanged.
+    os.environ.setdefault("GOMP_SPINCOUNT", "50000")
+    args = build_parser().parse_args(argv)
     try:
         commands = {"serve": serve, "worker": worker, "profile": profile, "plan": plan, "bench": bench,
                     "bench-peer": bench_peer, "eval-formats": eval_formats,

@@ -1,14 +1,27 @@
-"""OpenAI error objects: {"error": {"message", "type", "param", "code"}} with the right status code."""
+"""OpenAI error objects: {"error": {"message", "type", "param", "code"}} with the right status code, for every
+error the controller answers: its own (APIError), invalid requests (400 naming the parameter), Starlette's (404,
+405) and any unexpected fault (500, logged with its traceback)."""
 
 from __future__ import annotations
+
+import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-         413: "invalid_request_error", 502: "server_error", 503: "server_error", 500: "server_error"}
+log = logging.getLogger(__name__)
+
+# pydantic adds a union member's type to an error's location (messages.0.content.list[TextPart].0.type): a
+# location part is the request's own when it is an index, a field name or a dict key made of digits
+_PARAM_PART = re.compile(r"^(\d+|[a-z_][a-z0-9_]*)$")
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "bytes"}
+
+
+def error_type(status: int) -> str:
+    return "server_error" if status >= 500 else "invalid_request_error"
 
 
 class APIError(Exception):
@@ -21,23 +34,36 @@ class APIError(Exception):
         self.headers = headers  # e.g. Retry-After on a 503 of a busy server
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": error_type(self.status), "param": self.param,
+                          "code": self.code}}
 
 
 def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
-    first = exc.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    # Union members add their type names to the location: keep the field path only.
-    param = ".".join(p for p in loc if not p[:1].isupper() and p not in ("str", "list[int]", "list[str]")) or None
-    msg = first.get("msg", "invalid value")
+def _param(loc) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(p for p in parts if _PARAM_PART.match(p) and p not in _TYPE_TAGS) or None
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """The first of pydantic's errors as a 400 naming the parameter (protocol.invalid() names its own)."""
+    first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         return APIError(400, "the request body is not valid JSON", None, "invalid_json")
+    ctx = first.get("ctx") or {}
+    msg = str(first.get("msg", "invalid value"))
+    if first.get("type") == "edgespec_invalid":
+        return APIError(400, msg, ctx.get("param"), ctx.get("code", "invalid_value"))
+    param = _param(first.get("loc", ()))
+    msg = msg.removeprefix("Value error, ")  # what pydantic puts before a validator's own message
     return APIError(400, f"invalid parameter {param!r}: {msg}" if param else msg, param, "invalid_value")
+
+
+def internal_error() -> APIError:
+    return APIError(500, "The server had an error while processing your request; it has been logged.", None,
+                    "internal_error")
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -47,8 +73,16 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
-        return error_response(_validation_error(exc))
+        return error_response(validation_error(list(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
-        return error_response(APIError(exc.status_code, str(exc.detail)))
+        return error_response(APIError(exc.status_code, str(exc.detail), headers=exc.headers))
+
+    # Starlette runs a handler for Exception in its outermost middleware, so that even a fault in another
+    # middleware is answered as an error object rather than its plain-text page (it re-raises afterwards, and
+    # uvicorn logs it once more)
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unexpected error answering %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(internal_error())

@@ -38,6 +38,7 @@ class Renderer:
     prompt_tokens: int
     top_logprobs: int | None = None  # None: no logprobs requested
     legacy: bool = False  # calls asked through the legacy `functions`: answered as function_call
+    echo: str | None = None  # a text completion's `echo`: the prompt's text, shown before the completion
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
     completion_tokens: int = 0
@@ -92,9 +93,12 @@ class Renderer:
     # streaming
 
     def first_chunk(self) -> dict | None:
-        """Chat streams open with the role; text completions have no such chunk."""
+        """Chat streams open with the role; text completions with the prompt when it is echoed, else nothing."""
         if self.kind != "chat":
-            return None
+            if self.echo is None:
+                return None
+            choice = {"index": 0, "text": self.echo, "logprobs": None, "finish_reason": None}
+            return self._envelope("text_completion", [choice])
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return self._envelope("chat.completion.chunk", [choice])
 
@@ -153,7 +157,8 @@ class Renderer:
         last = deltas[-1]
         logprobs = self._logprobs([lp for d in deltas for lp in d.logprobs])
         if self.kind != "chat":
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
+            choice = {"index": 0, "text": (self.echo or "") + text, "logprobs": logprobs,
+                      "finish_reason": last.finish_reason}
             return self._envelope("text_completion", [choice], usage=usage(self.prompt_tokens, n, last.stats),
                                   decoding=last.stats)
         calls = [c for d in deltas for c in d.calls]

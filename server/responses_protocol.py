@@ -9,21 +9,34 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from edgespec.server.chat_input import ChatInput, Message, ResponseFormat, ToolCall, ToolChoiceNamed, ToolSpec
 from edgespec.server.errors import APIError
-from edgespec.server.protocol import APIModel, DecodingOption
+from edgespec.server.protocol import MAX_MESSAGES, MAX_TOOLS, CheckedBody, DecodingOption, refuse_unsupported
 
 TEXT_PARTS = ("input_text", "output_text", "text")  # content parts whose `text` we read
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
-class ResponsesRequest(APIModel):
-    """POST /v1/responses. Unknown fields (user, metadata, include, reasoning, truncation, service_tier,
-    prompt_cache_key, ...) are accepted and ignored. `input` items, `tools`, `tool_choice` and `text` are kept
-    as sent and checked by to_chat_input, which names the parameter at fault."""
+# The Responses API's parameters that would change the answer in ways this server does not implement, with the
+# values that leave it unchanged (refused by name otherwise)
+UNSUPPORTED = {
+    "background": lambda v: not v,  # answered later, by polling
+    "conversation": lambda v: v is None,  # a conversation stored by OpenAI
+    "prompt": lambda v: v is None,  # a prompt template stored by OpenAI
+    "top_logprobs": lambda v: not v,
+    "max_tool_calls": lambda v: v is None,
+    "include": lambda v: not isinstance(v, list) or "message.output_text.logprobs" not in v,
+}
+
+
+class ResponsesRequest(CheckedBody):
+    """POST /v1/responses. Unknown fields (user, metadata, reasoning, truncation, service_tier,
+    prompt_cache_key, ...) are accepted and ignored; those in UNSUPPORTED are refused unless harmless. `input`
+    items, `tools`, `tool_choice` and `text` are kept as sent and checked by to_chat_input, which names the
+    parameter at fault."""
 
     model: str
     input: str | list[Any]
@@ -32,7 +45,7 @@ class ResponsesRequest(APIModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stream: bool = False
-    tools: list[Any] = Field(default_factory=list)
+    tools: list[Any] = Field(default_factory=list, max_length=MAX_TOOLS)
     tool_choice: Any = "auto"
     parallel_tool_calls: bool = True
     text: dict[str, Any] | None = None
@@ -47,6 +60,18 @@ class ResponsesRequest(APIModel):
         if v is None:
             return [] if info.field_name == "tools" else "auto"
         return v
+
+    @field_validator("input")
+    @classmethod
+    def _few_items(cls, v):
+        if isinstance(v, list) and len(v) > MAX_MESSAGES:
+            raise ValueError(f"at most {MAX_MESSAGES} input items")
+        return v
+
+    @model_validator(mode="after")
+    def _supported(self) -> ResponsesRequest:
+        refuse_unsupported(self, UNSUPPORTED)
+        return self
 
 
 def sampling_fields(req: ResponsesRequest) -> dict[str, Any]:

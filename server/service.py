@@ -27,6 +27,8 @@ from edgespec.server.tool_output import CallExtractor
 from edgespec.server.tool_prompt import ChatTemplate
 
 RETRY_AFTER_S = 5  # what a 503 of a full admission queue suggests: about one answer's time here
+MIN_TEMPERATURE = 1e-5  # vLLM's bound too: below it a temperature is greedy in all but exact ties
+MIN_TOP_P = 1e-6
 
 
 class CompletionService:
@@ -109,6 +111,10 @@ class CompletionService:
             raise APIError(400, f"prompt token ids must be in [0, {vocab}), got {bad[0]}", "prompt")
         return list(req.prompt)
 
+    def completion_echo(self, req: CompletionRequest) -> str:
+        """What `echo` puts before the completion: the prompt as sent, or its token ids' text."""
+        return req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(req.prompt)
+
     async def chat_request(self, req: SamplingFields, chat: ChatInput, max_tokens: int | None, logprobs: bool = False,
                            top_logprobs: int = 0, max_param: str = "max_tokens") -> GenerationRequest:
         """A chat request (chat completions or the Responses API) as the internal request: its prompt rendered
@@ -126,6 +132,8 @@ class CompletionService:
         """Check limits and build the internal request (raises APIError with the parameter's name); question:
         a chat's last user message, for the policies that prompt around it."""
         n_prompt = len(prompt_ids)
+        if not n_prompt:  # a model without a BOS token reads "" as no tokens at all: nothing to continue from
+            raise APIError(400, f"{prompt_param} holds no tokens: send some text", prompt_param, "invalid_value")
         if max_tokens is None:
             max_tokens = self.context - n_prompt
         if n_prompt + max_tokens > self.context:
@@ -143,6 +151,8 @@ class CompletionService:
             chosen = select_policy(self.policies, name or self.settings.policy)
         except UnknownPolicyError as exc:
             raise APIError(400, str(exc), "decoding", "unknown_policy") from exc
+        if not isinstance(options.get("question", ""), str):  # every policy that takes it prompts with it
+            raise APIError(400, "decoding.question must be a string", "decoding", "invalid_policy_option")
         unknown = sorted(set(options) - chosen.options)
         if unknown:
             accepted = ", ".join(sorted(chosen.options)) or "none"
@@ -156,8 +166,12 @@ class CompletionService:
             raise APIError(400, "outline writes its own skeleton and cannot keep to tools or a response format; "
                                 "use another policy (auto picks one)", "decoding", "invalid_policy_option")
         policy = chosen.name
+        # Below MIN_TEMPERATURE, sampling is greedy: logits / 1e-40 overflow float32 to inf, whose softmax is NaN.
+        # A top_p below MIN_TOP_P keeps the same token (the likeliest has at least 1/vocab), and one that float32
+        # rounds to 0 would keep none.
+        temperature = req.temperature if req.temperature >= MIN_TEMPERATURE else 0.0
         sampling = SamplingParams(
-            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+            temperature=temperature, top_p=max(req.top_p, MIN_TOP_P), top_k=req.top_k, min_p=req.min_p, seed=req.seed,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=bias,
             logprobs=logprobs, top_logprobs=top_logprobs)
         if "question" in chosen.options and "question" not in options and question:

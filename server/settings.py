@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+def read_key_file(path: str) -> list[str]:
+    """The keys in a file: one per line; blank lines and lines starting with # are skipped, spaces trimmed."""
+    lines = (line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
 
 
 class ServeSettings(BaseSettings):
@@ -17,7 +24,10 @@ class ServeSettings(BaseSettings):
     served_model_name: str | None = Field(None, description="model id in the API; default: the model's name")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' on /v1 routes")
+    api_key: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="require 'Authorization: Bearer KEY' on /v1 routes, KEY one of these "
+        "(the flag repeated, or comma-separated; EDGESPEC_API_KEY comma-separated)")
+    api_key_file: str | None = Field(None, description="more API keys, one per line (# comments, blank lines skipped)")
     policy: str = Field("speculative", description="default decoding policy: the fastest exact one measured "
                         "(README, 'Speed against llama.cpp')")
     dtype: Literal["auto", "q4_1", "q8_0", "float32", "bfloat16", "float16"] = Field(
@@ -26,12 +36,16 @@ class ServeSettings(BaseSettings):
     threads: int = Field(0, ge=0, description="torch threads for the model; 0: all cores")
     kv_cache_gib: float = Field(2.0, gt=0, description="memory bound for all sessions' KV caches")
     max_request_bytes: int = Field(4 * 2**20, gt=0)
+    max_header_bytes: int = Field(32 * 2**10, ge=1024, description="bound of a request's line and headers together "
+                                  "(a longer head is refused with 431)")
     max_waiting: int = Field(64, ge=0, description="requests that may wait for KV cache room at once; more get 503")
     queue_timeout_s: float = Field(60.0, gt=0, description="how long a request may wait for KV cache room")
     local_workers: int = Field(0, ge=0, description="start N worker processes on loopback and serve through them")
     cluster: str | None = Field(None, description="TOML file naming running workers (see config/)")
     advertise_url: str | None = Field(None, description="URL at which workers reach this controller")
     stage_timeout_s: float = Field(60.0, gt=0, description="timeout of one call to a worker")
+    recover_probe_s: float = Field(5.0, gt=0, description="after a failed call, a worker that does not answer "
+                                   "within this is taken for lost and planned out (at most the stage timeout)")
     worker_threads: int = Field(0, ge=0, description="torch threads of each local worker; 0: all cores")
     worker_cpus: str | None = Field(None, description="CPU sets of the local workers, e.g. '0;1' (worker i gets "
                                                        "the i-th set); default: unpinned")
@@ -73,6 +87,30 @@ class ServeSettings(BaseSettings):
                                        "call's opening | prompt) reaches this (SmolLM2-135M: device commands "
                                        "-4.6..-6.5, chit-chat -8.2..-16.4); higher calls less often")
     log_level: str = "info"
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _split_keys(cls, v):
+        if v is None:
+            return []
+        items = [v] if isinstance(v, str) else list(v)
+        return [k.strip() for item in items for k in str(item).split(",") if k.strip()]
+
+    @field_validator("api_key_file")
+    @classmethod
+    def _key_file_readable(cls, v):
+        if v is not None:  # a missing or unreadable file is an error at start, not a server without keys
+            try:
+                if not read_key_file(v):
+                    raise ValueError(f"{v} holds no API key")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"cannot read the API key file: {exc}") from exc
+        return v
+
+    def api_keys(self) -> tuple[str, ...]:
+        """Every accepted API key (flags, environment and --api-key-file); empty: /v1 routes are open."""
+        from_file = read_key_file(self.api_key_file) if self.api_key_file else []
+        return tuple(dict.fromkeys([*self.api_key, *from_file]))
 
     @model_validator(mode="after")
     def _draft_bounds(self) -> ServeSettings:

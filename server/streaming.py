@@ -5,15 +5,18 @@ completions' `data:` chunks ending [DONE]; the Responses API's typed events)."""
 from __future__ import annotations
 
 import json
+import logging
 from contextlib import aclosing
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
-from edgespec.server.errors import APIError
+from edgespec.server.errors import APIError, internal_error
 from edgespec.server.render import Renderer
 from edgespec.server.responses_render import ResponsesRenderer
+
+log = logging.getLogger(__name__)
 
 
 def dumps(obj) -> str:
@@ -80,6 +83,9 @@ async def _sse(deltas, renderer: Renderer, include_usage: bool):
                 yield {"data": dumps(renderer.usage_chunk(stats))}
         except APIError as exc:
             yield {"data": dumps(exc.body())}
+        except Exception:  # the status line is sent: the client learns of a fault from an error event
+            log.exception("unexpected error in a %s stream", renderer.kind)
+            yield {"data": dumps(internal_error().body())}
     yield {"data": "[DONE]"}
 
 
@@ -98,6 +104,9 @@ async def response_events(deltas, renderer: ResponsesRenderer, keep):
                 for event in events:
                     yield {"event": event["type"], "data": dumps(event)}
                 events = []
-        except APIError as exc:
+        except Exception as exc:  # the status line is sent: the client learns of a fault from response.failed
+            if not isinstance(exc, APIError):
+                log.exception("unexpected error in a Responses stream")
+                exc = internal_error()
             for event in [*events, *renderer.failed(exc)]:
                 yield {"event": event["type"], "data": dumps(event)}

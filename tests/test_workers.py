@@ -103,13 +103,17 @@ def worker(tiny, tmp_path_factory):
 
 def test_worker_refuses_wrong_or_missing_token(worker):
     url, auth = worker
-    calls = [("GET", "/health", None), ("GET", "/info", None), ("POST", "/assign", {"first": 0, "last": 1}),
+    calls = [("GET", "/info", None), ("POST", "/assign", {"first": 0, "last": 1}),
              ("POST", "/sessions/a/open", {"step": 1, "capacity": 8}), ("DELETE", "/sessions/a", None)]
     for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": auth["authorization"] + "x"}):
-        for method, path, body in calls:
+        wrong_token = [("GET", "/health", None)] if headers else []  # /health without one is a liveness probe
+        for method, path, body in calls + wrong_token:
             r = httpx.request(method, url + path, json=body, headers=headers)
             assert r.status_code == 401, (method, path, headers, r.text)
             assert "token" in r.json()["error"]["message"]
+    # without a token, /health says only that the worker is up
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    assert httpx.get(url + "/health", headers=auth).json()["name"] == "solo"
     info = httpx.get(url + "/info", headers=auth).json()
     assert info["holds"]["layers"] == [0, 2]  # the refused /assign changed nothing
     assert info["sessions"] == 0

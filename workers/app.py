@@ -1,4 +1,5 @@
-"""The worker's HTTP API. Every route needs the cluster token.
+"""The worker's HTTP API. Every route needs the cluster token (/health without one answers only that the worker
+is up). Errors are OpenAI-style error objects; an unexpected fault is a logged 500.
 
 Tensor work runs inline on the event loop's thread: a worker serves one forward call at a time anyway,
 a thread hand-off per call measured about 1 ms, and one thread doing all tensor work keeps a single
@@ -14,13 +15,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager
+from typing import Annotated
 
 import httpx
 import torch
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from edgespec.model.kv_cache import KVCacheError
 from edgespec.model.kv_pool import CapacityError
@@ -37,18 +42,28 @@ from edgespec.workers.wire import WireError, decode_batch
 
 log = logging.getLogger(__name__)
 SMALL_BODY = 64 * 2**10  # outputs up to this size are written to the socket at once
-ERRORS = [(PermissionError, 401), (WireError, 400), (KVCacheError, 400), (SessionError, 404), (StepError, 409),
-          (NotAssignedError, 409), (AssignmentError, 409), (CapacityError, 507), (MemoryError, 507), (ValueError, 400)]
+MAX_SESSION_ID = 128  # characters of a session id (a path parameter, a fork's child, a batch entry's session)
+# (exception, status, code): what a worker's refusal means; the codes are OpenAI-style strings
+ERRORS = [(PermissionError, 401, "invalid_cluster_token"), (WireError, 400, "invalid_body"),
+          (KVCacheError, 400, "invalid_value"), (SessionError, 404, "session_not_found"),
+          (StepError, 409, "stale_step"), (NotAssignedError, 409, "not_assigned"),
+          (AssignmentError, 409, "wrong_assignment"), (CapacityError, 507, "kv_cache_full"),
+          (MemoryError, 507, "out_of_memory"), (FileNotFoundError, 400, "model_not_found"),
+          (ValueError, 400, "invalid_value")]
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+SessionId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_SESSION_ID)]
+Count = Annotated[int, Field(ge=0, lt=2**62)]  # steps, positions, capacities: far below int64's end
+
+
 class AssignBody(Strict):
     model: str | None = None
-    first: int = Field(ge=0)
-    last: int = Field(ge=1)
+    first: int = Field(ge=0, lt=2**31)
+    last: int = Field(ge=1, lt=2**31)
     dtype: str = "float32"
 
 
@@ -66,22 +81,22 @@ class LinkBody(Strict):
 
 
 class OpenBody(Strict):
-    step: int = Field(ge=0)
-    capacity: int = Field(ge=1)
+    step: Count
+    capacity: int = Field(ge=1, lt=2**62)
     layers: list[int] | None = Field(None, min_length=2, max_length=2, description="[first, last) expected")
 
 
 class CommitBody(Strict):
-    step: int = Field(ge=0)
-    kept: list[int]
-    dest: int = Field(ge=0)
+    step: Count
+    kept: list[Count]
+    dest: Count
 
 
 class ForkBody(Strict):
-    step: int = Field(ge=0)
-    child: str = Field(min_length=1, max_length=128)
-    prefix_len: int = Field(ge=1)
-    capacity: int = Field(ge=1)
+    step: Count
+    child: SessionId
+    prefix_len: int = Field(ge=1, lt=2**62)
+    capacity: int = Field(ge=1, lt=2**62)
 
 
 class BodyError(ValueError):
@@ -92,8 +107,28 @@ class BodyError(ValueError):
         self.status = status
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "worker_error", "code": status}}, status_code=status)
+def _error(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
+    """An OpenAI-style error object, as the controller's own errors are."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status)
+
+
+def hop_url(url: str) -> str:
+    """A next hop's base URL from X-Route or X-Callback, checked before any compute is spent on the call."""
+    try:
+        parsed = httpx.URL(url)
+    except Exception as exc:  # httpx.InvalidURL, or a TypeError for what is not text
+        raise ValueError(f"{url[:80]!r} is not a URL") from exc
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"{url[:80]!r} is not an http(s) URL")
+    return url
+
+
+def session_id(sid: str) -> str:
+    if not 0 < len(sid) <= MAX_SESSION_ID:
+        raise ValueError(f"a session id has 1 to {MAX_SESSION_ID} characters")
+    return sid
 
 
 async def _announce(client: httpx.AsyncClient, settings: WorkerSettings, name: str) -> None:
@@ -112,6 +147,49 @@ async def _announce(client: httpx.AsyncClient, settings: WorkerSettings, name: s
         except httpx.HTTPError:
             continue
     log.error("the controller at %s never answered; not joined", settings.join)
+
+
+class _TokenAndLimits:
+    """Refuses, before anything reads its body, a request without the cluster token (401; /health alone answers
+    without it) and a body over max_body_bytes (413, by Content-Length or counted as it arrives): FastAPI parses
+    a JSON body before the route's dependencies run, so the routes' own token check comes too late to spare the
+    parsing. Plain ASGI, as the controller's _LimitsAndCounts, so that disconnects still reach the routes."""
+
+    def __init__(self, app, settings: WorkerSettings):
+        self.app, self.settings = app, settings
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] == "/health":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        if not bearer_ok(headers.get("authorization"), self.settings.token):
+            await _error(401, "missing or wrong cluster token", "invalid_cluster_token")(scope, receive, send)
+            return
+        limit, length = self.settings.max_body_bytes, headers.get("content-length")
+        too_large = _error(413, f"request bodies are limited to {limit} bytes", "body_too_large")
+        if length and length.isdigit() and int(length) > limit:
+            await too_large(scope, receive, send)
+            return
+        received, exceeded = 0, False
+
+        async def receive_counted():
+            nonlocal received, exceeded
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    exceeded = True
+                    raise BodyError(413, f"more than {limit} bytes")  # answered below, whatever the app made of it
+            return message
+
+        async def send_checked(message):
+            if not exceeded:
+                await send(message)
+            elif message["type"] == "http.response.start":
+                await too_large(scope, receive, send)
+
+        await self.app(scope, receive_counted, send_checked)
 
 
 class Turns:
@@ -158,29 +236,50 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
 
     app = FastAPI(title="edgespec worker", lifespan=lifespan)
     app.state.host = host
+    app.add_middleware(_TokenAndLimits, settings=settings)
 
     async def require_token(request: Request) -> None:
         if not bearer_ok(request.headers.get("authorization"), settings.token):
             raise PermissionError("missing or wrong cluster token")
 
-    for kind, status in ERRORS:
+    for kind, status, code in ERRORS:
         # bind status now: one handler per exception class, matched along the exception's MRO
-        app.add_exception_handler(kind, lambda _, exc, status=status: _error(status, str(exc)))
+        app.add_exception_handler(kind, lambda _, exc, status=status, code=code: _error(status, str(exc), code))
 
-    app.add_exception_handler(BodyError, lambda _, exc: _error(exc.status, str(exc)))
+    app.add_exception_handler(BodyError, lambda _, exc: _error(exc.status, str(exc), "invalid_body_length"))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        return _error(400, f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}")
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return _error(400, "the request body is not valid JSON", "invalid_json")
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        return _error(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), "invalid_value", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail), None)
+
+    @app.exception_handler(Exception)  # Starlette's outermost middleware: never its plain-text page
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unexpected error answering %s %s", request.method, request.url.path, exc_info=exc)
+        return _error(500, "the worker had an error while processing the request; it has been logged",
+                      "internal_error")
 
     auth = [Depends(require_token)]
     add_head_routes(app, HeadHost(settings.model, lambda threads: Reach(settings.token, threads),
                                   int(settings.memory_budget_gib * 2**30)), auth)
 
-    @app.get("/health", dependencies=auth)
-    async def health():
-        return {"status": "ok", "instance": host.instance, "assigned": host.assignment is not None}
+    @app.get("/health")
+    async def health(request: Request):
+        # Liveness for anyone (a probe without the token); the details, which identify the process and what it
+        # holds, only with the cluster's token. A wrong token is refused, so that a misconfigured controller
+        # learns it at once.
+        authorization = request.headers.get("authorization")
+        if authorization is None:
+            return {"status": "ok"}
+        await require_token(request)
+        return {"status": "ok", "name": host.name, "instance": host.instance, "assigned": host.assignment is not None}
 
     @app.get("/info", dependencies=auth)
     async def info():
@@ -202,23 +301,23 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
     @app.post("/probe/link", dependencies=auth)
     async def probe_link(body: LinkBody):
         try:
-            return await measure_link(app.state.client, body.target, settings.token, body.reps)
+            return await measure_link(app.state.client, hop_url(body.target), settings.token, body.reps)
         except httpx.HTTPError as exc:
             return _error(502, f"could not probe {body.target}: {type(exc).__name__}: {exc}")
 
     @app.post("/sessions/{sid}/open", dependencies=auth)
     async def open_session(sid: str, body: OpenBody):
-        host.open(sid, body.step, body.capacity, body.layers)
+        host.open(session_id(sid), body.step, body.capacity, body.layers)
         return {"ok": True}
 
     @app.post("/sessions/{sid}/commit", dependencies=auth)
     async def commit(sid: str, body: CommitBody):
-        host.commit(sid, body.step, body.kept, body.dest)
+        host.commit(session_id(sid), body.step, body.kept, body.dest)
         return {"ok": True}
 
     @app.post("/sessions/{sid}/fork", dependencies=auth)
     async def fork(sid: str, body: ForkBody):
-        host.fork(sid, body.step, body.child, body.prefix_len, body.capacity)
+        host.fork(session_id(sid), body.step, body.child, body.prefix_len, body.capacity)
         return {"ok": True}
 
     @app.delete("/sessions/{sid}", dependencies=auth)
@@ -228,8 +327,8 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
 
     def int_param(request: Request, name: str) -> int:
         value = request.query_params.get(name, "")
-        if not value.lstrip("-").isdigit():
-            raise ValueError(f"query parameter {name!r} must be an integer, got {value!r}")
+        if not (value.isascii() and value.isdigit() and len(value) <= 18):  # below 2**62: no overflow downstream
+            raise ValueError(f"query parameter {name!r} must be a non-negative integer, got {value[:40]!r}")
         return int(value)
 
     turns = Turns(host, settings.downstream_timeout_s)
@@ -237,8 +336,10 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
     def next_hop(request: Request, path: str, params: dict, key: tuple[str, int]) -> tuple[str, dict, dict, bool]:
         """Where this stage's output goes: (url, headers, query, whether it is another stage). `path` and
         `params` address the next stage; the controller's callback takes the call's (session, step) key."""
-        route = [u for u in request.headers.get("x-route", "").split(",") if u]
+        route = [hop_url(u) for u in request.headers.get("x-route", "").split(",") if u]
         callback = request.headers.get("x-callback")
+        if callback is not None:
+            hop_url(callback)
         headers = {"authorization": f"Bearer {settings.token}", "content-type": "application/octet-stream"}
         if route:
             headers["x-route"] = ",".join(route[1:])
@@ -255,7 +356,10 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
         if length is None or not length.isdigit() or int(length) > settings.max_body_bytes:
             raise BodyError(413 if length and length.isdigit() else 411,
                             f"forward bodies need a Content-Length of at most {settings.max_body_bytes} bytes")
-        return await request.body()
+        try:
+            return await request.body()
+        except ClientDisconnect:  # the sender died mid-body (a lost upstream worker): not this worker's fault
+            raise BodyError(400, "the sender went away before its body arrived") from None
 
     async def relay(steps: list[tuple[str, int]], compute, target: str, headers: dict, params: dict):
         """Compute in turn (compute() -> (output body, seconds)) and send the output to the next hop."""
@@ -295,7 +399,7 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
     async def forward(request: Request):
         # Plain Starlette routes: the hot path skips FastAPI's dependency and parameter machinery.
         body = await read_body(request)
-        sid = request.path_params["sid"]
+        sid = session_id(request.path_params["sid"])
         start, step = int_param(request, "start"), int_param(request, "step")
         target, headers, params, onward = next_hop(request, f"/sessions/{sid}/forward", {"start": start, "step": step},
                                                    (sid, step))

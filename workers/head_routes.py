@@ -47,14 +47,23 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class PlaceBody(Strict):
+    """One layer's LayerPlace (planning/headsplit.py), checked before the schedule reads it."""
+
+    groups: dict[str, list[int]]
+    proj: str
+    ffn: str
+    speculate: bool = False
+
+
 class HeadAssignBody(Strict):
     model: str | None = None
     groups: dict[int, list[int]] = Field(default_factory=dict)
     ffns: list[int] = Field(default_factory=list)
     dtype: str = "float32"
     name: str | None = Field(None, description="this worker's device name in the placement")
-    placement: list[dict] | None = Field(None, description="every layer's LayerPlace; with it, this worker "
-                                         "can run the schedule where it is the projection device")
+    placement: list[PlaceBody] | None = Field(None, description="every layer's LayerPlace; with it, this worker "
+                                              "can run the schedule where it is the projection device")
     peers: dict[str, str] = Field(default_factory=dict, description="the other devices' URLs by name")
 
 
@@ -68,7 +77,7 @@ class HeadGroupsBody(Strict):
 
 
 class HeadOpenBody(Strict):
-    capacity: int = Field(ge=1)
+    capacity: int = Field(ge=1, lt=2**62)
 
 
 class HeadHost:
@@ -168,9 +177,15 @@ def blocks_of_held(blocks: HeadBlocks) -> tuple[dict[int, list[int]], list[int]]
 
 def _int(request: Request, name: str) -> int:
     value = request.query_params.get(name, "")
-    if not value.isdigit():
-        raise ValueError(f"query parameter {name!r} must be a non-negative integer, got {value!r}")
+    if not (value.isascii() and value.isdigit() and len(value) <= 18):  # below 2**62: no overflow downstream
+        raise ValueError(f"query parameter {name!r} must be a non-negative integer, got {value[:40]!r}")
     return int(value)
+
+
+def _sid(sid: str) -> str:
+    if not 0 < len(sid) <= 128:
+        raise ValueError("a session id has 1 to 128 characters")
+    return sid
 
 
 def _hidden(t: torch.Tensor, name: str, hidden_size: int) -> torch.Tensor:
@@ -184,7 +199,8 @@ def add_head_routes(app: FastAPI, host: HeadHost, auth: list) -> None:
 
     @app.post("/heads/assign", dependencies=auth)
     async def assign(body: HeadAssignBody):
-        return host.assign(body.model, body.groups, body.ffns, body.dtype, body.name, body.placement, body.peers)
+        placement = None if body.placement is None else [p.model_dump() for p in body.placement]
+        return host.assign(body.model, body.groups, body.ffns, body.dtype, body.name, placement, body.peers)
 
     @app.get("/heads/memory", dependencies=auth)
     async def memory():
@@ -210,13 +226,17 @@ def add_head_routes(app: FastAPI, host: HeadHost, auth: list) -> None:
         return {"ok": True}
 
     @app.post("/heads/placement", dependencies=auth)
-    async def placement(body: list[dict]):
-        host.set_placement(body)
+    async def placement(body: list[PlaceBody]):
+        host.set_placement([p.model_dump() for p in body])
         return {"ok": True}
 
     @app.post("/heads/sessions/{sid}/open", dependencies=auth)
     async def open_session(sid: str, body: HeadOpenBody):
-        host.held().open(sid, body.capacity)
+        held = host.held()
+        if body.capacity > held.cfg.max_position_embeddings:  # a cache past the context could only overflow
+            raise ValueError(f"capacity {body.capacity} exceeds the model's context of "
+                             f"{held.cfg.max_position_embeddings}")
+        held.open(_sid(sid), body.capacity)
         return {"ok": True}
 
     @app.delete("/heads/sessions/{sid}", dependencies=auth)
@@ -245,7 +265,7 @@ def add_head_routes(app: FastAPI, host: HeadHost, auth: list) -> None:
     @app.post("/heads/sessions/{sid}/attend", dependencies=auth)
     async def attend(sid: str, request: Request):
         x, positions, start, mask = await step_input(request)
-        out = host.held().attend(sid, _int(request, "layer"), x, positions, start, mask, _int(request, "step"))
+        out = host.held().attend(_sid(sid), _int(request, "layer"), x, positions, start, mask, _int(request, "step"))
         return Response(encode({"out": out}), media_type="application/octet-stream")
 
     @app.post("/heads/sessions/{sid}/run", dependencies=auth)
@@ -260,7 +280,8 @@ def add_head_routes(app: FastAPI, host: HeadHost, auth: list) -> None:
             epsilon = math.nan
         if not epsilon >= 0:
             raise ValueError("query parameter 'epsilon' must be a number >= 0")
-        out = await asyncio.to_thread(host.run, sid, layer, x, positions, start, mask, epsilon, _int(request, "step"))
+        out = await asyncio.to_thread(host.run, _sid(sid), layer, x, positions, start, mask, epsilon,
+                                      _int(request, "step"))
         return Response(encode(out), media_type="application/octet-stream")
 
     @app.post("/heads/ffn", dependencies=auth)

@@ -1,0 +1,194 @@
+"""Fuzzing a worker's protocol in-process on the tiny model: its JSON routes with arbitrary and near-valid bodies,
+and its binary forward bodies (safetensors messages, workers/wire.py) with arbitrary names, dtypes, shapes,
+metadata and bytes. Whatever arrives, the worker answers 2xx or a 4xx OpenAI-style error object, never a 5xx, and
+the session it was serving before still computes.
+
+The next hop of a forward call is a stand-in that accepts every result (no network); examples are bounded and
+derandomized, as in tests/test_fuzz_api.py.
+"""
+
+from __future__ import annotations
+
+import json
+from urllib.parse import quote
+
+import httpx
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from inprocess import LoopClient, assert_error_object
+from safetensors.torch import save as st_save
+
+from edgespec.workers.app import create_worker_app
+from edgespec.workers.settings import WorkerSettings
+from edgespec.workers.wire import encode
+
+TOKEN = "fuzz-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+HIDDEN = 64  # the tiny model's hidden size
+HEADS = {"groups": {"0": [0, 1], "1": [0]}, "ffns": [0, 1], "dtype": "float32"}  # blocks of the tiny model
+FUZZ = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+
+
+@pytest.fixture(scope="module")
+def worker(tiny):
+    # a call whose earlier steps never come waits downstream_timeout_s for them: keep that short here
+    settings = WorkerSettings(port=0, token=TOKEN, model=tiny, memory_budget_gib=0.25, downstream_timeout_s=0.05)
+    client = LoopClient(create_worker_app(settings), headers=AUTH)
+    client.app.state.client = httpx.AsyncClient(transport=httpx.MockTransport(  # every next hop takes the result
+        lambda request: httpx.Response(200, json={"hops": []})))
+    assert client.post("/assign", json={"first": 0, "last": 2, "dtype": "float32"}).status_code == 200
+    yield client, tiny
+    client.close()
+
+
+def check(r: httpx.Response, where) -> None:
+    event(f"status {r.status_code}")
+    assert r.status_code < 500, (where, r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        assert_error_object(r, repr(where)[:300])
+
+
+def still_serves(client: LoopClient) -> None:
+    """A session opened now computes: nothing a fuzz case sent broke the worker."""
+    sid = "canary"
+    client.request("DELETE", f"/sessions/{sid}")
+    assert client.post(f"/sessions/{sid}/open", json={"step": 1, "capacity": 8}).status_code == 200
+    r = client.post(f"/sessions/{sid}/forward", params={"start": 0, "step": 2},
+                    content=encode({"hidden": torch.randn(1, 2, HIDDEN)}), headers={"x-callback": "http://next"})
+    assert r.status_code == 200, r.text
+
+
+json_value = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+                          lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                        max_size=3), max_leaves=8)
+small = st.one_of(st.integers(-2, 40), st.sampled_from([2**31, 2**62, 2**63, 2**64]), json_value)
+sid = st.one_of(st.sampled_from(["s1", "s2", "canary", "x" * 129, "../info", "\u00e9"]),
+                st.text(min_size=1, max_size=8))
+ROUTES = {  # route -> near-valid bodies (arbitrary JSON as well)
+    ("POST", "/sessions/{sid}/open"): st.fixed_dictionaries({}, optional={"step": small, "capacity": small,
+                                                                          "layers": st.lists(small, max_size=3)}),
+    ("POST", "/sessions/{sid}/commit"): st.fixed_dictionaries({}, optional={"step": small, "dest": small,
+                                                                            "kept": st.lists(small, max_size=4)}),
+    ("POST", "/sessions/{sid}/fork"): st.fixed_dictionaries({}, optional={"step": small, "child": sid,
+                                                                          "prefix_len": small, "capacity": small}),
+    ("DELETE", "/sessions/{sid}"): st.none(),
+    ("POST", "/assign"): st.fixed_dictionaries({}, optional={"first": small, "last": small, "dtype": st.sampled_from(
+        ["float32", "q8_0", "nope", ""]), "model": st.sampled_from(["/nonexistent", "a\u0000b", ""])}),
+    ("POST", "/heads/assign"): st.fixed_dictionaries({}, optional={
+        "groups": st.dictionaries(st.integers(-1, 5).map(str), st.lists(small, max_size=3), max_size=2),
+        "ffns": st.lists(small, max_size=2), "dtype": st.just("float32"), "name": st.text(max_size=4),
+        "placement": st.lists(json_value, max_size=2),
+        "peers": st.dictionaries(st.text(max_size=3), st.text(max_size=8))}),
+    ("POST", "/heads/sessions/{sid}/open"): st.fixed_dictionaries({}, optional={"capacity": small}),
+    ("DELETE", "/heads/sessions/{sid}"): st.none(),
+    ("POST", "/heads/export"): st.fixed_dictionaries({}, optional={"groups": json_value}),
+    ("POST", "/heads/placement"): st.lists(json_value, max_size=2),
+    ("POST", "/probe/link"): st.fixed_dictionaries({"target": st.sampled_from(  # none reachable: no network
+        ["http://[", "ftp://x", "", "no-scheme", "http://", "http://a b"])}, optional={"reps": small}),
+    ("GET", "/info"): st.none(),
+    ("GET", "/heads/memory"): st.none(),
+}
+
+
+@given(route=st.sampled_from(sorted(ROUTES)), data=st.data(), session=sid, raw=st.booleans(), ready=st.booleans())
+@FUZZ
+def test_json_routes_answer_4xx_error_objects(worker, route, data, session, raw, ready):
+    client, _ = worker
+    method, path = route
+    if ready:  # the blocks a /heads call acts on, else whatever earlier examples left
+        assert client.post("/heads/assign", json=HEADS).status_code == 200
+    body = data.draw(json_value if raw else ROUTES[route])
+    url = path.replace("{sid}", quote(session, safe=""))
+    content = json.dumps(body, allow_nan=True) if method == "POST" else None  # NaN and Infinity too
+    r = client.request(method, url, content=content, headers={"content-type": "application/json"})
+    check(r, (method, url, body))
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.int8, torch.float64]
+dims = st.tuples(st.lists(st.integers(0, 4), max_size=3), st.booleans()).map(  # the last may be the hidden size
+    lambda t: [*t[0], HIDDEN] if t[1] else t[0])
+tensor = st.tuples(st.sampled_from(DTYPES), dims).map(lambda t: torch.zeros(t[1], dtype=t[0]))
+tensors = st.dictionaries(st.sampled_from(["hidden", "positions", "mask", "x", "z", "mask.0", "junk"]), tensor,
+                          max_size=3)
+metadata = st.one_of(st.none(), st.dictionaries(st.sampled_from(["entries", "x"]), st.one_of(
+    st.text(max_size=20), json_value.map(lambda v: json.dumps(v))), max_size=2))
+
+
+def valid_tensors(path: str, rows: int) -> dict[str, torch.Tensor]:
+    """A well-formed message for `path` of `rows` rows at positions 0.. (the query may still not fit it)."""
+    if path.startswith("/heads/sessions"):
+        return {"x": torch.randn(1, rows, HIDDEN), "positions": torch.arange(rows).unsqueeze(0)}
+    if path == "/heads/ffn":
+        return {"z": torch.randn(1, rows, HIDDEN)}
+    return {"hidden": torch.randn(1, rows, HIDDEN)}
+
+
+@st.composite
+def binary_body(draw, path: str) -> bytes:
+    kind = draw(st.sampled_from(["tensors", "valid", "valid", "bytes", "truncated"]))
+    if kind == "bytes":
+        return draw(st.binary(max_size=64))
+    rows = draw(st.integers(1, 3))
+    if path == "/batch/forward" and kind != "tensors":
+        entries = draw(st.one_of(st.just([["s1", 0, rows, 2]]), st.lists(st.tuples(
+            st.sampled_from(["s1", "s2", ""]), small, small, small).map(list), max_size=3)))
+        return st_save({"hidden": torch.randn(rows, HIDDEN), "positions": torch.arange(rows)},
+                       metadata={"entries": json.dumps(entries)})
+    chosen = valid_tensors(path, rows) if kind == "valid" else draw(tensors)
+    body = st_save({k: v.contiguous() for k, v in chosen.items()}, metadata=draw(metadata))
+    return body[:draw(st.integers(0, len(body)))] if kind == "truncated" else body
+
+
+query = st.one_of(st.integers(0, 3).map(str), st.integers(0, 12).map(str),
+                  st.sampled_from(["", "-1", "1.5", "\u00b2", "9" * 30, "x"]))
+BINARY = ["/sessions/{sid}/forward", "/batch/forward", "/heads/sessions/{sid}/attend", "/heads/sessions/{sid}/run",
+          "/heads/ffn", "/heads/reshape", "/probe/sink"]
+
+
+def prepare(client: LoopClient, path: str, session: str) -> None:
+    """The state a call to `path` acts on: the session opened (at step 1), and HeadSplit blocks held."""
+    if path.startswith("/heads"):
+        assert client.post("/heads/assign", json=HEADS).status_code == 200
+        assert client.post(f"/heads/sessions/{session}/open", json={"capacity": 16}).status_code == 200
+    else:
+        client.request("DELETE", f"/sessions/{session}")
+        assert client.post(f"/sessions/{session}/open", json={"step": 1, "capacity": 16}).status_code == 200
+
+
+@given(path=st.sampled_from(BINARY), data=st.data(), session=st.sampled_from(["s1", "s2", "canary"]),
+       start=query, step=query, layer=query, hop=st.sampled_from(["x-callback", "x-route", None]),
+       blocks=st.one_of(st.none(), json_value.map(lambda v: json.dumps(v))), ready=st.booleans())
+@FUZZ
+def test_binary_bodies_answer_4xx_error_objects(worker, path, data, session, start, step, layer, hop, blocks, ready):
+    client, _ = worker
+    body = data.draw(binary_body(path))
+    if ready:  # else whatever earlier examples left
+        prepare(client, path, session)
+    headers = {"content-type": "application/octet-stream"}
+    if hop is not None:
+        headers[hop] = "http://next"
+    if blocks is not None:
+        headers["x-blocks"] = blocks
+    params = {"start": start, "step": step, "layer": layer, "epsilon": "0.1"}
+    r = client.post(path.replace("{sid}", session), content=body, params=params, headers=headers)
+    check(r, (path, params, headers, body[:80]))
+
+
+def test_capacities_past_the_context_are_refused(worker):
+    """Found by fuzzing: a HeadSplit session of 2**31 slots was a 500 (its cache's size overflowed)."""
+    client, _ = worker
+    assert client.post("/heads/assign", json=HEADS).status_code == 200
+    for path in ("/sessions/big/open", "/heads/sessions/big/open"):
+        for capacity in (513, 2**31, 2**62 - 1):
+            r = client.post(path, json={"step": 1, "capacity": capacity} if path[1] == "s" else {"capacity": capacity})
+            assert r.status_code == 400 and "context" in assert_error_object(r)["message"], (path, r.text)
+
+
+def test_fuzzed_worker_still_serves(worker):
+    """After the fuzz cases above (whatever they did to the sessions and the assignment), a re-assigned worker
+    computes a new session."""
+    client, _ = worker
+    assert client.post("/assign", json={"first": 0, "last": 2, "dtype": "float32"}).status_code == 200
+    still_serves(client)
