@@ -17,6 +17,10 @@ rows, so it delays them by a chunk per step, not by its whole prefill; alone it 
 in pipelined segments). Each row's result is bitwise what its sequence alone would get (the kernels are
 row-invariant and each query row attends over exactly its slots: tests/test_exact_format.py), so sharing
 steps changes no answer.
+
+A step that a stage failure voids (a lost worker) is run again: the event loop has the runner re-place the
+stages (ModelRunner.recover), every session is rebuilt from its tokens on the new placement, and the same
+bits come out, so a stream goes on with the tokens it would have had.
 """
 
 from __future__ import annotations
