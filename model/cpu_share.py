@@ -1,11 +1,11 @@
 """How many torch threads to run while other processes take cores: the ThreadGovernor.
 
 Every parallel op ends at a barrier, so N torch threads go at the pace of the slowest core. When another
-process takes one of the two cores, each barrier waits for that process's time slice: measured here
-(SmolLM2-135M Q4, naive decoding, 2 threads) 57-83 calm -> 1-6 tokens/s, while 1 thread on the free core
-keeps about 0.65x of the calm 2-thread rate (decoding is mostly bound by reading the weights). So the thread
-that does the tensor work asks `tick()` between jobs, and every `interval_s` the governor reads /proc
-(about 0.3 ms) and picks the count:
+process takes one of the two cores, each barrier waits for that process's time slice. Measured here
+(SmolLM2-135M Q4, naive decoding): 2 threads 98-106 tokens/s calm and 1-7 beside a CPU-bound process on the
+other core; 1 thread 84 calm and 75 beside it (bench/results/issue20-busy). So the thread that does the
+tensor work asks `tick()` between jobs, and every `interval_s` the governor reads /proc (about 0.3 ms) and
+picks the count:
 
 - down when our runnable threads spent a share of their time waiting for a core
   (/proc/self/task/*/schedstat): contention itself, which the mere load of a worker of our own cluster,
