@@ -35,38 +35,6 @@ def errors_check(ledger: list[dict]) -> dict:
             "examples": examples}
 
 
-def pool_pages(metrics: list[dict]) -> dict[str, list[tuple[float, float]]]:
-    """Per process, (t, bytes of its KV pool's blocks written at least once by t). The pool is torch.empty, so a
-    block's pages are committed when first written, and free blocks are reused last-in first-out
-    (model/kv_pool.py): a block never written is taken only when every written one is in use, so the written
-    blocks are the high water of the used ones. Sampled each second, a short peak may be missed (an
-    underestimate); a block partly written counts whole (an overestimate)."""
-    high: dict[str, float] = {}
-    block: dict[str, float] = {}
-    series: dict[str, list[tuple[float, float]]] = {}
-    for m in metrics:
-        for name, pool in m.get("pools", {}).items():
-            if pool["used_blocks"]:
-                block.setdefault(name, pool["kv_bytes"] / pool["used_blocks"])
-            high[name] = max(high.get(name, 0), pool["used_blocks"])
-            series.setdefault(name, []).append((m["t"], high[name]))
-    return {name: [(t, h * block.get(name, 0)) for t, h in points] for name, points in series.items()}
-
-
-def beside_pool(rss: list[dict], metrics: list[dict]) -> list[dict]:
-    """The RSS samples less, for each process, the pages of its KV pool written by then (pool_pages)."""
-    pages = pool_pages(metrics)
-    out = []
-    for sample in rss:
-        row = {"t": sample["t"]}
-        for name, value in sample.items():
-            if name != "t":
-                written = [b for t, b in pages.get(name, []) if t <= sample["t"]]
-                row[name] = value - (written[-1] if written else 0)
-        out.append(row)
-    return out
-
-
 def _slope_mib_per_min(samples: list[dict], name: str) -> float | None:
     """Least-squares slope of a process's RSS over the samples, MiB per minute."""
     points = [(s["t"], s[name] / MIB) for s in samples if name in s]
@@ -77,14 +45,9 @@ def _slope_mib_per_min(samples: list[dict], name: str) -> float | None:
     return round(60 * sum((t - mt) * (v - mv) for t, v in points) / var, 2) if var else None
 
 
-def rss_check(rss: list[dict], metrics: list[dict], load_start: float, warmup_s: float, limit_pct: float,
-              beside_kv_pool: bool = False) -> dict:
+def rss_check(samples: list[dict], load_start: float, warmup_s: float, limit_pct: float) -> dict:
     """Each process's RSS at the end of warm-up (the first warmup_s of load) against its highest and its last
-    sample after (the rest of the load, the wait for idle, the flush), and its slope after warm-up. With
-    beside_kv_pool, RSS less the pages of the process's KV pool written so far (pool_pages): what a leak would
-    grow, apart from a pool that reaches a new high water after warm-up and commits pages it had never touched
-    (bounded by --kv-cache-gib)."""
-    samples = beside_pool(rss, metrics) if beside_kv_pool else rss
+    sample after (the rest of the load, the wait for idle, the flush), and its slope after warm-up."""
     cut = load_start + warmup_s
     before = [s for s in samples if load_start <= s["t"] <= cut]
     after = [s for s in samples if s["t"] > cut]
@@ -100,12 +63,6 @@ def rss_check(rss: list[dict], metrics: list[dict], load_start: float, warmup_s:
                            "last_growth_pct": round(100 * (last / base - 1), 2),
                            "slope_after_warmup_mib_per_min": _slope_mib_per_min(after, name),
                            "pass": 100 * (top / base - 1) <= limit_pct}
-    if beside_kv_pool:
-        pages = pool_pages(metrics)
-        for name, p in processes.items():
-            for when, points in (("warmup_end", [b for t, b in pages.get(name, []) if t <= cut]),
-                                 ("end", [b for t, b in pages.get(name, [])])):
-                p[f"kv_pool_written_mib_at_{when}"] = round((points or [0])[-1] / MIB, 1)
     return {"pass": bool(processes) and all(p["pass"] for p in processes.values()), "limit_pct": limit_pct,
             "warmup_s": warmup_s, "processes": processes}
 
@@ -237,9 +194,7 @@ def timeline(records: list[dict], rss: list[dict], metrics: list[dict], load_sta
     return {
         "per_second": {o: [c.get(s, 0) for s in range(last + 1)] for o, c in ends.items()},
         "rss_mib": {"t": [round(s["t"] - load_start, 1) for s in rss],
-                    **{n: [round(s.get(n, 0) / MIB, 1) for s in rss] for n in names},
-                    **{f"{n} beside KV pool": [round(s.get(n, 0) / MIB, 1) for s in beside_pool(rss, metrics)]
-                       for n in names}},
+                    **{n: [round(s.get(n, 0) / MIB, 1) for s in rss] for n in names}},
         "metrics": {"t": [round(m["t"] - load_start, 1) for m in metrics if "values" in m],
                     **{k: [m["values"].get(name, 0) for m in metrics if "values" in m] for k, name in keys.items()}},
     }
@@ -255,7 +210,7 @@ def plot(path: Path, series: dict, load_s: float, warmup_s: float, title: str) -
     fig, (top, mid, low) = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
     rss = series["rss_mib"]
     for name in (k for k in rss if k != "t"):
-        top.plot(rss["t"], rss[name], label=name, linestyle="--" if "beside" in name else "-")
+        top.plot(rss["t"], rss[name], label=name)
     top.set_ylabel("RSS (MiB)")
     per = series["per_second"]
     seconds = list(range(len(per["ok"])))

@@ -6,7 +6,9 @@ running one never runs out mid-stream. Blocks are reference-counted: a session f
 reuse, outline's points after their shared prompt) reads the parent's blocks in place and copies a shared
 block only when it first writes into it. Storage is `torch.empty`, so the operating system commits a block's
 pages when it is first written, not at load; freed blocks are reused last-in first-out, so the pages in use
-stay the hot ones.
+stay the hot ones. With `prefault` every page is written at load instead (as llama.cpp clears its KV buffer):
+the process then holds its whole budget from the start, so its RSS does not climb with the pool's high water,
+and another program on the device cannot take the memory a running stream was promised.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ class KVPool:
     count, the free list and the blocks reserved by open sessions but not yet taken."""
 
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, dtype: torch.dtype, n_blocks: int,
-                 block: int = BLOCK_SLOTS):
+                 block: int = BLOCK_SLOTS, prefault: bool = False):
         shape = (n_blocks, n_kv, block, head_dim)
-        self.k = [torch.empty(shape, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.empty(shape, dtype=dtype) for _ in range(n_layers)]
+        alloc = torch.zeros if prefault else torch.empty  # zeros writes every page now
+        self.k = [alloc(shape, dtype=dtype) for _ in range(n_layers)]
+        self.v = [alloc(shape, dtype=dtype) for _ in range(n_layers)]
         self.block, self.n_blocks = block, n_blocks
         self.block_bytes = block_bytes(n_layers, n_kv, head_dim, dtype, block)
         self.refs = [0] * n_blocks
@@ -47,10 +50,10 @@ class KVPool:
 
     @classmethod
     def for_bytes(cls, n_layers: int, n_kv: int, head_dim: int, dtype: torch.dtype, nbytes: int,
-                  block: int = BLOCK_SLOTS) -> KVPool:
+                  block: int = BLOCK_SLOTS, prefault: bool = False) -> KVPool:
         """The pool of as many blocks as `nbytes` holds."""
         per_block = block_bytes(n_layers, n_kv, head_dim, dtype, block)
-        return cls(n_layers, n_kv, head_dim, dtype, max(0, nbytes // per_block), block)
+        return cls(n_layers, n_kv, head_dim, dtype, max(0, nbytes // per_block), block, prefault)
 
     def blocks_for(self, slots: int) -> int:
         return math.ceil(slots / self.block)

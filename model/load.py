@@ -39,16 +39,18 @@ def load_with_pipeline(files: ModelFiles, weights: str, pipeline, thread: ModelT
     return LoadedModel(files, cfg, load_tokenizer(files), ModelRunner(cfg, ends, pipeline, thread, options))
 
 
-def local_pipeline(files: ModelFiles, weights: str, kv_budget_gib: float, src=None) -> Pipeline:
-    """Every layer in this process, as one LocalStage with a KV pool of kv_budget_gib (run on the model thread)."""
+def local_pipeline(files: ModelFiles, weights: str, kv_budget_gib: float, src=None,
+                   prefault: bool = False) -> Pipeline:
+    """Every layer in this process, as one LocalStage with a KV pool of kv_budget_gib (run on the model thread;
+    prefault: see model/kv_pool.py)."""
     cfg = ModelConfig.from_folder(files.folder)
     stack = LayerStack.load(src or open_source(files), cfg, 0, cfg.n_layers, weight_format(weights))
-    return Pipeline([LocalStage(stack, int(kv_budget_gib * 2**30))])
+    return Pipeline([LocalStage(stack, int(kv_budget_gib * 2**30), prefault)])
 
 
 def load_local(files: ModelFiles, weights: str, kv_budget_gib: float, thread: ModelThread,
-               options: RunnerOptions | None = None) -> LoadedModel:
+               options: RunnerOptions | None = None, prefault: bool = False) -> LoadedModel:
     """All layers in-process: one LocalStage."""
     src = open_source(files)  # one read of a GGUF's tensor index for the layers and the token ends
-    pipeline = thread.run_sync(local_pipeline, files, weights, kv_budget_gib, src)
+    pipeline = thread.run_sync(local_pipeline, files, weights, kv_budget_gib, src, prefault)
     return load_with_pipeline(files, weights, pipeline, thread, src, options)

@@ -41,9 +41,10 @@ class LayerStack(nn.Module):
                 load_layer(layer, src, cfg, first + i, fmt)
         return stack
 
-    def new_pool(self, nbytes: int) -> KVPool:
-        """A KV pool for these layers of as many blocks as `nbytes` holds (a stage's)."""
-        return KVPool.for_bytes(len(self.layers), self.cfg.n_kv_heads, self.cfg.head_dim, self.dtype, nbytes)
+    def new_pool(self, nbytes: int, prefault: bool = False) -> KVPool:
+        """A KV pool for these layers of as many blocks as `nbytes` holds (a stage's); prefault: see KVPool."""
+        return KVPool.for_bytes(len(self.layers), self.cfg.n_kv_heads, self.cfg.head_dim, self.dtype, nbytes,
+                                prefault=prefault)
 
     def new_cache(self, capacity: int) -> KVCache:
         """A KV cache for these layers over a pool of its own (a drafter's, a tool's, a test's)."""

@@ -116,9 +116,9 @@ class LocalStage:
     (model/kv_pool.py): a session reserves its capacity's blocks at its open, so the pool's size is the
     admission budget and a session that opened never runs out of room mid-stream."""
 
-    def __init__(self, stack: LayerStack, kv_budget_bytes: int):
+    def __init__(self, stack: LayerStack, kv_budget_bytes: int, prefault: bool = False):
         self.stack = stack
-        self.pool = stack.new_pool(kv_budget_bytes)
+        self.pool = stack.new_pool(kv_budget_bytes, prefault)
         self.caches: dict[str, KVCache] = {}
 
     def _cache(self, session: str) -> KVCache:

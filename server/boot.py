@@ -96,12 +96,13 @@ def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[Loaded
     thread = ModelThread(settings.threads or os.cpu_count() or 1)
     files = resolve_model(settings.model)  # converts a GGUF once, before any worker needs the cache
     if not settings.local_workers and not settings.cluster:
-        loaded = load_local(files, settings.dtype, settings.kv_cache_gib, thread, runner_options(settings, None))
+        loaded = load_local(files, settings.dtype, settings.kv_cache_gib, thread, runner_options(settings, None),
+                            settings.kv_prefault)
         observe_runner(loaded.runner, metrics)
         return loaded, None
     if settings.local_workers:
         config = launch_local_workers(settings.local_workers, settings.model, settings.worker_threads,
-                                      settings.worker_cpus, avoid=settings.port)
+                                      settings.worker_cpus, avoid=settings.port, prefault=settings.kv_prefault)
     else:
         config = ClusterConfig.from_file(Path(settings.cluster))
     try:

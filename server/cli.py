@@ -31,6 +31,8 @@ def _serve_parser(sub) -> None:
                    help="weight format (default auto: a GGUF's own quantization, float32 for a folder)")
     p.add_argument("--threads", type=int)
     p.add_argument("--kv-cache-gib", type=float, help="memory bound of all sessions' KV caches (default 2)")
+    p.add_argument("--kv-prefault", action="store_true", default=None, help="commit the KV caches' memory at load "
+                   "(here and on local workers), so that RSS holds still while serving")
     p.add_argument("--max-waiting", type=int, help="requests that may wait for KV cache room (default 64; more: 503)")
     p.add_argument("--queue-timeout-s", type=float, help="how long a request may wait for KV cache room (default 60)")
     p.add_argument("--tool-call-threshold", type=float, help="tool_choice auto: call when log P(the call opening) "
@@ -100,6 +102,8 @@ def _worker_parser(sub) -> None:
     p.add_argument("--host")
     p.add_argument("--name")
     p.add_argument("--memory-budget-gib", type=float)
+    p.add_argument("--kv-prefault", action="store_true", default=None,
+                   help="commit the KV cache's memory when layers are assigned")
     p.add_argument("--model", help="local copy of the model (folder or .gguf); default: the embedded one")
     p.add_argument("--threads", type=int)
     p.add_argument("--tool-call-threshold", type=float, help="tool_choice auto: call when log P(the call opening) "
@@ -232,6 +236,7 @@ def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from edgespec.decoding.policy import build_policies
+    from edgespec.model.allocator import tune_malloc
     from edgespec.server.app import create_app
     from edgespec.server.boot import headsplit_runner, load_draft_models, load_medusa, load_served_model
     from edgespec.server.http_limits import uvicorn_http_options
@@ -239,6 +244,7 @@ def serve(args: argparse.Namespace) -> None:
     from edgespec.server.service import CompletionService
 
     settings = serve_settings(args)
+    tune_malloc()
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     metrics = Metrics()
     loaded, cluster = load_served_model(settings, metrics)
@@ -268,11 +274,13 @@ def serve(args: argparse.Namespace) -> None:
 def worker(args: argparse.Namespace) -> None:
     import uvicorn
 
+    from edgespec.model.allocator import tune_malloc
     from edgespec.server.http_limits import uvicorn_http_options
     from edgespec.workers.app import create_worker_app
     from edgespec.workers.settings import WorkerSettings
 
     settings = WorkerSettings(**_overrides(args))
+    tune_malloc()
     app = create_worker_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 **uvicorn_http_options(settings.max_header_bytes))

@@ -195,7 +195,8 @@ class ClusterManager:
 
         def take_over() -> None:  # on the model thread, between steps
             files = resolve_model(self.settings.model)
-            self.here = local_pipeline(files, self.settings.dtype, self.settings.kv_cache_gib)
+            self.here = local_pipeline(files, self.settings.dtype, self.settings.kv_cache_gib,
+                                       prefault=self.settings.kv_prefault)
             self.pipeline.replace([])
             self.runner.pipeline = self.here
             self.runner.cuts = None

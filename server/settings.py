@@ -35,6 +35,8 @@ class ServeSettings(BaseSettings):
         "quantization; q4_1 / q8_0 quantize at load; float32 / bfloat16 / float16 dequantize")
     threads: int = Field(0, ge=0, description="torch threads for the model; 0: all cores")
     kv_cache_gib: float = Field(2.0, gt=0, description="memory bound for all sessions' KV caches")
+    kv_prefault: bool = Field(False, description="commit the KV pool's memory at load (its own and local "
+                              "workers'): RSS then holds still while serving, and no other program can take it")
     max_request_bytes: int = Field(4 * 2**20, gt=0)
     max_header_bytes: int = Field(32 * 2**10, ge=1024, description="bound of a request's line and headers together "
                                   "(a longer head is refused with 431)")

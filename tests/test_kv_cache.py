@@ -267,6 +267,20 @@ def test_pool_layout_reservations_and_references():
     assert pool.used == 0 and pool.available == 5
 
 
+def _rss_bytes() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+
+@pytest.mark.parametrize("prefault", [False, True])
+def test_a_prefaulted_pool_is_resident_from_the_start(prefault):
+    # 2 layers x 2 (k, v) x 16 blocks x 1 MiB: 64 MiB; lazily, no page is committed until a block is written
+    before = _rss_bytes()
+    pool = KVPool(n_layers=2, n_kv=4, head_dim=64, dtype=torch.float32, n_blocks=16, block=1024, prefault=prefault)
+    grown = _rss_bytes() - before
+    assert pool.nbytes == 64 * 2**20
+    assert grown > 0.9 * pool.nbytes if prefault else grown < 0.1 * pool.nbytes
+
+
 # --- LocalStage memory bound ----------------------------------------------------------------------------
 
 

@@ -82,11 +82,12 @@ def free_ports(n: int, avoid: int | None = None) -> list[int]:
             s.close()
 
 
-def worker_command(port: int, token: str, name: str, model: str | None, threads: int) -> list[str]:
+def worker_command(port: int, token: str, name: str, model: str | None, threads: int,
+                   prefault: bool = False) -> list[str]:
     # --token=VALUE: a random token may start with "-", which argparse would take for an option
     cmd = [sys.executable, "-m", "edgespec.server.cli", "worker", "--host", "127.0.0.1", "--port", str(port),
            f"--token={token}", "--name", name, "--threads", str(threads)]
-    return cmd + (["--model", model] if model else [])
+    return cmd + (["--model", model] if model else []) + (["--kv-prefault"] if prefault else [])
 
 
 def parse_ranges(spec: str) -> set[int]:
@@ -120,7 +121,7 @@ def _child_setup(cpus: set[int] | None):
 
 
 def launch_local_workers(n: int, model: str | None, threads: int, cpus: str | None = None,
-                         avoid: int | None = None) -> ClusterConfig:
+                         avoid: int | None = None, prefault: bool = False) -> ClusterConfig:
     """Start n worker processes on loopback with a fresh random token, pinned to CPU sets if given; `avoid`:
     the controller's own port, free still while it loads (a worker that took it once kept it from serving)."""
     token = secrets.token_urlsafe(24)
@@ -132,7 +133,7 @@ def launch_local_workers(n: int, model: str | None, threads: int, cpus: str | No
         # a port found free can be taken before the worker binds it: wait_healthy respawns on a new one
         port, name = port or free_ports(1, avoid)[0], f"worker{i}"
         # output goes to the controller's own stderr, so a worker that fails to start says why
-        config.processes[i] = subprocess.Popen(worker_command(port, token, name, model, threads),
+        config.processes[i] = subprocess.Popen(worker_command(port, token, name, model, threads, prefault),
                                                stdout=sys.stderr, stderr=subprocess.STDOUT, env=env,
                                                preexec_fn=_child_setup(cpu_sets[i]))
         config.workers[i] = WorkerSpec(f"http://127.0.0.1:{port}", name)

@@ -102,7 +102,7 @@ class StageHost:
         self.last_batch = None
         stack = LayerStack.load(open_source(files), cfg, first, last, fmt)
         weight_bytes = linear_bytes(stack)  # what the tensors really hold
-        self.stage = LocalStage(stack, budget - weight_bytes)
+        self.stage = LocalStage(stack, budget - weight_bytes, self.settings.kv_prefault)
         self.cfg, self.weight_bytes = cfg, weight_bytes
         self.assignment = Assignment(model, first, last, dtype)
         return self.info()

@@ -18,6 +18,7 @@ class WorkerSettings(BaseSettings):
     memory_budget_gib: float = Field(4.0, gt=0, description="bound for this worker's weights plus KV caches")
     model: str | None = Field(None, description="local copy of the model (folder or .gguf); default: embedded")
     threads: int = Field(0, ge=0, description="torch threads; 0: all cores")
+    kv_prefault: bool = Field(False, description="commit the KV pool's memory when layers are assigned")
     adapt_threads: bool = Field(True, description="run fewer torch threads while other processes take cores")
     max_body_bytes: int = Field(64 * 2**20, gt=0)
     max_header_bytes: int = Field(32 * 2**10, ge=1024, description="bound of a request's line and headers "
