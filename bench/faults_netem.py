@@ -59,7 +59,7 @@ class NetemCluster:
         self.lan.up()
         self._add_loss()
         self._link_host()
-        lines = [f'token = "{self.token}"', f'controller_url = "http://{self.lan.ip("ctl")}:8000"']
+        lines = [f'token = "{self.token}"']
         for d in self.devices[1:]:
             lines += ["[[workers]]", f'url = "http://{self.lan.ip(d)}:{PORT}"', f'name = "{d}"']
             self._spawn_worker(d)

@@ -118,7 +118,7 @@ def run_rate(args, rate: str, out: Path) -> dict:
     try:
         lan.up()
         cluster = out / f"cluster-{rate}.toml"
-        lines = [f'token = "{token}"', f'controller_url = "http://{lan.ip("ctl")}:8000"']
+        lines = [f'token = "{token}"']
         for i in range(args.workers):
             d = f"w{i}"
             lines += ["[[workers]]", f'url = "http://{lan.ip(d)}:{PORT}"', f'name = "{d}"']

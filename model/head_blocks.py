@@ -2,11 +2,17 @@
 projection columns, the layer's input norm, and each session's cache of those groups) and FFN blocks (the
 post-attention norm and the FFN), each loaded alone from the checkpoint. Groups can move to another device
 with their caches (`export`, then `reshape` on both devices).
+
+Every KV group is a block of its own, and a device answers a layer with each group's partial output apart:
+the projection device adds them in group order (HeadSplitPipeline), so a token's bits do not depend on which
+groups share a device. Summed per device, they did: found when a re-placement after a lost worker (issue 20)
+moved layer 0's groups from two devices to one and a greedy stream at epsilon 0 changed its 25th token.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from edgespec.model.blocks import FFN, AttentionBlock, RMSNorm, Rotary, causal_mask
 from edgespec.model.config import ModelConfig
@@ -19,6 +25,21 @@ from edgespec.model.weights import TensorSource, load_attention, load_ffn
 GroupKV = dict[str, dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]]  # session -> layer -> group -> (k, v)
 
 
+class GroupBlocks(nn.Module):
+    """One layer's KV groups on a device, each an AttentionBlock of its own (group 0's adds the output bias)."""
+
+    def __init__(self, cfg: ModelConfig, groups: list[int], dtype: torch.dtype):
+        super().__init__()
+        self.groups = list(groups)
+        self.n_kv = len(self.groups)
+        self.blocks = nn.ModuleList(AttentionBlock(cfg, [g], dtype, with_o_bias=cfg.o_bias and g == 0)
+                                    for g in self.groups)
+
+    def forward(self, x: torch.Tensor, rope, cache: KVCache, start: int, mask) -> torch.Tensor:
+        # x [1, T, H] (normed) -> each group's partial output [n_kv, T, H]; the cache holds group i as "layer" i
+        return torch.cat([block(x, rope, cache, i, start, mask) for i, block in enumerate(self.blocks)])
+
+
 class HeadBlocks:
     """The blocks one device holds, groups[l] of layer l's KV groups and the FFN of the layers in `ffns`, with
     each session's caches of those groups. The device interface HeadSplitPipeline drives (a worker proxies the
@@ -29,7 +50,7 @@ class HeadBlocks:
         self.src, self.cfg, self.fmt = src, cfg, as_format(dtype)
         self.dtype = dtype = self.fmt.act
         self.rotary = Rotary(cfg, dtype)
-        self.attn: dict[int, tuple[RMSNorm, AttentionBlock]] = {}
+        self.attn: dict[int, tuple[RMSNorm, GroupBlocks]] = {}
         self.ffn: dict[int, tuple[RMSNorm, FFN]] = {}
         self.sessions: dict[str, dict[int, KVCache]] = {}  # session -> layer -> the cache of its groups here
         self.capacity: dict[str, int] = {}  # session -> its slots
@@ -64,8 +85,9 @@ class HeadBlocks:
                     caches[layer] = self._cache_of(session, [kept.get(g) or moved[g] for g in after])
             self.attn.pop(layer, None)
             if after:
-                block = AttentionBlock(self.cfg, after, self.dtype, with_o_bias=self.cfg.o_bias and 0 in after)
-                load_attention(block, self.src, self.cfg, layer, self.fmt)  # the bias is added once, by group 0
+                block = GroupBlocks(self.cfg, after, self.dtype)
+                for one in block.blocks:
+                    load_attention(one, self.src, self.cfg, layer, self.fmt)
                 self.attn[layer] = (self._norm(f"model.layers.{layer}.input_layernorm.weight"), block)
         for layer in set(self.ffn) - set(ffns):
             del self.ffn[layer]
@@ -76,20 +98,22 @@ class HeadBlocks:
 
     @staticmethod
     def _group_kv(cache: KVCache, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # the cached keys and values of the cache's index-th group: each [1, 1, length, hd]
-        k, v = cache.read(0, cache.length)  # [1, n_kv, length, hd] each, copies
-        return k[:, index:index + 1], v[:, index:index + 1]
+        # the cached keys and values of the cache's index-th group: each [1, 1, length, hd] (copies)
+        return cache.read(index, cache.length)
 
     def _new_cache(self, n_kv: int, capacity: int) -> KVCache:
-        # one layer's cache of n_kv groups, its whole capacity held from the start (a pool of its own)
-        return KVCache.alone(1, n_kv, self.cfg.head_dim, capacity, self.dtype)
+        # one layer's cache of n_kv groups, each as a "layer" of one KV head, its whole capacity held from the
+        # start (a pool of its own)
+        return KVCache.alone(n_kv, 1, self.cfg.head_dim, capacity, self.dtype)
 
     def _cache_of(self, session: str, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> KVCache:
         # a cache of len(kv) groups holding their keys and values (each [1, 1, length, hd])
         length = kv[0][0].shape[2]
         cache = self._new_cache(len(kv), self.capacity[session])
         if length:
-            cache.write(0, 0, torch.cat([k for k, _ in kv], dim=1), torch.cat([v for _, v in kv], dim=1))
+            cache.ensure(0, length)
+            for i, (k, v) in enumerate(kv):
+                cache.write(i, 0, k, v)
         cache.length = length
         return cache
 
@@ -142,7 +166,8 @@ class HeadBlocks:
     def attend(self, session: str, layer: int, x: torch.Tensor, positions: torch.Tensor, start: int,
                mask: torch.Tensor | None, step: int) -> torch.Tensor:
         """x [1, T, H] (the layer's input) at positions [1, T], its keys and values cached at slots start.. ->
-        this device's partial attention output [1, T, H]. mask [1, T, start+T] (None: causal).
+        the partial attention output of each of the layer's groups here, in group order [n_groups, T, H].
+        mask [1, T, start+T] (None: causal).
 
         `step` numbers the session's forward passes (HeadSplitPipeline.forward): a call of a step older than
         the last one seen here is refused with StepError (a late or retried call from before a rollback would
@@ -164,7 +189,7 @@ class HeadBlocks:
         elif mask is not None and mask.dim() == 3:
             mask = mask.unsqueeze(1)  # broadcast over heads
         norm, block = self.attn[layer]
-        out = block(norm(x.to(self.dtype)), self.rotary(positions), cache, 0, start, mask)
+        out = block(norm(x.to(self.dtype)), self.rotary(positions), cache, start, mask)
         cache.length = start + t
         return out
 

@@ -259,9 +259,19 @@ class HeadSplitPipeline:
             raise ValueError(f"layer {first}'s projection runs on {self.layers[first].proj}, not {here}")
 
         def attend_calls(i: int, src: torch.Tensor) -> list:
-            # layer i's group devices' partial outputs from src (summed at the projection device)
+            # layer i's group devices' partial outputs from src, each [its groups, T, H] (see group_sum)
             return [lambda d=d: self.devices[d].attend(session, i, src, positions, start, mask, step)
                     for d, gs in self.layers[i].groups.items() if gs]
+
+        def group_sum(i: int, partials: list[torch.Tensor]) -> torch.Tensor:
+            # the devices' partials -> [1, T, H]: added one group after another in group order, whichever
+            # device computed each, so that the bits do not depend on the placement
+            parts = {g: p[j] for gs, p in zip((gs for gs in self.layers[i].groups.values() if gs), partials,
+                                              strict=True) for j, g in enumerate(sorted(gs))}
+            out = parts[min(parts)]
+            for g in sorted(parts)[1:]:
+                out = out + parts[g]
+            return out.unsqueeze(0)
 
         def ffn_call(i: int, z: torch.Tensor):
             return lambda: self.devices[self.layers[i].ffn].feed_forward(i, z)
@@ -276,13 +286,13 @@ class HeadSplitPipeline:
                 x, *staged = self.fan_out([ffn_call(i - 1, z), *attend_calls(i, z)])
                 if float(relative_drift(z, x)) < eps:  # one token
                     stats.kept[i] += 1  # the staged entries stand
-                    out = sum(staged)
+                    out = group_sum(i, staged)
                 else:
                     stats.discarded[i] += 1  # recomputed from X_(i-1): the staged entries are overwritten
-                    out = sum(self.fan_out(attend_calls(i, x)))
+                    out = group_sum(i, self.fan_out(attend_calls(i, x)))
             else:
                 if z is not None:
                     x = ffn_call(i - 1, z)()
-                out = sum(self.fan_out(attend_calls(i, x)))
+                out = group_sum(i, self.fan_out(attend_calls(i, x)))
             z = x + out
         return ffn_call(len(self.layers) - 1, z)(), len(self.layers)

@@ -47,9 +47,6 @@ class _LimitsAndCounts:
             return
         status = 500
         limit = self.settings.max_request_bytes
-        # stage results carry hidden states between stages (large prefill bodies); the route checks the cluster
-        # token before it reads one
-        limited = scope["path"] != "/internal/stage-result"
         received = 0
         exceeded = False
 
@@ -60,7 +57,7 @@ class _LimitsAndCounts:
         async def receive_counted():
             nonlocal received, exceeded
             message = await receive()
-            if message["type"] == "http.request" and limited:
+            if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
                     exceeded = True
@@ -80,7 +77,7 @@ class _LimitsAndCounts:
 
         length = Headers(scope=scope).get("content-length")
         try:
-            if limited and length and length.isdigit() and int(length) > limit:
+            if length and length.isdigit() and int(length) > limit:
                 await error_response(too_large(length))(scope, receive, send_counted)
             else:
                 await self.app(scope, receive_counted, send_counted)
@@ -149,17 +146,6 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
     @app.get("/internal/cluster/plan")
     async def placement(request: Request):
         return require_cluster_token(request).plan.to_dict()
-
-    async def stage_result(request: Request):
-        # A plain Starlette route on the per-token path: no FastAPI parameter machinery.
-        cluster = require_cluster_token(request)
-        session, step = request.query_params.get("session"), request.query_params.get("step", "")
-        if not session or not step.isdigit():
-            raise APIError(400, "stage results need the query parameters session and step", None, "invalid_value")
-        cluster.mailbox.put(session, int(step), await request.body())
-        return JSONResponse({"hops": []})
-
-    app.add_route("/internal/stage-result", stage_result, methods=["POST"])
 
     @app.get("/metrics")
     async def prometheus():

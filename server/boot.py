@@ -31,7 +31,7 @@ from edgespec.server.headsplit_cluster import HeadSplitCluster
 from edgespec.server.metrics import Metrics
 from edgespec.server.replanner import ClusterManager, prefill_cuts
 from edgespec.server.settings import ServeSettings
-from edgespec.workers.client import RemotePipeline, ResultMailbox
+from edgespec.workers.client import RemotePipeline
 from edgespec.workers.cluster import ClusterConfig, launch_local_workers, parse_ranges, wait_healthy
 from edgespec.workers.profiler import Device, ProfileOptions, cache_path, profile_cluster
 
@@ -113,12 +113,8 @@ def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[Loaded
         context = min(settings.plan_context, ModelConfig.from_folder(files.folder).max_position_embeddings)
         options = PlanOptions(context=context, concurrency=settings.plan_concurrency)
         manager = ClusterManager(settings, config, devices, profile, metrics, options, profile_options)
-        host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
-        base = settings.advertise_url or config.controller_url or f"http://{host}:{settings.port}"
-        mailbox = ResultMailbox()
-        manager.pipeline = RemotePipeline([], config.token, base.rstrip("/") + "/internal/stage-result", mailbox,
-                                          settings.model, settings.dtype, settings.stage_timeout_s, metrics.observe_hop)
-        manager.mailbox = mailbox
+        manager.pipeline = RemotePipeline([], config.token, settings.model, settings.dtype, settings.stage_timeout_s,
+                                          metrics.observe_hop)
         log.info("placement (%s): %s", settings.placement,
                  ", ".join(f"{s.device} [{s.first}, {s.last})" for s in manager.plan.stages))
         manager.apply(manager.plan)

@@ -40,7 +40,6 @@ def _serve_parser(sub) -> None:
     p.add_argument("--log-level")
     p.add_argument("--local-workers", type=int, help="start N worker processes on loopback and serve through them")
     p.add_argument("--cluster", help="TOML file naming running workers (see config/cluster.example.toml)")
-    p.add_argument("--advertise-url", help="URL at which workers reach this controller")
     p.add_argument("--worker-threads", type=int, help="torch threads of each local worker (0: all cores)")
     p.add_argument("--stage-timeout-s", type=float, help="timeout of one call to a worker (default 60)")
     p.add_argument("--recover-probe-s", type=float, help="after a failed call, a worker that does not answer "
@@ -277,12 +276,16 @@ def worker(args: argparse.Namespace) -> None:
     from edgespec.model.allocator import tune_malloc
     from edgespec.server.http_limits import uvicorn_http_options
     from edgespec.workers.app import create_worker_app
+    from edgespec.workers.frames import MAX_HEADER
     from edgespec.workers.settings import WorkerSettings
 
     settings = WorkerSettings(**_overrides(args))
     tune_malloc()
     app = create_worker_app(settings)
+    # links carry framed messages as large as a body may be; no keepalive pings: a worker computing a long
+    # prefill does not answer one in time, and a lost peer shows on the next send (or the step's timeout)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                ws_max_size=settings.max_body_bytes + MAX_HEADER + 4, ws_ping_interval=None, ws_ping_timeout=None,
                 **uvicorn_http_options(settings.max_header_bytes))
 
 

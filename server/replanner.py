@@ -68,7 +68,6 @@ class ClusterManager:
         self.members = {d.name: Member(d.name, d.url) for d in devices}
         self.plan: Plan = self.make_plan(profile)
         self.pipeline: RemotePipeline | None = None
-        self.mailbox = None  # workers.client.ResultMailbox of the last stage's results
         self.runner = None  # set once the controller's model is loaded
         self.here = None  # the in-process pipeline of every layer, while no placement over workers fits
         self.pending_joins: list[Device] = []

@@ -44,7 +44,6 @@ class ServeSettings(BaseSettings):
     queue_timeout_s: float = Field(60.0, gt=0, description="how long a request may wait for KV cache room")
     local_workers: int = Field(0, ge=0, description="start N worker processes on loopback and serve through them")
     cluster: str | None = Field(None, description="TOML file naming running workers (see config/)")
-    advertise_url: str | None = Field(None, description="URL at which workers reach this controller")
     stage_timeout_s: float = Field(60.0, gt=0, description="timeout of one call to a worker")
     recover_probe_s: float = Field(5.0, gt=0, description="after a failed call, a worker that does not answer "
                                    "within this is taken for lost and planned out (at most the stage timeout)")

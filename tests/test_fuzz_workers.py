@@ -1,10 +1,12 @@
 """Fuzzing a worker's protocol in-process on the tiny model: its JSON routes with arbitrary and near-valid bodies,
-and its binary forward bodies (safetensors messages, workers/wire.py) with arbitrary names, dtypes, shapes,
-metadata and bytes. Whatever arrives, the worker answers 2xx or a 4xx OpenAI-style error object, never a 5xx, and
-the session it was serving before still computes.
+its HeadSplit binary bodies, and the frames of its links (workers/frames.py: arbitrary bytes, near-valid headers,
+safetensors bodies with arbitrary names, dtypes, shapes, metadata and bytes). Whatever arrives, the worker
+answers 2xx or a 4xx OpenAI-style error object (on a link: an ack, a result, or an error frame below 500),
+never a 5xx, and the session it was serving before still computes.
 
-The next hop of a forward call is a stand-in that accepts every result (no network); examples are bounded and
-derandomized, as in tests/test_fuzz_api.py.
+Link frames go straight to the worker's Relay on the app's own event loop, through a stand-in for the
+WebSocket; routes name no next stage (no network). Examples are bounded and derandomized, as in
+tests/test_fuzz_api.py.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from inprocess import LoopClient, assert_error_object
 from safetensors.torch import save as st_save
+from starlette.websockets import WebSocketDisconnect
 
 from edgespec.workers.app import create_worker_app
+from edgespec.workers.frames import pack, unpack
 from edgespec.workers.settings import WorkerSettings
 from edgespec.workers.wire import encode
 
@@ -36,8 +40,6 @@ def worker(tiny):
     # a call whose earlier steps never come waits downstream_timeout_s for them: keep that short here
     settings = WorkerSettings(port=0, token=TOKEN, model=tiny, memory_budget_gib=0.25, downstream_timeout_s=0.05)
     client = LoopClient(create_worker_app(settings), headers=AUTH)
-    client.app.state.client = httpx.AsyncClient(transport=httpx.MockTransport(  # every next hop takes the result
-        lambda request: httpx.Response(200, json={"hops": []})))
     assert client.post("/assign", json={"first": 0, "last": 2, "dtype": "float32"}).status_code == 200
     yield client, tiny
     client.close()
@@ -50,14 +52,47 @@ def check(r: httpx.Response, where) -> None:
         assert_error_object(r, repr(where)[:300])
 
 
+class FakeLink:
+    """What Relay.serve needs of a WebSocket: the frames to receive, in order, and the frames it sent back."""
+
+    def __init__(self, frames: list[bytes]):
+        self.frames, self.sent = list(frames), []
+
+    async def accept(self) -> None:
+        pass
+
+    async def receive_bytes(self) -> bytes:
+        if not self.frames:
+            raise WebSocketDisconnect(1000)
+        return self.frames.pop(0)
+
+    async def send_bytes(self, data: bytes) -> None:
+        self.sent.append(unpack(data))
+
+
+def on_link(client: LoopClient, *frames: bytes) -> list[tuple[dict, bytes]]:
+    """Serve these frames on one link that said hello first; the frames the worker sent back."""
+    link = FakeLink([pack({"op": "hello", "controller": "fuzz"}), *frames])
+    client._run(client.app.state.relay.serve(link, "fuzz"))
+    return link.sent
+
+
+def check_frames(sent: list[tuple[dict, bytes]], where) -> None:
+    for header, _ in sent:
+        event(f"{header['op']} {header.get('status', '')}")
+        if header["op"] == "error" or (header["op"] == "ack" and not header.get("ok")):
+            assert 400 <= header["status"] < 500 and header["message"] and header["code"], (where, header)
+        else:
+            assert header["op"] in ("ack", "result", "pong"), (where, header)
+
+
 def still_serves(client: LoopClient) -> None:
     """A session opened now computes: nothing a fuzz case sent broke the worker."""
-    sid = "canary"
-    client.request("DELETE", f"/sessions/{sid}")
-    assert client.post(f"/sessions/{sid}/open", json={"step": 1, "capacity": 8}).status_code == 200
-    r = client.post(f"/sessions/{sid}/forward", params={"start": 0, "step": 2},
-                    content=encode({"hidden": torch.randn(1, 2, HIDDEN)}), headers={"x-callback": "http://next"})
-    assert r.status_code == 200, r.text
+    sent = on_link(client, pack({"op": "release", "session": "canary"}),
+                   pack({"op": "open", "id": 1, "session": "canary", "step": 1, "capacity": 8}),
+                   pack({"op": "forward", "session": "canary", "step": 2, "start": 0, "reply": "fuzz"},
+                        encode({"hidden": torch.randn(1, 2, HIDDEN)})))
+    assert [h["op"] for h, _ in sent] == ["ack", "result"] and sent[0][0]["ok"], sent
 
 
 json_value = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
@@ -67,13 +102,6 @@ small = st.one_of(st.integers(-2, 40), st.sampled_from([2**31, 2**62, 2**63, 2**
 sid = st.one_of(st.sampled_from(["s1", "s2", "canary", "x" * 129, "../info", "\u00e9"]),
                 st.text(min_size=1, max_size=8))
 ROUTES = {  # route -> near-valid bodies (arbitrary JSON as well)
-    ("POST", "/sessions/{sid}/open"): st.fixed_dictionaries({}, optional={"step": small, "capacity": small,
-                                                                          "layers": st.lists(small, max_size=3)}),
-    ("POST", "/sessions/{sid}/commit"): st.fixed_dictionaries({}, optional={"step": small, "dest": small,
-                                                                            "kept": st.lists(small, max_size=4)}),
-    ("POST", "/sessions/{sid}/fork"): st.fixed_dictionaries({}, optional={"step": small, "child": sid,
-                                                                          "prefix_len": small, "capacity": small}),
-    ("DELETE", "/sessions/{sid}"): st.none(),
     ("POST", "/assign"): st.fixed_dictionaries({}, optional={"first": small, "last": small, "dtype": st.sampled_from(
         ["float32", "q8_0", "nope", ""]), "model": st.sampled_from(["/nonexistent", "a\u0000b", ""])}),
     ("POST", "/heads/assign"): st.fixed_dictionaries({}, optional={
@@ -131,7 +159,7 @@ def binary_body(draw, path: str) -> bytes:
     if kind == "bytes":
         return draw(st.binary(max_size=64))
     rows = draw(st.integers(1, 3))
-    if path == "/batch/forward" and kind != "tensors":
+    if path == "batch" and kind != "tensors":
         entries = draw(st.one_of(st.just([["s1", 0, rows, 2]]), st.lists(st.tuples(
             st.sampled_from(["s1", "s2", ""]), small, small, small).map(list), max_size=3)))
         return st_save({"hidden": torch.randn(rows, HIDDEN), "positions": torch.arange(rows)},
@@ -143,32 +171,20 @@ def binary_body(draw, path: str) -> bytes:
 
 query = st.one_of(st.integers(0, 3).map(str), st.integers(0, 12).map(str),
                   st.sampled_from(["", "-1", "1.5", "\u00b2", "9" * 30, "x"]))
-BINARY = ["/sessions/{sid}/forward", "/batch/forward", "/heads/sessions/{sid}/attend", "/heads/sessions/{sid}/run",
-          "/heads/ffn", "/heads/reshape", "/probe/sink"]
-
-
-def prepare(client: LoopClient, path: str, session: str) -> None:
-    """The state a call to `path` acts on: the session opened (at step 1), and HeadSplit blocks held."""
-    if path.startswith("/heads"):
-        assert client.post("/heads/assign", json=HEADS).status_code == 200
-        assert client.post(f"/heads/sessions/{session}/open", json={"capacity": 16}).status_code == 200
-    else:
-        client.request("DELETE", f"/sessions/{session}")
-        assert client.post(f"/sessions/{session}/open", json={"step": 1, "capacity": 16}).status_code == 200
+BINARY = ["/heads/sessions/{sid}/attend", "/heads/sessions/{sid}/run", "/heads/ffn", "/heads/reshape"]
 
 
 @given(path=st.sampled_from(BINARY), data=st.data(), session=st.sampled_from(["s1", "s2", "canary"]),
-       start=query, step=query, layer=query, hop=st.sampled_from(["x-callback", "x-route", None]),
-       blocks=st.one_of(st.none(), json_value.map(lambda v: json.dumps(v))), ready=st.booleans())
+       start=query, step=query, layer=query, blocks=st.one_of(st.none(), json_value.map(lambda v: json.dumps(v))),
+       ready=st.booleans())
 @FUZZ
-def test_binary_bodies_answer_4xx_error_objects(worker, path, data, session, start, step, layer, hop, blocks, ready):
+def test_binary_bodies_answer_4xx_error_objects(worker, path, data, session, start, step, layer, blocks, ready):
     client, _ = worker
     body = data.draw(binary_body(path))
-    if ready:  # else whatever earlier examples left
-        prepare(client, path, session)
+    if ready:  # the blocks and the session the call acts on, else whatever earlier examples left
+        assert client.post("/heads/assign", json=HEADS).status_code == 200
+        assert client.post(f"/heads/sessions/{session}/open", json={"capacity": 16}).status_code == 200
     headers = {"content-type": "application/octet-stream"}
-    if hop is not None:
-        headers[hop] = "http://next"
     if blocks is not None:
         headers["x-blocks"] = blocks
     params = {"start": start, "step": step, "layer": layer, "epsilon": "0.1"}
@@ -176,14 +192,43 @@ def test_binary_bodies_answer_4xx_error_objects(worker, path, data, session, sta
     check(r, (path, params, headers, body[:80]))
 
 
+OPS = ["forward", "batch", "open", "commit", "fork", "release", "ping", "hello", "result", "ack", "nope"]
+field = st.one_of(small, sid)
+route = st.lists(st.sampled_from(["http://[", "ftp://x", "", "no-scheme", "http://", 5]), max_size=2)
+
+
+@given(op=st.sampled_from(OPS), data=st.data(), session=st.sampled_from(["s1", "s2", "canary"]), raw=st.booleans(),
+       ready=st.booleans())
+@FUZZ
+def test_link_frames_answer_4xx_error_frames(worker, op, data, session, raw, ready):
+    client, _ = worker
+    frames = [pack({"op": "release", "session": session}),
+              pack({"op": "open", "id": 0, "session": session, "step": 1, "capacity": 16})] if ready else []
+    if raw:  # anything at all as a frame: a header that is not one, bytes after it
+        frame = data.draw(st.one_of(st.binary(max_size=64), st.builds(
+            lambda head, tail: len(head).to_bytes(4, "little") + head + tail,
+            json_value.map(lambda v: json.dumps(v).encode()), st.binary(max_size=16))))
+    else:  # a header of the right op with near-valid or arbitrary fields, a body for the op
+        header = data.draw(st.fixed_dictionaries({"op": st.just(op)}, optional={
+            "session": st.one_of(st.just(session), sid, small), "step": field, "start": field, "id": field,
+            "capacity": field, "kept": st.lists(field, max_size=3), "dest": field, "child": field,
+            "prefix_len": field, "layers": st.lists(field, max_size=3), "route": route, "hops": json_value,
+            "controller": field, "reply": st.sampled_from(["fuzz", "nobody"])}) | st.just(
+            {"op": op, "id": 2, "session": session, "step": 2, "start": 0, "reply": "fuzz"}))  # near-valid
+        frame = pack(header, data.draw(binary_body(op)))
+    sent = on_link(client, *frames, frame)
+    check_frames(sent, frame[:200])
+
+
 def test_capacities_past_the_context_are_refused(worker):
     """Found by fuzzing: a HeadSplit session of 2**31 slots was a 500 (its cache's size overflowed)."""
     client, _ = worker
     assert client.post("/heads/assign", json=HEADS).status_code == 200
-    for path in ("/sessions/big/open", "/heads/sessions/big/open"):
-        for capacity in (513, 2**31, 2**62 - 1):
-            r = client.post(path, json={"step": 1, "capacity": capacity} if path[1] == "s" else {"capacity": capacity})
-            assert r.status_code == 400 and "context" in assert_error_object(r)["message"], (path, r.text)
+    for capacity in (513, 2**31, 2**62 - 1):
+        r = client.post("/heads/sessions/big/open", json={"capacity": capacity})
+        assert r.status_code == 400 and "context" in assert_error_object(r)["message"], r.text
+        (ack, _), = on_link(client, pack({"op": "open", "id": 1, "session": "big", "step": 1, "capacity": capacity}))
+        assert ack["status"] == 400 and "context" in ack["message"], ack
 
 
 def test_fuzzed_worker_still_serves(worker):

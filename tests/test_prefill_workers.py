@@ -5,11 +5,11 @@ even when they arrive out of order."""
 from __future__ import annotations
 
 import secrets
-import threading
 
 import httpx
 import pytest
 import torch
+from links import TestLink
 from model_fixtures import make_feature_drafter, make_medusa_heads
 from processes import greedy, model_id, start_server, start_worker
 
@@ -62,35 +62,27 @@ def test_worker_applies_steps_in_order(tiny, tmp_path):
     try:
         assert httpx.post(url + "/assign", json={"first": 0, "last": 4, "dtype": "float32"}, headers=auth,
                           timeout=60).status_code == 200
-        assert httpx.post(url + "/sessions/s/open", json={"step": 1, "capacity": 64}, headers=auth).status_code == 200
-        # the results go to the worker's own sink: only the order of application is under test here
-        headers = {**auth, "x-callback": url + "/probe/sink"}
+        early, late = TestLink(url, token), TestLink(url, token)  # steps of one session on two links
+        assert early.op("open", session="s", step=1, capacity=64)["ok"]
 
-        def send(sid: str, step: int, start: int, n: int, out: dict) -> None:
-            body = encode({"hidden": torch.randn(1, n, 64)})
-            out[step] = httpx.post(url + f"/sessions/{sid}/forward", params={"start": start, "step": step},
-                                   content=body, headers=headers, timeout=60)
+        def send(link: TestLink, sid: str, step: int, start: int, n: int) -> None:
+            link.send({"op": "forward", "session": sid, "step": step, "start": start},
+                      encode({"hidden": torch.randn(1, n, 64)}))
 
-        replies: dict = {}
-        late = threading.Thread(target=send, args=("s", 3, 5, 4, replies))
-        late.start()  # step 3 (slots 5..8) first: applied alone it would leave a gap at slots 0..4
-        late.join(0.5)
-        assert late.is_alive()  # it waits for step 2
-        send("s", 2, 0, 5, replies)
-        late.join(30)
-        assert replies[2].status_code == 200 and replies[3].status_code == 200, replies[3].text
+        send(late, "s", 3, 5, 4)  # step 3 (slots 5..8) first: applied alone it would leave a gap at slots 0..4
+        with pytest.raises(TimeoutError):
+            late.answer("s", 3, timeout=0.5)  # it waits for step 2
+        send(early, "s", 2, 0, 5)
+        assert early.answer("s", 2)[0]["op"] == "result"
+        assert late.answer("s", 3)[0]["op"] == "result"
         # a fork of its first 9 slots (prefix reuse) starts its own steps, also applied in order
-        fork = {"step": 4, "child": "c", "prefix_len": 9, "capacity": 64}
-        assert httpx.post(url + "/sessions/s/fork", json=fork, headers=auth).status_code == 200
-
-        child: dict = {}
-        late = threading.Thread(target=send, args=("c", 2, 12, 2, child))
-        late.start()
-        late.join(0.5)
-        assert late.is_alive()
-        send("c", 1, 9, 3, child)
-        late.join(30)
-        assert child[1].status_code == 200 and child[2].status_code == 200, child[2].text
+        assert early.op("fork", session="s", step=4, child="c", prefix_len=9, capacity=64)["ok"]
+        send(late, "c", 2, 12, 2)
+        with pytest.raises(TimeoutError):
+            late.answer("c", 2, timeout=0.5)
+        send(early, "c", 1, 9, 3)
+        assert early.answer("c", 1)[0]["op"] == "result"
+        assert late.answer("c", 2)[0]["op"] == "result"
         info = httpx.get(url + "/info", headers=auth).json()
         assert info["sessions"] == 2
         assert info["memory"]["kv_blocks"]["used"] == 2  # the session's block, and the child's copy it wrote into

@@ -101,11 +101,9 @@ def test_internal_routes_need_the_cluster_token(controller, compared, monkeypatc
     for headers in ({}, {"authorization": "Bearer first"}, {"authorization": f"Bearer {TOKEN}x"}):
         r = client.post("/internal/cluster/join", json={"url": "http://w", "name": "w"}, headers=headers)
         assert r.status_code == 401 and assert_error_object(r)["code"] == "invalid_cluster_token"
-        r = client.post("/internal/stage-result", params={"session": "s", "step": 1}, content=b"x", headers=headers)
-        assert r.status_code == 401
     assert client.post("/internal/cluster/join", json={"url": "http://w", "name": "w"}, headers=good).status_code == 202
     assert joined == [("http://w", "w")]
-    # a join body is bounded like any other (only stage results, checked before they are read, are not)
+    # a join body is bounded like any other
     big = json.dumps({"url": "http://w", "name": "x" * 2**17})
     r = client.post("/internal/cluster/join", content=big, headers={"content-type": "application/json"})
     assert r.status_code == 413 and assert_error_object(r)["code"] == "body_too_large"
@@ -131,7 +129,7 @@ def test_worker_health_says_only_ok_without_the_token(worker):
 
 def test_worker_refuses_before_reading_bodies(worker):
     oversized = b"{" + b" " * 2**17 + b"}"
-    for path in ("/assign", "/sessions/a/open", "/heads/assign", "/probe/sink", "/sessions/a/forward", "/nope"):
+    for path in ("/assign", "/heads/assign", "/probe/link", "/heads/ffn", "/nope"):
         r = worker.post(path, content=oversized, headers={"content-type": "application/json"})
         assert r.status_code == 401, (path, r.text)  # the token first: no body is parsed for a stranger
         r = worker.post(path, content=oversized, headers={"content-type": "application/json",

@@ -12,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
+import websockets
+from links import TestLink
 from processes import REPO, greedy, model_id, start_server, start_worker
 
 from edgespec.workers.host import StageHost, StepError
@@ -103,14 +105,17 @@ def worker(tiny, tmp_path_factory):
 
 def test_worker_refuses_wrong_or_missing_token(worker):
     url, auth = worker
-    calls = [("GET", "/info", None), ("POST", "/assign", {"first": 0, "last": 1}),
-             ("POST", "/sessions/a/open", {"step": 1, "capacity": 8}), ("DELETE", "/sessions/a", None)]
+    calls = [("GET", "/info", None), ("POST", "/assign", {"first": 0, "last": 1})]
     for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": auth["authorization"] + "x"}):
         wrong_token = [("GET", "/health", None)] if headers else []  # /health without one is a liveness probe
         for method, path, body in calls + wrong_token:
             r = httpx.request(method, url + path, json=body, headers=headers)
             assert r.status_code == 401, (method, path, headers, r.text)
             assert "token" in r.json()["error"]["message"]
+    for token in ("wrong", token_of(auth) + "x"):  # a stranger's link is refused at its handshake
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            TestLink(url, token)
+        assert refused.value.response.status_code == 403
     # without a token, /health says only that the worker is up
     assert httpx.get(url + "/health").json() == {"status": "ok"}
     assert httpx.get(url + "/health", headers=auth).json()["name"] == "solo"
@@ -119,43 +124,60 @@ def test_worker_refuses_wrong_or_missing_token(worker):
     assert info["sessions"] == 0
 
 
+def token_of(auth: dict) -> str:
+    return auth["authorization"].removeprefix("Bearer ")
+
+
+def sessions(url: str, auth: dict, expected: int) -> bool:
+    """Whether the worker comes to hold `expected` sessions (a release is not acknowledged)."""
+    for _ in range(50):
+        if httpx.get(url + "/info", headers=auth).json()["sessions"] == expected:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def test_worker_validates_inputs_and_keeps_other_sessions(worker):
     url, auth = worker
-    ok = httpx.post(url + "/sessions/good/open", json={"step": 1, "capacity": 16}, headers=auth)
-    assert ok.status_code == 200
-    fwd = url + "/sessions/{}/forward"
+    link = TestLink(url, token_of(auth))
+    assert link.op("open", session="good", step=1, capacity=16)["ok"]
     hidden = torch.randn(1, 3, 64)
     cases = [
-        ("garbage body", "good", {"start": 0, "step": 2}, b"not safetensors", 400),
-        ("wrong hidden size", "good", {"start": 0, "step": 2}, encode({"hidden": torch.randn(1, 3, 65)}), 400),
-        ("integer hidden", "good", {"start": 0, "step": 2}, encode({"hidden": torch.ones(1, 3, 64, dtype=torch.int64)}),
+        ("garbage body", "good", {"start": 0}, b"not safetensors", 400),
+        ("wrong hidden size", "good", {"start": 0}, encode({"hidden": torch.randn(1, 3, 65)}), 400),
+        ("integer hidden", "good", {"start": 0}, encode({"hidden": torch.ones(1, 3, 64, dtype=torch.int64)}), 400),
+        ("extra tensor", "good", {"start": 0}, encode({"hidden": hidden, "x": torch.zeros(1)}), 400),
+        ("bad positions", "good", {"start": 0}, encode({"hidden": hidden, "positions": torch.tensor([[0, 1, 9999]])}),
          400),
-        ("extra tensor", "good", {"start": 0, "step": 2}, encode({"hidden": hidden, "x": torch.zeros(1)}), 400),
-        ("bad positions", "good", {"start": 0, "step": 2},
-         encode({"hidden": hidden, "positions": torch.tensor([[0, 1, 9999]])}), 400),
-        ("gap in the cache", "good", {"start": 5, "step": 2}, encode({"hidden": hidden}), 400),
-        ("past capacity", "good", {"start": 0, "step": 2}, encode({"hidden": torch.randn(1, 17, 64)}), 400),
-        ("unknown session", "nope", {"start": 0, "step": 2}, encode({"hidden": hidden}), 404),
-        ("missing start", "good", {"step": 2}, encode({"hidden": hidden}), 400),
+        ("gap in the cache", "good", {"start": 5}, encode({"hidden": hidden}), 400),
+        ("past capacity", "good", {"start": 0}, encode({"hidden": torch.randn(1, 17, 64)}), 400),
+        ("unknown session", "nope", {"start": 0}, encode({"hidden": hidden}), 404),
+        ("missing start", "good", {}, encode({"hidden": hidden}), 400),
+        ("a route that is no URL", "good", {"start": 0, "route": ["ftp://x"]}, encode({"hidden": hidden}), 400),
     ]
-    for label, sid, params, body, status in cases:
-        r = httpx.post(fwd.format(sid), params=params, content=body, headers={**auth, "x-callback": "http://x"})
-        assert r.status_code == status, (label, r.text)
-        assert r.json()["error"]["message"], label
-    wrong_layers = httpx.post(url + "/sessions/y/open", json={"step": 1, "capacity": 8, "layers": [2, 4]},
-                              headers=auth)
-    assert wrong_layers.status_code == 409 and "[0, 2)" in wrong_layers.json()["error"]["message"]
-    bad_json = httpx.post(url + "/sessions/x/open", content=b"{", headers={**auth, "content-type": "application/json"})
-    assert bad_json.status_code == 400
-    assert httpx.post(url + "/sessions/x/open", json={"step": 1, "capacity": -3}, headers=auth).status_code == 400
-    big = httpx.post(fwd.format("good"), params={"start": 0, "step": 2}, content=b"0" * (65 * 2**20), headers=auth)
-    assert big.status_code == 413
-    # a stale step is refused; the session itself is untouched by everything above
-    assert httpx.post(url + "/sessions/good/commit", json={"step": 0, "kept": [0], "dest": 0},
-                      headers=auth).status_code == 409
-    info = httpx.get(url + "/info", headers=auth).json()
-    assert info["sessions"] == 1
-    assert httpx.delete(url + "/sessions/good", headers=auth).status_code == 200
+    for label, sid, fields, body, status in cases:
+        link.send({"op": "forward", "session": sid, "step": 2, **fields}, body)
+        header, _ = link.answer(sid, 2)
+        assert header["op"] == "error" and header["status"] == status, (label, header)
+        assert header["message"], label
+    wrong_layers = link.op("open", session="y", step=1, capacity=8, layers=[2, 4])
+    assert wrong_layers["status"] == 409 and "[0, 2)" in wrong_layers["message"]
+    assert link.op("open", session="x", step=1, capacity=-3)["status"] == 400
+    assert link.op("open", session="x" * 129, step=1, capacity=3)["status"] == 400
+    link.conn.send(b"\x05\x00")  # not a frame
+    assert link.wait(lambda h: h["op"] == "error")[0]["code"] == "invalid_frame"
+    # a stale step is refused
+    assert link.op("commit", session="good", step=0, kept=[0], dest=0)["code"] == "stale_step"
+    # a message over the worker's bound closes that link (1009) and nothing else
+    with pytest.raises(websockets.ConnectionClosed) as closed:
+        link.send({"op": "forward", "session": "good", "step": 2, "start": 0}, b"0" * (65 * 2**20))
+        link.answer("good", 2)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
+    assert httpx.get(url + "/info", headers=auth).json()["sessions"] == 1  # the session itself is untouched
+    other = TestLink(url, token_of(auth))
+    other.send({"op": "release", "session": "good"})
+    assert sessions(url, auth, 0)
+    other.close()
 
 
 def _stream(url: str, prompt: str, max_tokens: int):
@@ -343,9 +365,10 @@ def test_a_batch_message_gives_each_session_its_bits_alone_and_is_applied_once(t
     assert host.steps == {"a": 3, "b": 3, "a1": 3, "b1": 3}
 
 
-def test_the_batch_route_checks_its_message(worker):
+def test_the_batch_message_is_checked(worker):
     url, auth = worker
-    assert httpx.post(url + "/sessions/m/open", json={"step": 1, "capacity": 16}, headers=auth).status_code == 200
+    link = TestLink(url, token_of(auth))
+    assert link.op("open", session="m", step=1, capacity=16)["ok"]
 
     def batch(entries, rows=1, positions=None, **masks) -> bytes:
         from safetensors.torch import save
@@ -363,10 +386,11 @@ def test_the_batch_route_checks_its_message(worker):
         ("garbage", b"\x08\x00\x00\x00\x00\x00\x00\x00not json"),
     ]
     for label, body in cases:
-        r = httpx.post(url + "/batch/forward", content=body, headers={**auth, "x-callback": "http://x"})
-        assert r.status_code == 400, (label, r.text)
-        assert r.json()["error"]["message"], label
-    r = httpx.post(url + "/batch/forward", content=batch([["m", 0, 1, 2]]), headers={"x-callback": "http://x"})
-    assert r.status_code == 401
+        link.send({"op": "batch"}, body)
+        header, _ = link.answer(None, None)
+        assert header["op"] == "error" and header["status"] == 400, (label, header)
+        assert header["message"], label
     assert httpx.get(url + "/info", headers=auth).json()["sessions"] == 1  # nothing above touched the session
-    assert httpx.delete(url + "/sessions/m", headers=auth).status_code == 200
+    link.send({"op": "release", "session": "m"})
+    assert sessions(url, auth, 0)
+    link.close()

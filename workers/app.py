@@ -1,13 +1,8 @@
-"""The worker's HTTP API. Every route needs the cluster token (/health without one answers only that the worker
-is up). Errors are OpenAI-style error objects; an unexpected fault is a logged 500.
+"""The worker's HTTP API and its link endpoint. Every route needs the cluster token (/health without one answers
+only that the worker is up). Errors are OpenAI-style error objects; an unexpected fault is a logged 500.
 
-Tensor work runs inline on the event loop's thread: a worker serves one forward call at a time anyway,
-a thread hand-off per call measured about 1 ms, and one thread doing all tensor work keeps a single
-OpenMP team (see model/thread.py).
-
-A forward call's output goes straight to the next stage named in its X-Route header; the last stage posts
-it to the controller's callback (X-Callback). Each hop answers with a small JSON list of per-stage
-figures, so every link carries one hidden state per step and the replies stay tiny.
+HTTP is for control: assignment, profiling, link probes, info and health. Forward calls and session operations
+travel on links, persistent WebSockets at /link (workers/relay.py), whose handshake needs the token too.
 """
 
 from __future__ import annotations
@@ -15,49 +10,32 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager
-from typing import Annotated
 
 import httpx
 import torch
-from fastapi import Depends, FastAPI, Request
+import websockets
+from fastapi import Depends, FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
-from edgespec.model.kv_cache import KVCacheError
-from edgespec.model.kv_pool import CapacityError
-from edgespec.model.stage import SessionError, StepError
 from edgespec.model.timing import CONTEXTS, TOKENS
 from edgespec.workers.auth import bearer_ok
-from edgespec.workers.client import NODELAY
+from edgespec.workers.errors import ERRORS
 from edgespec.workers.head_client import Reach
 from edgespec.workers.head_routes import HeadHost, add_head_routes
-from edgespec.workers.host import AssignmentError, NotAssignedError, StageHost
+from edgespec.workers.host import StageHost
 from edgespec.workers.probe import measure_link
+from edgespec.workers.relay import Relay, ws_url
 from edgespec.workers.settings import WorkerSettings
-from edgespec.workers.wire import WireError, decode_batch
 
 log = logging.getLogger(__name__)
-SMALL_BODY = 64 * 2**10  # outputs up to this size are written to the socket at once
-MAX_SESSION_ID = 128  # characters of a session id (a path parameter, a fork's child, a batch entry's session)
-# (exception, status, code): what a worker's refusal means; the codes are OpenAI-style strings
-ERRORS = [(PermissionError, 401, "invalid_cluster_token"), (WireError, 400, "invalid_body"),
-          (KVCacheError, 400, "invalid_value"), (SessionError, 404, "session_not_found"),
-          (StepError, 409, "stale_step"), (NotAssignedError, 409, "not_assigned"),
-          (AssignmentError, 409, "wrong_assignment"), (CapacityError, 507, "kv_cache_full"),
-          (MemoryError, 507, "out_of_memory"), (FileNotFoundError, 400, "model_not_found"),
-          (ValueError, 400, "invalid_value")]
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-SessionId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_SESSION_ID)]
-Count = Annotated[int, Field(ge=0, lt=2**62)]  # steps, positions, capacities: far below int64's end
 
 
 class AssignBody(Strict):
@@ -80,25 +58,6 @@ class LinkBody(Strict):
     reps: int = Field(5, ge=1, le=50)
 
 
-class OpenBody(Strict):
-    step: Count
-    capacity: int = Field(ge=1, lt=2**62)
-    layers: list[int] | None = Field(None, min_length=2, max_length=2, description="[first, last) expected")
-
-
-class CommitBody(Strict):
-    step: Count
-    kept: list[Count]
-    dest: Count
-
-
-class ForkBody(Strict):
-    step: Count
-    child: SessionId
-    prefix_len: int = Field(ge=1, lt=2**62)
-    capacity: int = Field(ge=1, lt=2**62)
-
-
 class BodyError(ValueError):
     """A forward body without an acceptable Content-Length; `status` is 411 or 413."""
 
@@ -112,23 +71,6 @@ def _error(status: int, message: str, code: str | None = None, param: str | None
     kind = "server_error" if status >= 500 else "invalid_request_error"
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                         status_code=status)
-
-
-def hop_url(url: str) -> str:
-    """A next hop's base URL from X-Route or X-Callback, checked before any compute is spent on the call."""
-    try:
-        parsed = httpx.URL(url)
-    except Exception as exc:  # httpx.InvalidURL, or a TypeError for what is not text
-        raise ValueError(f"{url[:80]!r} is not a URL") from exc
-    if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise ValueError(f"{url[:80]!r} is not an http(s) URL")
-    return url
-
-
-def session_id(sid: str) -> str:
-    if not 0 < len(sid) <= MAX_SESSION_ID:
-        raise ValueError(f"a session id has 1 to {MAX_SESSION_ID} characters")
-    return sid
 
 
 async def _announce(client: httpx.AsyncClient, settings: WorkerSettings, name: str) -> None:
@@ -192,50 +134,24 @@ class _TokenAndLimits:
         await self.app(scope, receive_counted, send_checked)
 
 
-class Turns:
-    """Forward calls compute one at a time and, within a session, in step order (the segments of a pipelined
-    prefill may arrive out of order). A call keeps the turn until its output is handed to the network: the
-    next call's compute blocks the event loop, and must not hold back the transfer to the next stage."""
-
-    def __init__(self, host: StageHost, timeout_s: float):
-        self.host, self.timeout_s = host, timeout_s
-        self.cond = asyncio.Condition()
-        self.busy = False
-
-    async def acquire(self, steps: list[tuple[str, int]]) -> None:
-        """Wait for the turn of a call carrying these (session, step) pairs (a batch carries several)."""
-        async with self.cond:
-            try:
-                await asyncio.wait_for(self.cond.wait_for(
-                    lambda: not self.busy and all(self.host.ready(s, step) for s, step in steps)), self.timeout_s)
-            except TimeoutError:
-                raise StepError(f"steps {steps} waited {self.timeout_s:.0f} s for the steps before them") from None
-            self.busy = True
-
-    async def release(self) -> None:
-        async with self.cond:
-            self.busy = False
-            self.cond.notify_all()
-
-
 def create_worker_app(settings: WorkerSettings) -> FastAPI:
     host = StageHost(settings)
     if settings.threads:
         torch.set_num_threads(settings.threads)
 
+    relay = Relay(host, settings)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        limits = httpx.Limits(max_keepalive_connections=8, keepalive_expiry=60)
-        transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=NODELAY)
-        async with httpx.AsyncClient(timeout=settings.downstream_timeout_s, transport=transport) as client:
-            app.state.client = client
+        async with httpx.AsyncClient(timeout=settings.downstream_timeout_s) as client:
             announce = asyncio.create_task(_announce(client, settings, host.name)) if settings.join else None
             yield
             if announce is not None:
                 announce.cancel()
+            await relay.close()
 
     app = FastAPI(title="edgespec worker", lifespan=lifespan)
-    app.state.host = host
+    app.state.host, app.state.relay = host, relay
     app.add_middleware(_TokenAndLimits, settings=settings)
 
     async def require_token(request: Request) -> None:
@@ -283,7 +199,7 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
 
     @app.get("/info", dependencies=auth)
     async def info():
-        return host.info()
+        return host.info() | {"links": relay.tally.snapshot()}
 
     @app.post("/assign", dependencies=auth)
     async def assign(body: AssignBody):
@@ -294,124 +210,19 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
         # blocks this worker while it runs: profiling happens before serving or while re-planning
         return host.profile(body.model, body.dtype, body.tokens, body.contexts, body.reps)
 
-    @app.post("/probe/sink", dependencies=auth)
-    async def sink(request: Request):
-        return {"bytes": len(await request.body())}
-
     @app.post("/probe/link", dependencies=auth)
     async def probe_link(body: LinkBody):
         try:
-            return await measure_link(app.state.client, hop_url(body.target), settings.token, body.reps)
-        except httpx.HTTPError as exc:
+            return await measure_link(ws_url(body.target), settings.token, body.reps)
+        except (OSError, TimeoutError, websockets.WebSocketException) as exc:
             return _error(502, f"could not probe {body.target}: {type(exc).__name__}: {exc}")
 
-    @app.post("/sessions/{sid}/open", dependencies=auth)
-    async def open_session(sid: str, body: OpenBody):
-        host.open(session_id(sid), body.step, body.capacity, body.layers)
-        return {"ok": True}
+    @app.websocket("/link")
+    async def link(ws: WebSocket):
+        # the handshake carries the token: a stranger's link is refused before it opens (HTTP 403)
+        if not bearer_ok(ws.headers.get("authorization"), settings.token):
+            await ws.close(code=1008)
+            return
+        await relay.serve(ws, "inbound")
 
-    @app.post("/sessions/{sid}/commit", dependencies=auth)
-    async def commit(sid: str, body: CommitBody):
-        host.commit(session_id(sid), body.step, body.kept, body.dest)
-        return {"ok": True}
-
-    @app.post("/sessions/{sid}/fork", dependencies=auth)
-    async def fork(sid: str, body: ForkBody):
-        host.fork(session_id(sid), body.step, body.child, body.prefix_len, body.capacity)
-        return {"ok": True}
-
-    @app.delete("/sessions/{sid}", dependencies=auth)
-    async def release(sid: str):
-        host.release(sid)
-        return {"ok": True}
-
-    def int_param(request: Request, name: str) -> int:
-        value = request.query_params.get(name, "")
-        if not (value.isascii() and value.isdigit() and len(value) <= 18):  # below 2**62: no overflow downstream
-            raise ValueError(f"query parameter {name!r} must be a non-negative integer, got {value[:40]!r}")
-        return int(value)
-
-    turns = Turns(host, settings.downstream_timeout_s)
-
-    def next_hop(request: Request, path: str, params: dict, key: tuple[str, int]) -> tuple[str, dict, dict, bool]:
-        """Where this stage's output goes: (url, headers, query, whether it is another stage). `path` and
-        `params` address the next stage; the controller's callback takes the call's (session, step) key."""
-        route = [hop_url(u) for u in request.headers.get("x-route", "").split(",") if u]
-        callback = request.headers.get("x-callback")
-        if callback is not None:
-            hop_url(callback)
-        headers = {"authorization": f"Bearer {settings.token}", "content-type": "application/octet-stream"}
-        if route:
-            headers["x-route"] = ",".join(route[1:])
-            if callback:
-                headers["x-callback"] = callback
-            return route[0] + path, headers, params, True
-        if callback:
-            return callback, headers, {"session": key[0], "step": key[1]}, False
-        raise ValueError("a forward call needs an X-Route or an X-Callback header")
-
-    async def read_body(request: Request) -> bytes:
-        await require_token(request)
-        length = request.headers.get("content-length")
-        if length is None or not length.isdigit() or int(length) > settings.max_body_bytes:
-            raise BodyError(413 if length and length.isdigit() else 411,
-                            f"forward bodies need a Content-Length of at most {settings.max_body_bytes} bytes")
-        try:
-            return await request.body()
-        except ClientDisconnect:  # the sender died mid-body (a lost upstream worker): not this worker's fault
-            raise BodyError(400, "the sender went away before its body arrived") from None
-
-    async def relay(steps: list[tuple[str, int]], compute, target: str, headers: dict, params: dict):
-        """Compute in turn (compute() -> (output body, seconds)) and send the output to the next hop."""
-        await turns.acquire(steps)
-        post = None
-        try:
-            out, seconds = compute()
-            if len(out) > SMALL_BODY:  # a prefill segment: keep the turn until it is on its way
-                sent = asyncio.Event()
-
-                async def stream():
-                    yield out
-                    sent.set()  # the output is in the socket: the next call may compute
-
-                headers["content-length"] = str(len(out))
-                post = asyncio.create_task(app.state.client.post(target, content=stream(), headers=headers,
-                                                                 params=params))
-                handed = asyncio.create_task(sent.wait())
-                await asyncio.wait([post, handed], return_when=asyncio.FIRST_COMPLETED)
-                handed.cancel()
-        finally:
-            await turns.release()
-        try:
-            # a decoding step's output is small: it goes out at once, without a task and an event per hop
-            reply = await (post or app.state.client.post(target, content=out, headers=headers, params=params))
-        except httpx.HTTPError as exc:
-            return _error(502, f"stage {host.name} could not reach {target}: {type(exc).__name__}: {exc}")
-        if reply.status_code != 200:
-            try:
-                message = reply.json()["error"]["message"]
-            except Exception:
-                message = reply.text[:200]
-            return _error(502, f"{target} answered {reply.status_code}: {message}")
-        hop = {"stage": host.name, "bytes": len(out), "forward_ms": round(seconds * 1000, 3)}
-        return JSONResponse({"hops": [hop, *reply.json().get("hops", [])]})
-
-    async def forward(request: Request):
-        # Plain Starlette routes: the hot path skips FastAPI's dependency and parameter machinery.
-        body = await read_body(request)
-        sid = session_id(request.path_params["sid"])
-        start, step = int_param(request, "start"), int_param(request, "step")
-        target, headers, params, onward = next_hop(request, f"/sessions/{sid}/forward", {"start": start, "step": step},
-                                                   (sid, step))
-        return await relay([(sid, step)], lambda: host.forward(sid, step, start, body, onward), target, headers,
-                           params)
-
-    async def forward_batch(request: Request):
-        message = decode_batch(await read_body(request))
-        target, headers, params, onward = next_hop(request, "/batch/forward", {}, message.key)
-        return await relay([(s, step) for s, _, _, step in message.entries],
-                           lambda: host.forward_batch(message, onward), target, headers, params)
-
-    app.add_route("/sessions/{sid}/forward", forward, methods=["POST"])
-    app.add_route("/batch/forward", forward_batch, methods=["POST"])
     return app

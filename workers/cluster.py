@@ -29,11 +29,10 @@ class WorkerSpec:
 
 @dataclass
 class ClusterConfig:
-    """What a cluster file says: the shared token, the workers in pipeline order, the controller's URL."""
+    """What a cluster file says: the shared token and the workers in pipeline order."""
 
     token: str
     workers: list[WorkerSpec]
-    controller_url: str | None = None
     processes: list[subprocess.Popen] = field(default_factory=list)  # local workers we started
     respawn: Callable[[int], None] | None = None  # restart local worker i on a fresh port
 
@@ -45,7 +44,7 @@ class ClusterConfig:
         workers = [WorkerSpec(**w) for w in data.get("workers", [])]
         if not workers:
             raise ValueError(f"{path}: at least one [[workers]] entry with a url is required")
-        return cls(data["token"], workers, data.get("controller_url"))
+        return cls(data["token"], workers)
 
     def stop(self) -> None:
         """Stop the local workers we started (idempotent)."""

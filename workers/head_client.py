@@ -10,6 +10,7 @@ plays every projection device itself: two round trips per layer (the comparison'
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -22,10 +23,13 @@ from edgespec.model.headsplit import HeadSplitPipeline, SpeculationStats, blocks
 from edgespec.model.kv_pool import CapacityError
 from edgespec.model.stage import StageFailure
 from edgespec.planning.headsplit import LayerPlace
-from edgespec.workers.client import NODELAY, WorkerRef, _message
+from edgespec.workers.client import WorkerRef, _message
 from edgespec.workers.wire import decode, decode_group_kv, encode, encode_group_kv
 
 OCTETS = {"content-type": "application/octet-stream"}
+# a call may be written as headers, then body: with Nagle's algorithm on, the small second write can wait for
+# the peer's delayed ACK (a round trip per call on a real link)
+NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 
 
 class RemoteHeads:

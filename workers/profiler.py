@@ -27,6 +27,7 @@ from edgespec.model.weights import open_source
 from edgespec.planning.profile import ClusterProfile, Curve, DeviceProfile, LinkProfile
 from edgespec.workers.host import resident_bytes, total_memory_bytes
 from edgespec.workers.probe import measure_link
+from edgespec.workers.relay import ws_url
 
 CONTROLLER = "controller"
 
@@ -92,7 +93,7 @@ async def profile_workers(devices: list[Device], token: str, model: str | None, 
             profiles.append(DeviceProfile(d.name, curve, mem["budget_bytes"], mem["resident_bytes"], d.url))
             done(f"layers on {d.name}")
         for d in devices:
-            links.append(LinkProfile(CONTROLLER, d.name, **await measure_link(client, d.url, token, options.link_reps)))
+            links.append(LinkProfile(CONTROLLER, d.name, **await measure_link(ws_url(d.url), token, options.link_reps)))
             done(f"link {CONTROLLER}->{d.name}")
             others = [o for o in [*devices, *peers] if o is not d]
             pairs = [(d, o) for o in others] + [(o, d) for o in peers]
@@ -135,9 +136,12 @@ def profile_cluster(files: ModelFiles, model: str | None, dtype: str, devices: l
     return assemble(files, dtype, controller, workers, links, options)
 
 
+LINKS = "websocket"  # how stages talk; a profile of the HTTP calls before it measured another link cost
+
+
 def cache_path(files: ModelFiles, dtype: str, devices: list[Device], extra: dict) -> Path:
     """Where a profile of this model, dtype and device set (plus anything else it depends on) is cached."""
     key = json.dumps({"model": str(files.folder), "dtype": dtype, "devices": [d.name for d in devices],
-                      "host": platform.node(), **extra}, sort_keys=True)
+                      "host": platform.node(), "links": LINKS, **extra}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return Path.home() / ".cache" / "edgespec" / "profiles" / f"{Path(files.folder).name}-{dtype}-{digest}.json"

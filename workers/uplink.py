@@ -1,0 +1,214 @@
+"""The controller's links to its workers: one WebSocket per worker (workers/relay.py has the other side), each
+read by a thread of its own that files what arrives, for the model thread to take.
+
+A link is dialed when first used and again after it closed; on a new link the controller says hello with its
+id, so that results and errors of the steps it starts find their way back to it. A link that closes fails
+every wait on its worker's answers at once (a lost worker is known in milliseconds, not after the timeout),
+and every wait for a result, since the closed link may have been on the step's route.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import uuid
+
+import websockets
+from websockets.sync.client import ClientConnection, connect
+
+from edgespec.model.kv_pool import CapacityError
+from edgespec.model.stage import StageFailure
+from edgespec.workers.frames import MAX_HEADER, FrameError, pack, unpack
+from edgespec.workers.relay import ws_url
+
+MAX_MESSAGE = 64 * 2**20 + MAX_HEADER + 4  # a worker's default max_body_bytes, framed
+
+
+def refusal(worker: str, header: dict) -> Exception:
+    """The exception for a worker's error frame or failed ack: CapacityError for a full KV pool (507), as
+    in-process, else StageFailure (503 for the worker's own faults and lost next stages, 502 for refusals)."""
+    status = header.get("status", 500)
+    message = f"worker {worker}: {header.get('message', 'failed')}"
+    if status == 507:
+        return CapacityError(message)
+    failure = StageFailure(message, 503 if status >= 500 else 502)
+    failure.code = header.get("code")
+    return failure
+
+
+class Mailbox:
+    """Answers filed by the links' readers, taken by the model thread: results and errors by (session, step),
+    acks and pongs by message id."""
+
+    def __init__(self) -> None:
+        self._items: dict[object, tuple[dict, bytes] | Exception] = {}
+        self._waiting: dict[object, str | None] = {}  # key -> the worker whose link it waits on (None: any)
+        self._cond = threading.Condition()
+
+    def put(self, key, item: tuple[dict, bytes] | Exception) -> None:
+        with self._cond:
+            self._items[key] = item
+            self._cond.notify_all()
+
+    def expect(self, key, worker: str | None) -> None:
+        """Register a wait before sending what it answers, so that a link closing in between fails it."""
+        with self._cond:
+            self._waiting[key] = worker
+            self._items.pop(key, None)  # a stale answer to an earlier attempt of the same step
+
+    def take(self, key, timeout: float, what: str) -> tuple[dict, bytes]:
+        with self._cond:
+            try:
+                if not self._cond.wait_for(lambda: key in self._items, timeout):
+                    raise StageFailure(f"{what} never arrived", 504)
+                item = self._items.pop(key)
+            finally:
+                self._waiting.pop(key, None)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def fail(self, worker: str, why: str) -> None:
+        """A link closed: every wait on that worker's answers, and every wait for a result, fails now."""
+        with self._cond:
+            for key, on in self._waiting.items():
+                if key not in self._items and on in (worker, None):
+                    self._items[key] = StageFailure(f"the link to worker {worker} closed: {why}", 503)
+            self._cond.notify_all()
+
+    def forget(self, keys) -> None:
+        """Stop waiting for these keys (their request failed on another key)."""
+        with self._cond:
+            for key in keys:
+                self._waiting.pop(key, None)
+                self._items.pop(key, None)
+
+    def drop(self, session: str) -> None:
+        with self._cond:
+            for key in [k for k in self._items if isinstance(k, tuple) and k[0] == session]:
+                del self._items[key]
+
+
+class Uplink:
+    """The controller's link to one worker."""
+
+    def __init__(self, name: str, url: str, token: str, controller: str, mailbox: Mailbox, timeout_s: float,
+                 on_frame=None):
+        self.name, self.url, self.token, self.controller = name, url, token, controller
+        self.mailbox, self.timeout_s = mailbox, timeout_s
+        self.on_frame = on_frame  # on_frame(direction, nbytes): traffic figures
+        self.conn: ClientConnection | None = None
+        self.lock = threading.Lock()
+
+    def _dial(self) -> ClientConnection:
+        with self.lock:
+            if self.conn is None:
+                try:
+                    conn = connect(ws_url(self.url), additional_headers={"authorization": f"Bearer {self.token}"},
+                                   max_size=MAX_MESSAGE, compression=None, open_timeout=self.timeout_s,
+                                   ping_interval=None, close_timeout=1, legacy=True)
+                except (OSError, websockets.InvalidHandshake, TimeoutError) as exc:
+                    raise StageFailure(f"worker {self.name} is unreachable: {type(exc).__name__}: {exc}",
+                                       503) from None
+                conn.send(pack({"op": "hello", "controller": self.controller}))
+                self.conn = conn
+                threading.Thread(target=self._read, args=(conn,), name=f"link-{self.name}", daemon=True).start()
+            return self.conn
+
+    def send(self, data: bytes) -> None:
+        """Send a frame, on a new link when the last one closed; a failed send is tried once on a new link (a
+        retry, for the step numbers)."""
+        for attempt in range(2):
+            conn = self._dial()
+            try:
+                conn.send(data)
+                if self.on_frame:
+                    self.on_frame("sent", len(data))
+                return
+            except websockets.ConnectionClosed as exc:
+                self._closed(conn, str(exc))
+                if attempt:
+                    raise StageFailure(f"the link to worker {self.name} closed: {exc}", 503) from None
+
+    def send_if_linked(self, data: bytes) -> None:
+        """Send on the link if it is up, else not at all (a release: a worker without a link to this controller
+        may be down, and one that restarted has lost the session anyway)."""
+        conn = self.conn
+        if conn is not None:
+            with contextlib.suppress(websockets.ConnectionClosed):
+                conn.send(data)
+
+    def _closed(self, conn: ClientConnection, why: str) -> None:
+        with self.lock:
+            if self.conn is conn:
+                self.conn = None
+        self.mailbox.fail(self.name, why)
+
+    def _read(self, conn: ClientConnection) -> None:
+        try:
+            for data in conn:
+                if self.on_frame:
+                    self.on_frame("received", len(data))
+                try:
+                    header, body = unpack(data)
+                except FrameError:
+                    continue
+                op = header["op"]
+                if op == "result":
+                    self.mailbox.put((header.get("session"), header.get("step")), (header, body))
+                elif op == "error" and "session" in header:
+                    self.mailbox.put((header.get("session"), header.get("step")), refusal(self.name, header))
+                elif op in ("ack", "pong"):
+                    self.mailbox.put(header.get("id"), (header, body))
+            self._closed(conn, "closed by the worker")
+        except websockets.ConnectionClosed as exc:
+            self._closed(conn, str(exc))
+        except Exception as exc:  # a reader that dies must still fail the waits on it
+            self._closed(conn, f"{type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        with self.lock:
+            conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.close()
+
+
+class Uplinks:
+    """Links to every worker by URL, one mailbox for their answers, and request/ack over them."""
+
+    def __init__(self, token: str, timeout_s: float, on_frame=None):
+        self.token, self.timeout_s, self.on_frame = token, timeout_s, on_frame
+        self.controller = uuid.uuid4().hex
+        self.mailbox = Mailbox()
+        self.links: dict[str, Uplink] = {}
+        self.ids = itertools.count(1)
+
+    def link(self, name: str, url: str) -> Uplink:
+        link = self.links.get(url)
+        if link is None or link.name != name:
+            frame = (lambda direction, n, name=name: self.on_frame(name, direction, n)) if self.on_frame else None
+            link = self.links[url] = Uplink(name, url, self.token, self.controller, self.mailbox, self.timeout_s,
+                                            frame)
+        return link
+
+    def request(self, targets: list[tuple[str, str]], header: dict) -> list[dict]:
+        """Send `header` (an op answered by an ack) to every (name, url) at once; their acks in order, or the
+        first refusal raised (CapacityError, StageFailure with the worker's code)."""
+        ids = [(name, url, next(self.ids)) for name, url in targets]
+        try:
+            for name, url, mid in ids:
+                self.mailbox.expect(mid, name)
+                self.link(name, url).send(pack({**header, "id": mid}))
+            acks = [self.mailbox.take(mid, self.timeout_s, f"worker {name}'s answer to {header['op']}")[0]
+                    for name, _, mid in ids]
+        finally:
+            self.mailbox.forget([mid for _, _, mid in ids])
+        for (name, _, _), ack in zip(ids, acks, strict=True):
+            if not ack.get("ok"):
+                raise refusal(name, ack)
+        return acks
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
