@@ -1,9 +1,10 @@
 """In-process against N local workers, in one run: decode speed, time to first token and wire figures.
 
-    python -m bench.distributed --workers 4 --prompts ../shared/data/prompts/vicuna80.jsonl --out DIR
+    python -m edgespec.bench.distributed --workers 2,4 --prompts ../shared/data/prompts/vicuna80.jsonl --out DIR
 
-Starts both servers side by side and alternates them prompt by prompt, so drift in the machine's load
-hits both alike. Writes DIR/distributed.json and DIR/distributed.png.
+Starts every server side by side (in-process, and one over N local workers for each N) and alternates them
+prompt by prompt, so drift in the machine's load hits all alike. Writes DIR/distributed.json (with each
+setup's ratio to in-process) and DIR/distributed.png.
 """
 
 from __future__ import annotations
@@ -48,18 +49,19 @@ def start(args: list[str], log: Path, cpus: set[int] | None = None) -> tuple[sub
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--workers", default="4", help="worker counts, comma-separated")
     p.add_argument("--prompts", required=True)
     p.add_argument("--limit", type=int)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="weight format (default: the served one)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(Path(args.prompts), args.limit)
     common = ["--dtype", args.dtype, "--log-level", "warning"]
-    setups = {"in_process": common, f"{args.workers}_workers": [*common, "--local-workers", str(args.workers)]}
+    counts = [int(n) for n in args.workers.split(",")]
+    setups = {"in_process": common} | {f"{n}_workers": [*common, "--local-workers", str(n)] for n in counts}
     procs, urls = {}, {}
     try:
         for name, extra in setups.items():
@@ -80,16 +82,16 @@ def main(argv: list[str] | None = None) -> None:
             proc.terminate()
             proc.wait(30)
     result = {"settings": {"model": model, "prompts": len(prompts), "max_tokens": args.max_tokens,
-                           "dtype": args.dtype, "workers": args.workers}}
+                           "dtype": args.dtype, "workers": counts}}
     for name in setups:
         result[name] = summarise(runs[name])
         links = [r["server"]["wire_links"] for r in runs[name] if r["server"] and r["server"]["wire_links"]]
         if links:
             result[name]["decode_bytes_per_token_per_link"] = {
                 link: sorted(x[link]["decode_bytes_per_token"] for x in links)[len(links) // 2] for link in links[0]}
-    workers = result[f"{args.workers}_workers"]["median_decode_tokens_per_s"]
     local = result["in_process"]["median_decode_tokens_per_s"]
-    result["ratio_workers_to_in_process"] = round(workers / local, 4)
+    result["ratio_to_in_process"] = {
+        f"{n}_workers": round(result[f"{n}_workers"]["median_decode_tokens_per_s"] / local, 4) for n in counts}
     (out / "distributed.json").write_text(json.dumps(result, indent=2))
     plot(result, setups, out / "distributed.png")
     print(json.dumps(result, indent=2))
@@ -98,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
 def plot(result: dict, setups: dict, path: Path) -> None:
     names = list(setups)
     s = result["settings"]
-    title = f"{s['model']} {s['dtype']}, {s['prompts']} prompts: ratio {result['ratio_workers_to_in_process']}"
+    ratios = ", ".join(f"{k} {v}x" for k, v in result["ratio_to_in_process"].items())
+    title = f"{s['model']} {s['dtype']}, {s['prompts']} prompts: {ratios} of in-process"
     bar_chart(path, title, [
         ("median decode tokens/s (streaming API)", names, [result[n]["median_decode_tokens_per_s"] for n in names]),
         ("median time to first token (ms)", names, [result[n]["median_ttft_ms"] for n in names]),

@@ -30,7 +30,7 @@ class Metrics:
         self.drafter_seconds = Counter("edgespec_drafter_seconds", "time spent drafting", ["policy", "drafter"],
                                        registry=r)
         self.wire_bytes = Counter("edgespec_wire_bytes", "payload bytes sent over each link", ["link"], registry=r)
-        self.wire_requests = Counter("edgespec_wire_requests", "HTTP requests over each link", ["link"], registry=r)
+        self.wire_requests = Counter("edgespec_wire_requests", "messages over each link", ["link"], registry=r)
         self.stage_forward = Histogram("edgespec_stage_forward_seconds", "forward time per stage call", ["stage"],
                                        registry=r, buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2))
         self.kv_bytes = Gauge("edgespec_kv_cache_bytes", "bytes held by KV caches", registry=r)
