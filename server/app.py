@@ -8,10 +8,11 @@ import struct
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from sse_starlette import EventSourceResponse
 from starlette.datastructures import Headers
 
+from edgespec.server.dashboard import Dashboard, DashboardState
 from edgespec.server.errors import APIError, error_response, install_error_handlers
 from edgespec.server.protocol import (
     ChatCompletionRequest,
@@ -151,6 +152,20 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
     async def prometheus():
         metrics.kv_bytes.set(service.loaded.runner.kv_bytes())
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    # Like /health and /metrics, the dashboard asks for no API key: it is read-only and shows the same kind of
+    # figures (placement, counts, timings), never a request's contents.
+    dashboard = Dashboard(service)
+
+    @app.get("/dashboard", response_class=HTMLResponse)
+    async def dashboard_page():
+        """The live dashboard: one HTML page that polls /dashboard/state every second."""
+        return HTMLResponse(dashboard.page(), headers={"cache-control": "no-store"})
+
+    @app.get("/dashboard/state", response_model=DashboardState)
+    async def dashboard_state():
+        """The devices, placement, link traffic, requests, policies and re-plans, as the dashboard shows them."""
+        return dashboard.state()
 
     def model_card() -> dict:
         return {"id": service.model_id, "object": "model", "created": 0, "owned_by": "edgespec",
