@@ -33,25 +33,29 @@ def sh(*cmd: str, ns: str | None = None, check: bool = True) -> subprocess.Compl
 
 
 class Lan:
-    """A bridge namespace plus one namespace per device, each linked by a shaped veth pair."""
+    """A bridge namespace plus one namespace per device, each linked by a shaped veth pair. `prefix` names the
+    namespaces (PREFIX-lan, PREFIX-DEVICE), so that two Lans can exist at once; `subnet` is their /24."""
 
-    def __init__(self, devices: list[str], rate: str, delay_ms: float):
-        self.devices, self.rate, self.delay_ms = devices, rate, delay_ms
-        self.namespaces = [f"{PREFIX}-lan"] + [f"{PREFIX}-{d}" for d in devices]
+    def __init__(self, devices: list[str], rate: str, delay_ms: float, prefix: str = PREFIX, subnet: str = SUBNET):
+        self.devices, self.rate, self.delay_ms, self.prefix, self.subnet = devices, rate, delay_ms, prefix, subnet
+        self.namespaces = [f"{prefix}-lan"] + [self.ns(d) for d in devices]
         self.notes: list[str] = []
 
+    def ns(self, device: str) -> str:
+        return f"{self.prefix}-{device}"
+
     def ip(self, device: str) -> str:
-        return f"{SUBNET}.{10 + self.devices.index(device)}"
+        return f"{self.subnet}.{10 + self.devices.index(device)}"
 
     def up(self) -> None:
-        lan = f"{PREFIX}-lan"
+        lan = f"{self.prefix}-lan"
         for ns in self.namespaces:
             sh("ip", "netns", "add", ns)
             sh("ip", "link", "set", "lo", "up", ns=ns)
         sh("ip", "link", "add", "br0", "type", "bridge", ns=lan)
         sh("ip", "link", "set", "br0", "up", ns=lan)
         for d in self.devices:
-            ns, outer = f"{PREFIX}-{d}", f"b-{d}"
+            ns, outer = self.ns(d), f"b-{d}"
             sh("ip", "link", "add", "eth0", "type", "veth", "peer", "name", outer, ns=ns)
             sh("ip", "link", "set", outer, "netns", lan, ns=ns)
             sh("ip", "addr", "add", f"{self.ip(d)}/24", "dev", "eth0", ns=ns)
@@ -75,7 +79,19 @@ class Lan:
                 self.notes.append(note)
         sh("tc", "qdisc", "add", "dev", dev, "root", *tbf, ns=ns)
 
+    def join_root(self, address: str) -> None:
+        """An unshaped veth from the calling (root) namespace to the bridge, at `address` in the subnet (devices
+        are .10 and up), so that this process reaches the devices directly; down() removes it."""
+        host, bridge = f"{self.prefix}-host", f"{self.prefix}-br"
+        sh("ip", "link", "add", host, "type", "veth", "peer", "name", bridge)
+        sh("ip", "link", "set", bridge, "netns", f"{self.prefix}-lan")
+        sh("ip", "link", "set", bridge, "master", "br0", ns=f"{self.prefix}-lan")
+        sh("ip", "link", "set", bridge, "up", ns=f"{self.prefix}-lan")
+        sh("ip", "addr", "add", f"{address}/24", "dev", host)
+        sh("ip", "link", "set", host, "up")
+
     def down(self) -> None:
+        sh("ip", "link", "del", f"{self.prefix}-host", check=False)  # join_root's; gone with the bridge anyway
         for ns in self.namespaces:
             sh("ip", "netns", "del", ns, check=False)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from functools import partial
 from pathlib import Path
 
 from edgespec.decoding.draft_model import DraftModel
@@ -27,12 +28,13 @@ from edgespec.model.weights import open_source
 from edgespec.planning.headsplit import head_card, place, profiled_alphas, profiled_devices
 from edgespec.planning.plan import PlanOptions
 from edgespec.planning.profile import ClusterProfile
+from edgespec.server.discovery import find_workers, watching
 from edgespec.server.headsplit_cluster import HeadSplitCluster
 from edgespec.server.metrics import Metrics
 from edgespec.server.replanner import ClusterManager, prefill_cuts
 from edgespec.server.settings import ServeSettings
 from edgespec.workers.client import RemotePipeline
-from edgespec.workers.cluster import ClusterConfig, launch_local_workers, parse_ranges, wait_healthy
+from edgespec.workers.cluster import ClusterConfig, WorkerSpec, launch_local_workers, parse_ranges, wait_healthy
 from edgespec.workers.profiler import Device, ProfileOptions, cache_path, profile_cluster
 
 log = logging.getLogger(__name__)
@@ -92,10 +94,24 @@ def observe_runner(runner: ModelRunner, metrics: Metrics) -> None:
     metrics.observe_admission(runner.admission)
 
 
+async def discover_workers(settings: ServeSettings) -> list[WorkerSpec]:
+    """`serve --discover` at start: the workers on the LAN that prove the token, within the settings' bounds."""
+    log.info("looking for %d worker(s) on the LAN for up to %.0f s", settings.discover_workers,
+             settings.discover_wait_s)
+    found = await find_workers(settings.cluster_token, settings.discover_workers, settings.discover_wait_s)
+    if not found:
+        log.warning("no worker found on the LAN within %.0f s: serving every layer here until workers are found",
+                    settings.discover_wait_s)
+    elif len(found) < settings.discover_workers:
+        log.warning("found %d of %d worker(s) within %.0f s: starting with them; more join when found", len(found),
+                    settings.discover_workers, settings.discover_wait_s)
+    return found
+
+
 def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[LoadedModel, ClusterManager | None]:
     thread = ModelThread(settings.threads or os.cpu_count() or 1)
     files = resolve_model(settings.model)  # converts a GGUF once, before any worker needs the cache
-    if not settings.local_workers and not settings.cluster:
+    if not settings.local_workers and not settings.cluster and not settings.discover:
         loaded = load_local(files, settings.dtype, settings.kv_cache_gib, thread, runner_options(settings, None),
                             settings.kv_prefault)
         observe_runner(loaded.runner, metrics)
@@ -103,10 +119,13 @@ def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[Loaded
     if settings.local_workers:
         config = launch_local_workers(settings.local_workers, settings.model, settings.worker_threads,
                                       settings.worker_cpus, avoid=settings.port, prefault=settings.kv_prefault)
+    elif settings.discover:  # proven by their /health just now
+        config = ClusterConfig(settings.cluster_token, asyncio.run(discover_workers(settings)))
     else:
         config = ClusterConfig.from_file(Path(settings.cluster))
     try:
-        asyncio.run(wait_healthy(config, timeout_s=120))
+        if not settings.discover:
+            asyncio.run(wait_healthy(config, timeout_s=120))
         devices = [Device(spec.name or f"worker{i}", spec.url) for i, spec in enumerate(config.workers)]
         profile_options = ProfileOptions()
         profile = obtain_profile(settings, files, devices, config.token, thread, profile_options)
@@ -115,12 +134,20 @@ def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[Loaded
         manager = ClusterManager(settings, config, devices, profile, metrics, options, profile_options)
         manager.pipeline = RemotePipeline([], config.token, settings.model, settings.dtype, settings.stage_timeout_s,
                                           metrics.observe_hop)
-        log.info("placement (%s): %s", settings.placement,
-                 ", ".join(f"{s.device} [{s.first}, {s.last})" for s in manager.plan.stages))
-        manager.apply(manager.plan)
-        loaded = load_with_pipeline(files, settings.dtype, manager.pipeline, thread,
-                                    options=runner_options(settings, manager))
+        if devices:
+            log.info("placement (%s): %s", settings.placement,
+                     ", ".join(f"{s.device} [{s.first}, {s.last})" for s in manager.plan.stages))
+            manager.apply(manager.plan)
+            loaded = load_with_pipeline(files, settings.dtype, manager.pipeline, thread,
+                                        options=runner_options(settings, manager))
+        else:  # --discover found none: every layer here, as after losing every worker, until one joins
+            loaded = load_local(files, settings.dtype, settings.kv_cache_gib, thread,
+                                runner_options(settings, manager), settings.kv_prefault)
+            loaded.runner.cuts = prefill_cuts(settings, None)
+            manager.here = loaded.runner.pipeline
         manager.runner = loaded.runner
+        if settings.discover:
+            manager.watch = partial(watching, token=config.token)
         observe_runner(loaded.runner, metrics)
     except BaseException:
         config.stop()

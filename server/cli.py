@@ -40,6 +40,13 @@ def _serve_parser(sub) -> None:
     p.add_argument("--log-level")
     p.add_argument("--local-workers", type=int, help="start N worker processes on loopback and serve through them")
     p.add_argument("--cluster", help="TOML file naming running workers (see config/cluster.example.toml)")
+    p.add_argument("--discover", action="store_true", default=None, help="find workers on the LAN by mDNS/DNS-SD "
+                   "and adopt those that prove the cluster token (instead of --cluster)")
+    p.add_argument("--cluster-token", help="the cluster's shared token, for --discover (better: the environment "
+                   "variable EDGESPEC_CLUSTER_TOKEN, which other users cannot read in the process list)")
+    p.add_argument("--discover-workers", type=int, help="with --discover: workers to wait for at start (default 1)")
+    p.add_argument("--discover-wait-s", type=float, help="with --discover: how long to wait for them (default 30); "
+                   "then serve with those found, or in-process until one is found")
     p.add_argument("--worker-threads", type=int, help="torch threads of each local worker (0: all cores)")
     p.add_argument("--stage-timeout-s", type=float, help="timeout of one call to a worker (default 60)")
     p.add_argument("--recover-probe-s", type=float, help="after a failed call, a worker that does not answer "
@@ -110,6 +117,11 @@ def _worker_parser(sub) -> None:
     p.add_argument("--log-level")
     p.add_argument("--join", help="controller URL to announce this worker to at start-up")
     p.add_argument("--advertise-url", help="URL at which the controller reaches this worker (with --join)")
+    p.add_argument("--announce", action=argparse.BooleanOptionalAction, default=None,
+                   help="announce this worker on the LAN (mDNS/DNS-SD, never the token) for `serve --discover` "
+                   "(default: on when --host is not a loopback address)")
+    p.add_argument("--announce-address", action="append", help="IPv4 address to announce (repeatable; default: "
+                   "the --host address, or the host's LAN addresses with --host 0.0.0.0)")
     p.add_argument("--max-header-bytes", type=int, help="largest request line and headers (default 32 KiB; more: 431)")
     p.add_argument("--max-body-bytes", type=int, help="largest request body (default 64 MiB; more: 413)")
 

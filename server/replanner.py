@@ -13,6 +13,7 @@ workers answer again. No tensor code here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, replace
@@ -66,7 +67,9 @@ class ClusterManager:
         self.options, self.profile_options = options, profile_options
         # the workers' URLs now (a cached profile may name old ones of the same workers)
         self.members = {d.name: Member(d.name, d.url) for d in devices}
-        self.plan: Plan = self.make_plan(profile)
+        # no workers (`serve --discover` found none yet): the controller holds every layer (`here`, set by
+        # boot.py) until one joins
+        self.plan: Plan = self.make_plan(profile) if devices else Plan(profile.model.name, [], 0.0, 0.0, 0.0, 0)
         self.pipeline: RemotePipeline | None = None
         self.runner = None  # set once the controller's model is loaded
         self.here = None  # the in-process pipeline of every layer, while no placement over workers fits
@@ -74,6 +77,8 @@ class ClusterManager:
         self.broken = False  # the last placement failed to apply: try again at the next check
         self.lock = asyncio.Lock()
         self.recovering = asyncio.Lock()
+        self.wake = asyncio.Event()  # nudge(): check now, not at the next interval
+        self.watch = None  # an async context manager factory run beside the checks: LAN discovery (--discover)
 
     # planning
 
@@ -211,13 +216,29 @@ class ClusterManager:
         """A worker announced itself; it is profiled and planned in at the next check."""
         self.pending_joins.append(Device(name, url.rstrip("/")))
 
+    def nudge(self) -> None:
+        """Check the workers now rather than at the next interval."""
+        self.wake.set()
+
+    def depart(self, name: str) -> None:
+        """A worker said it is leaving (its DNS-SD service went away): the check comes now, and one more miss
+        makes it lost (planned out); a worker that still answers stays."""
+        m = self.members.get(name)
+        if m is not None and m.up:
+            m.misses = max(m.misses, MISSES_TO_LOSE - 1)
+        self.nudge()
+
     async def monitor(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.monitor_interval_s)
-            try:
-                await self.check()
-            except Exception:  # the watch must go on whatever one check met
-                log.exception("cluster check failed")
+        """Check the workers every monitor_interval_s, or at once when nudged; `watch` runs meanwhile."""
+        async with self.watch(self) if self.watch is not None else contextlib.nullcontext():
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.wake.wait(), self.settings.monitor_interval_s)
+                self.wake.clear()
+                try:
+                    await self.check()
+                except Exception:  # the watch must go on whatever one check met
+                    log.exception("cluster check failed")
 
     async def _info(self, client: httpx.AsyncClient, m: Member) -> dict | None:
         try:

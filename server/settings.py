@@ -44,6 +44,13 @@ class ServeSettings(BaseSettings):
     queue_timeout_s: float = Field(60.0, gt=0, description="how long a request may wait for KV cache room")
     local_workers: int = Field(0, ge=0, description="start N worker processes on loopback and serve through them")
     cluster: str | None = Field(None, description="TOML file naming running workers (see config/)")
+    discover: bool = Field(False, description="find workers on the LAN by mDNS/DNS-SD (`edgespec worker` announces "
+                           "itself) and adopt those that prove cluster_token; the explicit alternative: cluster")
+    cluster_token: str | None = Field(None, min_length=1, description="the cluster's shared token, for --discover "
+                                      "(EDGESPEC_CLUSTER_TOKEN; a cluster file carries its own)")
+    discover_workers: int = Field(1, ge=0, description="with --discover: workers to wait for at start")
+    discover_wait_s: float = Field(30.0, ge=0, description="with --discover: how long to wait for them at start; "
+                                   "then serve with those found (none: every layer in-process until one is found)")
     stage_timeout_s: float = Field(60.0, gt=0, description="timeout of one call to a worker")
     recover_probe_s: float = Field(5.0, gt=0, description="after a failed call, a worker that does not answer "
                                    "within this is taken for lost and planned out (at most the stage timeout)")
@@ -112,6 +119,14 @@ class ServeSettings(BaseSettings):
         """Every accepted API key (flags, environment and --api-key-file); empty: /v1 routes are open."""
         from_file = read_key_file(self.api_key_file) if self.api_key_file else []
         return tuple(dict.fromkeys([*self.api_key, *from_file]))
+
+    @model_validator(mode="after")
+    def _one_way_to_workers(self) -> ServeSettings:
+        if self.discover and (self.cluster or self.local_workers):
+            raise ValueError("--discover finds the workers itself: not with --cluster or --local-workers")
+        if self.discover and not self.cluster_token:
+            raise ValueError("--discover needs the cluster's token: --cluster-token or EDGESPEC_CLUSTER_TOKEN")
+        return self
 
     @model_validator(mode="after")
     def _draft_bounds(self) -> ServeSettings:

@@ -19,6 +19,7 @@ from edgespec.server.cli import build_parser, serve_settings
 from edgespec.server.http_limits import MAX_HEADERS, uvicorn_http_options
 from edgespec.workers import auth
 from edgespec.workers.app import create_worker_app
+from edgespec.workers.auth import proof_ok
 from edgespec.workers.settings import WorkerSettings
 
 TOKEN = "cluster-secret"
@@ -220,3 +221,12 @@ def test_the_real_server_refuses_oversized_heads(server_url):
     assert r.status_code == 431 and assert_error_object(r)["code"] == "headers_too_large"
     r = httpx.get(server_url + "/v1/models", headers={"authorization": "Bearer test-key", "x-fine": "a" * 2**12})
     assert r.status_code == 200
+
+
+def test_a_worker_proves_the_token_to_a_challenge_without_sending_it(worker):
+    challenge = "c" * 32
+    body = worker.get("/health", params={"challenge": challenge}).json()
+    assert proof_ok(TOKEN, challenge, body["proof"]) and not proof_ok("another", challenge, body["proof"])
+    assert TOKEN not in json.dumps(body)
+    short = worker.get("/health", params={"challenge": "c"}).json()  # too short to be a challenge: liveness only
+    assert short == {"status": "ok"}

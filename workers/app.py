@@ -22,7 +22,8 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgespec.model.timing import CONTEXTS, TOKENS
-from edgespec.workers.auth import bearer_ok
+from edgespec.workers.auth import bearer_ok, proof
+from edgespec.workers.discovery import announced
 from edgespec.workers.errors import ERRORS
 from edgespec.workers.head_client import Reach
 from edgespec.workers.head_routes import HeadHost, add_head_routes
@@ -143,7 +144,8 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        async with httpx.AsyncClient(timeout=settings.downstream_timeout_s) as client:
+        async with httpx.AsyncClient(timeout=settings.downstream_timeout_s) as client, \
+                announced(settings, host.name):  # DNS-SD on the LAN, for `serve --discover`
             announce = asyncio.create_task(_announce(client, settings, host.name)) if settings.join else None
             yield
             if announce is not None:
@@ -192,6 +194,11 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
         # holds, only with the cluster's token. A wrong token is refused, so that a misconfigured controller
         # learns it at once.
         authorization = request.headers.get("authorization")
+        challenge = request.query_params.get("challenge")
+        if authorization is None and challenge is not None and 16 <= len(challenge) <= 128:
+            # discovery (server/discovery.py): prove the token without either side sending it
+            return {"status": "ok", "name": host.name, "instance": host.instance,
+                    "proof": proof(settings.token, challenge)}
         if authorization is None:
             return {"status": "ok"}
         await require_token(request)

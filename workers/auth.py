@@ -12,6 +12,16 @@ def _digest(text: str) -> bytes:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
 
+def proof(secret: str, challenge: str) -> str:
+    """Proof that the answerer holds `secret`, without sending it: HMAC-SHA256 of the challenge (hex)."""
+    return hmac.new(_digest(secret), challenge.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
+
+
+def proof_ok(secret: str, challenge: str, given) -> bool:
+    """Whether `given` is proof(secret, challenge), compared in constant time."""
+    return isinstance(given, str) and hmac.compare_digest(_digest(given), _digest(proof(secret, challenge)))
+
+
 def bearer_ok(authorization: str | None, secret: str) -> bool:
     """True when an Authorization header is `Bearer <secret>` (compared in constant time)."""
     return any_bearer_ok(authorization, (secret,))

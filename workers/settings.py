@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+import ipaddress
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class WorkerSettings(BaseSettings):
@@ -26,4 +29,18 @@ class WorkerSettings(BaseSettings):
     downstream_timeout_s: float = Field(120.0, gt=0)
     join: str | None = Field(None, description="controller URL to announce this worker to at start-up")
     advertise_url: str | None = Field(None, description="URL at which the controller reaches this worker")
+    announce: bool | None = Field(None, description="announce this worker on the LAN by mDNS/DNS-SD (never the "
+                                  "token) for `serve --discover`; default: when what it would announce is not loopback")
+    announce_address: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="IPv4 addresses to announce (the flag repeated, or comma-separated); "
+        "default: the bound address, or the host's LAN addresses when bound to 0.0.0.0")
     log_level: str = "warning"
+
+    @field_validator("announce_address", mode="before")
+    @classmethod
+    def _ipv4_addresses(cls, v):
+        items = [] if v is None else [v] if isinstance(v, str) else list(v)
+        addresses = [a.strip() for item in items for a in str(item).split(",") if a.strip()]
+        for a in addresses:  # published as A records: IPv4 only
+            ipaddress.IPv4Address(a)  # ValueError: the settings are refused at start
+        return addresses
