@@ -168,11 +168,12 @@ def test_worker_validates_inputs_and_keeps_other_sessions(worker):
     assert link.wait(lambda h: h["op"] == "error")[0]["code"] == "invalid_frame"
     # a stale step is refused
     assert link.op("commit", session="good", step=0, kept=[0], dest=0)["code"] == "stale_step"
-    # a message over the worker's bound closes that link (1009) and nothing else
+    # a message over the worker's bound closes that link and nothing else: the sender sees the close (1009), or,
+    # when the worker closed while the 65 MiB were still being written, the connection reset
     with pytest.raises(websockets.ConnectionClosed) as closed:
         link.send({"op": "forward", "session": "good", "step": 2, "start": 0}, b"0" * (65 * 2**20))
         link.answer("good", 2)
-    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
+    assert closed.value.rcvd is None or closed.value.rcvd.code == 1009
     assert httpx.get(url + "/info", headers=auth).json()["sessions"] == 1  # the session itself is untouched
     other = TestLink(url, token_of(auth))
     other.send({"op": "release", "session": "good"})
