@@ -60,11 +60,9 @@ class LinkBody(Strict):
 
 
 class BodyError(ValueError):
-    """A forward body without an acceptable Content-Length; `status` is 411 or 413."""
+    """A request body past max_body_bytes, found while it arrives (answered 413)."""
 
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
+    status = 413
 
 
 def _error(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
@@ -123,7 +121,7 @@ class _TokenAndLimits:
                 received += len(message.get("body", b""))
                 if received > limit:
                     exceeded = True
-                    raise BodyError(413, f"more than {limit} bytes")  # answered below, whatever the app made of it
+                    raise BodyError(f"more than {limit} bytes")  # answered below, whatever the app made of it
             return message
 
         async def send_checked(message):
