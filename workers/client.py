@@ -37,12 +37,12 @@ class RemotePipeline:
     """Workers in layer order, used as one Stage by the ModelRunner."""
 
     def __init__(self, workers: list[WorkerRef], token: str, model: str | None, dtype: str, timeout_s: float = 60.0,
-                 on_hop=None, on_frame=None):
+                 on_hop=None):
         self.model, self.dtype = model, dtype
         self.timeout_s = timeout_s
         self.on_hop = on_hop  # on_hop(link, bytes, stage, forward_ms): metrics
         self.http = httpx.Client(headers={"authorization": f"Bearer {token}"}, timeout=timeout_s)  # assignment
-        self.links = Uplinks(token, timeout_s, on_frame)
+        self.links = Uplinks(token, timeout_s)
         self.steps: dict[str, int] = defaultdict(int)
         self.wire_stats: dict[str, dict[str, list[int]]] = {}
         self.replace(workers)

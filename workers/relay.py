@@ -59,7 +59,10 @@ def session_id(value) -> str:
 
 def count(header: dict, name: str) -> int:
     """A non-negative integer field (step, start, capacity...) below 2**62: no overflow downstream."""
-    value = header.get(name)
+    return nonneg(header.get(name), name)
+
+
+def nonneg(value, name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**62:
         raise ValueError(f"{name} must be a non-negative integer, got {str(value)[:40]!r}")
     return value
@@ -168,7 +171,7 @@ class Relay:
                 kept = h.get("kept")
                 if not isinstance(kept, list) or len(kept) > 2**16:
                     raise ValueError("kept must be a list of slots")
-                self.host.commit(sid, step, [count({"slot": k}, "slot") for k in kept], count(h, "dest"))
+                self.host.commit(sid, step, [nonneg(k, "a kept slot") for k in kept], count(h, "dest"))
             else:
                 self.host.fork(sid, step, session_id(h.get("child")), count(h, "prefix_len") or 1,
                                count(h, "capacity") or 1)

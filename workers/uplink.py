@@ -93,11 +93,9 @@ class Mailbox:
 class Uplink:
     """The controller's link to one worker."""
 
-    def __init__(self, name: str, url: str, token: str, controller: str, mailbox: Mailbox, timeout_s: float,
-                 on_frame=None):
+    def __init__(self, name: str, url: str, token: str, controller: str, mailbox: Mailbox, timeout_s: float):
         self.name, self.url, self.token, self.controller = name, url, token, controller
         self.mailbox, self.timeout_s = mailbox, timeout_s
-        self.on_frame = on_frame  # on_frame(direction, nbytes): traffic figures
         self.conn: ClientConnection | None = None
         self.lock = threading.Lock()
 
@@ -123,8 +121,6 @@ class Uplink:
             conn = self._dial()
             try:
                 conn.send(data)
-                if self.on_frame:
-                    self.on_frame("sent", len(data))
                 return
             except websockets.ConnectionClosed as exc:
                 self._closed(conn, str(exc))
@@ -148,8 +144,6 @@ class Uplink:
     def _read(self, conn: ClientConnection) -> None:
         try:
             for data in conn:
-                if self.on_frame:
-                    self.on_frame("received", len(data))
                 try:
                     header, body = unpack(data)
                 except FrameError:
@@ -177,8 +171,8 @@ class Uplink:
 class Uplinks:
     """Links to every worker by URL, one mailbox for their answers, and request/ack over them."""
 
-    def __init__(self, token: str, timeout_s: float, on_frame=None):
-        self.token, self.timeout_s, self.on_frame = token, timeout_s, on_frame
+    def __init__(self, token: str, timeout_s: float):
+        self.token, self.timeout_s = token, timeout_s
         self.controller = uuid.uuid4().hex
         self.mailbox = Mailbox()
         self.links: dict[str, Uplink] = {}
@@ -187,9 +181,7 @@ class Uplinks:
     def link(self, name: str, url: str) -> Uplink:
         link = self.links.get(url)
         if link is None or link.name != name:
-            frame = (lambda direction, n, name=name: self.on_frame(name, direction, n)) if self.on_frame else None
-            link = self.links[url] = Uplink(name, url, self.token, self.controller, self.mailbox, self.timeout_s,
-                                            frame)
+            link = self.links[url] = Uplink(name, url, self.token, self.controller, self.mailbox, self.timeout_s)
         return link
 
     def request(self, targets: list[tuple[str, str]], header: dict) -> list[dict]:
