@@ -5,12 +5,13 @@ without speculation and HeadSplit on the same prompt over real local workers.
 
 Workers are pinned one per core with one thread each. Layer-based runs through `edgespec serve --local-workers
 N` (the planner's layer pipeline); the head modes run on N workers of their own through workers/head_client.py,
-the projection worker gathering each layer and calling its peers (the controller sees one call per token), and
+the projection worker gathering each layer and calling its peers over its links to them (the controller sees one
+call per token on its link), and
 all decode the same prompt greedily for --tokens tokens (bf16). Head modes:
 - head-level: KV groups spread evenly over the workers, no speculation (also with the controller gathering
   every layer itself, to show what gathering at a worker saves);
 - HeadSplit at each epsilon, placed by the planner from the shipped profile's acceptance and block times and
-  the measured round trip plus 15%;
+  the measured round trip of a call on a link plus 15%;
 - HeadSplit with groups spread and every layer after the first speculating, to show what the overlap does when
   speculation runs (the planner may enable none on this machine).
 Also the held-out perplexity of each HeadSplit mode's speculation against exact (the profile's held-out
@@ -44,7 +45,7 @@ from edgespec.model.timing import model_card
 from edgespec.model.weights import open_source
 from edgespec.planning.headsplit import LayerPlace, head_card, place, profiled_alphas, profiled_devices, spread
 from edgespec.workers.cluster import launch_local_workers, wait_healthy
-from edgespec.workers.head_client import remote_headsplit
+from edgespec.workers.head_client import call_ms, remote_headsplit
 
 PROMPT = "What are some tips for staying healthy while working from home?"
 DISTILL = Path.home() / ".cache" / "edgespec" / "distill"
@@ -67,17 +68,6 @@ def layer_based(workers: int, tokens: int, log: Path) -> dict:
     return {"median_ms_per_token": round(1000 / statistics.median(r["decode_tokens_per_s"] for r in runs), 3),
             "payload_bytes_per_token": round(statistics.median(r["wire_bytes_per_token"] for r in runs), 1),
             "calls_per_token": round(statistics.median(r["wire_requests_per_token"] for r in runs), 2)}
-
-
-def round_trip_ms(url: str, token: str, n: int = 50) -> float:
-    """Median round trip of a small authenticated call to a worker, from this process."""
-    with httpx.Client(headers={"authorization": f"Bearer {token}"}) as http:
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            http.get(url + "/heads/memory").raise_for_status()
-            times.append(1000 * (time.perf_counter() - t0))
-    return statistics.median(times)
 
 
 def head_mode(urls: dict[str, str], token: str, cfg: ModelConfig, layers: list[LayerPlace], epsilon: float,
@@ -146,7 +136,8 @@ def run(args: argparse.Namespace) -> dict:
         asyncio.run(wait_healthy(config, 120))
         urls = {w.name: w.url for w in config.workers}
         names = list(urls)
-        rtt = round_trip_ms(config.workers[0].url, config.token)
+        # the cost of a call on a link besides the compute: a bf16 hidden state out, a small answer back
+        rtt = call_ms(config.workers[0].url, config.token, cfg.hidden_size * 2)
 
         def mode(label: str, layers: list[LayerPlace], epsilon: float, gathered: bool = True) -> None:
             placements[label] = (layers, epsilon)

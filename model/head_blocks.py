@@ -11,6 +11,8 @@ moved layer 0's groups from two devices to one and a greedy stream at epsilon 0 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -23,6 +25,19 @@ from edgespec.model.stage import SessionError, StepError
 from edgespec.model.weights import TensorSource, load_attention, load_ffn
 
 GroupKV = dict[str, dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]]  # session -> layer -> group -> (k, v)
+
+
+class Deferred:
+    """An in-process device call, computed when its result is first taken (after the remote calls started beside
+    it were sent); the interface of a pending device call: `result()`."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor]):
+        self._fn, self._done = fn, None
+
+    def result(self) -> torch.Tensor:
+        if self._done is None:
+            self._done = (self._fn(),)
+        return self._done[0]
 
 
 class GroupBlocks(nn.Module):
@@ -42,8 +57,8 @@ class GroupBlocks(nn.Module):
 
 class HeadBlocks:
     """The blocks one device holds, groups[l] of layer l's KV groups and the FFN of the layers in `ffns`, with
-    each session's caches of those groups. The device interface HeadSplitPipeline drives (a worker proxies the
-    same calls over HTTP)."""
+    each session's caches of those groups. The device interface HeadSplitPipeline drives (a worker's proxy makes
+    the same calls over a link: workers/head_client.py)."""
 
     def __init__(self, src: TensorSource, cfg: ModelConfig, dtype: WeightFormat | torch.dtype,
                  groups: dict[int, list[int]], ffns: list[int]):
@@ -192,6 +207,15 @@ class HeadBlocks:
         out = block(norm(x.to(self.dtype)), self.rotary(positions), cache, start, mask)
         cache.length = start + t
         return out
+
+    def start_attend(self, session: str, layer: int, x: torch.Tensor, positions: torch.Tensor, start: int,
+                     mask: torch.Tensor | None, step: int) -> Deferred:
+        """`attend`, computed when its result is taken (HeadSplitPipeline starts the remote calls first)."""
+        return Deferred(lambda: self.attend(session, layer, x, positions, start, mask, step))
+
+    def start_ffn(self, layer: int, z: torch.Tensor) -> Deferred:
+        """`feed_forward`, computed when its result is taken."""
+        return Deferred(lambda: self.feed_forward(layer, z))
 
     @torch.inference_mode()
     def feed_forward(self, layer: int, z: torch.Tensor) -> torch.Tensor:

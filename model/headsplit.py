@@ -13,11 +13,13 @@ there, the speculation is kept if ||Z - X|| / ||X|| < epsilon: the staged entrie
 the groups run again from X_(l-1), overwriting the staged entries (discard), so the step's result and cache
 are the exact ones. Epsilon 0 never keeps: the exact model.
 
-The devices are HeadBlocks in this process, or proxies of the same calls to workers (workers/head_client.py),
-where the calls handed to `fan_out` together run at once: a layer's group calls, and at a speculating layer
-also the previous layer's FFN call with this layer's speculative group calls. Over workers, the projection
-worker of a layer runs this same schedule itself (`run`), its own blocks directly and its peers' over HTTP, so
-a step reaches the controller only at its end or where the projection device changes.
+The devices are HeadBlocks in this process, or proxies of the same calls to workers over their links
+(workers/head_client.py). A device call is started (`start_attend`, `start_ffn`) and its result taken later,
+so the calls the schedule starts together run at once: a layer's group calls, and at a speculating layer also
+the previous layer's FFN call with this layer's speculative group calls. A remote call is sent when started; an
+in-process one computes when its result is taken, after the remote ones went out. Over workers, the projection
+worker of a layer runs this same schedule itself (`run`), its own blocks directly and its peers' over its links
+to them, so a step reaches the controller only at its end or where the projection device changes.
 """
 
 from __future__ import annotations
@@ -59,6 +61,20 @@ def check_placement(layers: list[LayerPlace], cfg: ModelConfig) -> None:
             raise ValueError(f"layer {i}: groups {placed} are not each of the {cfg.n_kv_heads} KV groups once")
 
 
+def results(pending: list) -> list[torch.Tensor]:
+    """Every started call's result, in order. When one fails, the others are still waited for (no call of this
+    step is left running into the next, or into a re-placement) and then the first failure is raised."""
+    out, error = [], None
+    for call in pending:
+        try:
+            out.append(call.result())
+        except Exception as exc:
+            error = error or exc
+    if error is not None:
+        raise error
+    return out
+
+
 @dataclass
 class MemoryWatch:
     """When to re-place: a device's blocks and caches past `threshold` of its capacity (checked every `every`
@@ -87,17 +103,17 @@ class HeadSplitPipeline:
     """The HeadSplit schedule over a placement's devices (HeadBlocks in-process, or worker proxies with the same
     calls), with the Stage seam's open / forward / release.
 
-    `fan_out(fns)` runs one layer's group calls (default: one after another; over workers, at once). With
-    `gathered`, the devices are workers that run the schedule themselves (`run` at each layer's projection
-    device, which calls its peers directly): the controller hands a step to the first layer's projection worker
-    and gets the last layer's output back, with one more hop only where the projection device changes.
-    `close()` frees what reaching the devices holds."""
+    A device has `start_attend(session, layer, x, positions, start, mask, step)` and `start_ffn(layer, z)`, each
+    returning a pending call whose `result()` is the tensor (or raises the device's failure), and `open`,
+    `release`. With `gathered`, the devices are workers that run the schedule themselves (`run` at each layer's
+    projection device, which calls its peers directly): the controller hands a step to the first layer's
+    projection worker and gets the last layer's output back, with one more hop only where the projection device
+    changes. `close()` frees what reaching the devices holds."""
 
     def __init__(self, devices: dict, layers: list[LayerPlace], cfg: ModelConfig, epsilon: float = 0.05,
-                 fan_out=None, close=None, gathered: bool = False):
+                 close=None, gathered: bool = False):
         check_placement(layers, cfg)
         self.devices, self.layers, self.cfg, self.epsilon = devices, layers, cfg, epsilon
-        self.fan_out = fan_out or (lambda fns: [fn() for fn in fns])
         self._close = close
         self.gathered = gathered
         self.stats: dict[str, SpeculationStats] = {}
@@ -259,8 +275,8 @@ class HeadSplitPipeline:
             raise ValueError(f"layer {first}'s projection runs on {self.layers[first].proj}, not {here}")
 
         def attend_calls(i: int, src: torch.Tensor) -> list:
-            # layer i's group devices' partial outputs from src, each [its groups, T, H] (see group_sum)
-            return [lambda d=d: self.devices[d].attend(session, i, src, positions, start, mask, step)
+            # layer i's group devices' partial outputs from src, each [its groups, T, H] (see group_sum), started
+            return [self.devices[d].start_attend(session, i, src, positions, start, mask, step)
                     for d, gs in self.layers[i].groups.items() if gs]
 
         def group_sum(i: int, partials: list[torch.Tensor]) -> torch.Tensor:
@@ -274,25 +290,25 @@ class HeadSplitPipeline:
             return out.unsqueeze(0)
 
         def ffn_call(i: int, z: torch.Tensor):
-            return lambda: self.devices[self.layers[i].ffn].feed_forward(i, z)
+            return self.devices[self.layers[i].ffn].start_ffn(i, z)
 
         x, z = hidden, None  # layer i's input X_(i-1), and the previous layer's Z while its FFN is pending
         for i in range(first, len(self.layers)):
             lp = self.layers[i]
             if here is not None and lp.proj != here:  # the next projection device takes over from X_(i-1)
-                return ffn_call(i - 1, z)(), i
+                return ffn_call(i - 1, z).result(), i
             if z is not None and lp.speculate and b == t == 1:
                 # the previous layer's FFN and this layer's attention on its Z (staged entries) at once
-                x, *staged = self.fan_out([ffn_call(i - 1, z), *attend_calls(i, z)])
+                x, *staged = results([ffn_call(i - 1, z), *attend_calls(i, z)])
                 if float(relative_drift(z, x)) < eps:  # one token
                     stats.kept[i] += 1  # the staged entries stand
                     out = group_sum(i, staged)
                 else:
                     stats.discarded[i] += 1  # recomputed from X_(i-1): the staged entries are overwritten
-                    out = group_sum(i, self.fan_out(attend_calls(i, x)))
+                    out = group_sum(i, results(attend_calls(i, x)))
             else:
                 if z is not None:
-                    x = ffn_call(i - 1, z)()
-                out = group_sum(i, self.fan_out(attend_calls(i, x)))
+                    x = ffn_call(i - 1, z).result()
+                out = group_sum(i, results(attend_calls(i, x)))
             z = x + out
-        return ffn_call(len(self.layers) - 1, z)(), len(self.layers)
+        return ffn_call(len(self.layers) - 1, z).result(), len(self.layers)

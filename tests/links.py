@@ -12,8 +12,8 @@ from edgespec.workers.relay import ws_url
 
 
 class TestLink:
-    """A link that said hello as a controller: session operations answered by acks, forward calls answered by
-    a result or an error frame (the worker sends both back here when the route ends)."""
+    """A link that said hello as a controller: session operations and HeadSplit calls answered by acks, forward
+    calls answered by a result or an error frame (the worker sends both back here when the route ends)."""
 
     __test__ = False  # not a test class, for pytest
 
@@ -29,6 +29,12 @@ class TestLink:
         mid = next(self.ids)
         self.conn.send(pack({"op": op, "id": mid, **fields}))
         return self.wait(lambda h: h["op"] == "ack" and h.get("id") == mid)[0]
+
+    def call(self, op: str, body: bytes = b"", **fields) -> tuple[dict, bytes]:
+        """A call answered by an ack with a body (HeadSplit's head_open, attend, ffn, run) -> (ack, body)."""
+        mid = next(self.ids)
+        self.conn.send(pack({"op": op, "id": mid, **fields}, body))
+        return self.wait(lambda h: h["op"] == "ack" and h.get("id") == mid)
 
     def send(self, header: dict, body: bytes = b"") -> None:
         self.conn.send(pack({"reply": self.id, **header}, body))

@@ -1,8 +1,8 @@
 """Fuzzing a worker's protocol in-process on the tiny model: its JSON routes with arbitrary and near-valid bodies,
-its HeadSplit binary bodies, and the frames of its links (workers/frames.py: arbitrary bytes, near-valid headers,
-safetensors bodies with arbitrary names, dtypes, shapes, metadata and bytes). Whatever arrives, the worker
-answers 2xx or a 4xx OpenAI-style error object (on a link: an ack, a result, or an error frame below 500),
-never a 5xx, and the session it was serving before still computes.
+its HeadSplit reshape body, and the frames of its links (workers/frames.py: arbitrary bytes, near-valid headers
+of the layer ops and HeadSplit's, safetensors bodies with arbitrary names, dtypes, shapes, metadata and bytes).
+Whatever arrives, the worker answers 2xx or a 4xx OpenAI-style error object (on a link: an ack, a result, or an
+error frame below 500), never a 5xx, and the session it was serving before still computes.
 
 Link frames go straight to the worker's Relay on the app's own event loop, through a stand-in for the
 WebSocket; routes name no next stage (no network). Examples are bounded and derandomized, as in
@@ -12,7 +12,6 @@ tests/test_fuzz_api.py.
 from __future__ import annotations
 
 import json
-from urllib.parse import quote
 
 import httpx
 import pytest
@@ -26,12 +25,16 @@ from starlette.websockets import WebSocketDisconnect
 from edgespec.workers.app import create_worker_app
 from edgespec.workers.frames import pack, unpack
 from edgespec.workers.settings import WorkerSettings
-from edgespec.workers.wire import encode
+from edgespec.workers.wire import decode, encode
 
 TOKEN = "fuzz-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 HIDDEN = 64  # the tiny model's hidden size
 HEADS = {"groups": {"0": [0, 1], "1": [0]}, "ffns": [0, 1], "dtype": "float32"}  # blocks of the tiny model
+# every block of the tiny model's 4 layers, and a placement that gathers them all here (a run with no peers)
+PLACED = {"groups": {str(i): [0, 1] for i in range(4)}, "ffns": [0, 1, 2, 3], "dtype": "float32", "name": "solo",
+          "placement": [{"groups": {"solo": [0, 1]}, "proj": "solo", "ffn": "solo", "speculate": i > 0}
+                        for i in range(4)]}
 FUZZ = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 
 
@@ -109,8 +112,6 @@ ROUTES = {  # route -> near-valid bodies (arbitrary JSON as well)
         "ffns": st.lists(small, max_size=2), "dtype": st.just("float32"), "name": st.text(max_size=4),
         "placement": st.lists(json_value, max_size=2),
         "peers": st.dictionaries(st.text(max_size=3), st.text(max_size=8))}),
-    ("POST", "/heads/sessions/{sid}/open"): st.fixed_dictionaries({}, optional={"capacity": small}),
-    ("DELETE", "/heads/sessions/{sid}"): st.none(),
     ("POST", "/heads/export"): st.fixed_dictionaries({}, optional={"groups": json_value}),
     ("POST", "/heads/placement"): st.lists(json_value, max_size=2),
     ("POST", "/probe/link"): st.fixed_dictionaries({"target": st.sampled_from(  # none reachable: no network
@@ -120,18 +121,17 @@ ROUTES = {  # route -> near-valid bodies (arbitrary JSON as well)
 }
 
 
-@given(route=st.sampled_from(sorted(ROUTES)), data=st.data(), session=sid, raw=st.booleans(), ready=st.booleans())
+@given(route=st.sampled_from(sorted(ROUTES)), data=st.data(), raw=st.booleans(), ready=st.booleans())
 @FUZZ
-def test_json_routes_answer_4xx_error_objects(worker, route, data, session, raw, ready):
+def test_json_routes_answer_4xx_error_objects(worker, route, data, raw, ready):
     client, _ = worker
     method, path = route
     if ready:  # the blocks a /heads call acts on, else whatever earlier examples left
         assert client.post("/heads/assign", json=HEADS).status_code == 200
     body = data.draw(json_value if raw else ROUTES[route])
-    url = path.replace("{sid}", quote(session, safe=""))
     content = json.dumps(body, allow_nan=True) if method == "POST" else None  # NaN and Infinity too
-    r = client.request(method, url, content=content, headers={"content-type": "application/json"})
-    check(r, (method, url, body))
+    r = client.request(method, path, content=content, headers={"content-type": "application/json"})
+    check(r, (method, path, body))
 
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.int8, torch.float64]
@@ -144,11 +144,11 @@ metadata = st.one_of(st.none(), st.dictionaries(st.sampled_from(["entries", "x"]
     st.text(max_size=20), json_value.map(lambda v: json.dumps(v))), max_size=2))
 
 
-def valid_tensors(path: str, rows: int) -> dict[str, torch.Tensor]:
-    """A well-formed message for `path` of `rows` rows at positions 0.. (the query may still not fit it)."""
-    if path.startswith("/heads/sessions"):
+def valid_tensors(op: str, rows: int) -> dict[str, torch.Tensor]:
+    """A well-formed message for `op` of `rows` rows at positions 0.. (its header may still not fit it)."""
+    if op in ("attend", "run"):
         return {"x": torch.randn(1, rows, HIDDEN), "positions": torch.arange(rows).unsqueeze(0)}
-    if path == "/heads/ffn":
+    if op == "ffn":
         return {"z": torch.randn(1, rows, HIDDEN)}
     return {"hidden": torch.randn(1, rows, HIDDEN)}
 
@@ -169,30 +169,22 @@ def binary_body(draw, path: str) -> bytes:
     return body[:draw(st.integers(0, len(body)))] if kind == "truncated" else body
 
 
-query = st.one_of(st.integers(0, 3).map(str), st.integers(0, 12).map(str),
-                  st.sampled_from(["", "-1", "1.5", "\u00b2", "9" * 30, "x"]))
-BINARY = ["/heads/sessions/{sid}/attend", "/heads/sessions/{sid}/run", "/heads/ffn", "/heads/reshape"]
-
-
-@given(path=st.sampled_from(BINARY), data=st.data(), session=st.sampled_from(["s1", "s2", "canary"]),
-       start=query, step=query, layer=query, blocks=st.one_of(st.none(), json_value.map(lambda v: json.dumps(v))),
-       ready=st.booleans())
+@given(data=st.data(), blocks=st.one_of(st.none(), json_value.map(lambda v: json.dumps(v))), ready=st.booleans())
 @FUZZ
-def test_binary_bodies_answer_4xx_error_objects(worker, path, data, session, start, step, layer, blocks, ready):
+def test_reshape_bodies_answer_4xx_error_objects(worker, data, blocks, ready):
     client, _ = worker
-    body = data.draw(binary_body(path))
-    if ready:  # the blocks and the session the call acts on, else whatever earlier examples left
+    body = data.draw(binary_body("reshape"))
+    if ready:  # the blocks the call acts on, else whatever earlier examples left
         assert client.post("/heads/assign", json=HEADS).status_code == 200
-        assert client.post(f"/heads/sessions/{session}/open", json={"capacity": 16}).status_code == 200
     headers = {"content-type": "application/octet-stream"}
     if blocks is not None:
         headers["x-blocks"] = blocks
-    params = {"start": start, "step": step, "layer": layer, "epsilon": "0.1"}
-    r = client.post(path.replace("{sid}", session), content=body, params=params, headers=headers)
-    check(r, (path, params, headers, body[:80]))
+    r = client.post("/heads/reshape", content=body, headers=headers)
+    check(r, (headers, body[:80]))
 
 
-OPS = ["forward", "batch", "open", "commit", "fork", "release", "ping", "hello", "result", "ack", "nope"]
+OPS = ["forward", "batch", "open", "commit", "fork", "release", "ping", "hello", "result", "ack", "nope",
+       "head_open", "head_release", "attend", "ffn", "run"]
 field = st.one_of(small, sid)
 route = st.lists(st.sampled_from(["http://[", "ftp://x", "", "no-scheme", "http://", 5]), max_size=2)
 
@@ -220,13 +212,50 @@ def test_link_frames_answer_4xx_error_frames(worker, op, data, session, raw, rea
     check_frames(sent, frame[:200])
 
 
+HEAD_OPS = ["head_open", "head_release", "attend", "ffn", "run"]
+number = st.one_of(small, st.floats(allow_nan=True), st.sampled_from([0.0, 0.1, 1e9]))
+
+
+@given(op=st.sampled_from(HEAD_OPS), data=st.data(), session=st.sampled_from(["s1", "s2", "canary"]),
+       ready=st.sampled_from([None, "blocks", "placed"]))
+@FUZZ
+def test_head_frames_answer_4xx_error_frames(worker, op, data, session, ready):
+    """HeadSplit's link calls with near-valid fields and bodies: an ack, ok or a 4xx refusal, whatever arrives;
+    with every block here and a placement that gathers them, a run computes (it calls no peer)."""
+    client, _ = worker
+    frames = []
+    if ready is not None:  # the blocks and the session the call acts on, else whatever earlier examples left
+        assert client.post("/heads/assign", json=PLACED if ready == "placed" else HEADS).status_code == 200
+        frames.append(pack({"op": "head_open", "id": 0, "session": session, "capacity": 16}))
+    header = data.draw(st.fixed_dictionaries({"op": st.just(op), "id": st.integers(1, 9)}, optional={
+        "session": st.one_of(st.just(session), sid, small), "step": field, "start": field, "layer": field,
+        "capacity": field, "epsilon": number}) | st.just(
+        {"op": op, "id": 1, "session": session, "step": 1, "start": 0, "layer": 0, "epsilon": 0.1}))  # near-valid
+    frame = pack(header, data.draw(binary_body(op)))
+    sent = on_link(client, *frames, frame)
+    check_frames(sent, frame[:200])
+    assert all(h["op"] == "ack" for h, _ in sent), sent  # answered on the link it came on, by id
+
+
+def test_a_run_gathered_here_computes(worker):
+    """The fuzz cases' valid run: every layer here, so it answers with the last layer's output and counts."""
+    client, _ = worker
+    assert client.post("/heads/assign", json=PLACED).status_code == 200
+    body = encode({"x": torch.randn(1, 1, HIDDEN), "positions": torch.tensor([[0]])})
+    run = {"op": "run", "id": 2, "session": "r", "layer": 0, "start": 0, "epsilon": 0.0, "step": 1}
+    sent = on_link(client, pack({"op": "head_open", "id": 1, "session": "r", "capacity": 8}), pack(run, body))
+    (opened, _), (ran, out) = sent
+    assert opened["ok"] and ran["ok"] and ran["id"] == 2 and ran["next"] == 4 and ran["wire"] == [0, 0], ran
+    assert len(ran["kept"]) == len(ran["discarded"]) == 4 and decode(out, ("x",))["x"].shape == (1, 1, HIDDEN)
+
+
 def test_capacities_past_the_context_are_refused(worker):
     """Found by fuzzing: a HeadSplit session of 2**31 slots was a 500 (its cache's size overflowed)."""
     client, _ = worker
     assert client.post("/heads/assign", json=HEADS).status_code == 200
     for capacity in (513, 2**31, 2**62 - 1):
-        r = client.post("/heads/sessions/big/open", json={"capacity": capacity})
-        assert r.status_code == 400 and "context" in assert_error_object(r)["message"], r.text
+        (ack, _), = on_link(client, pack({"op": "head_open", "id": 1, "session": "big", "capacity": capacity}))
+        assert ack["status"] == 400 and "context" in ack["message"], ack
         (ack, _), = on_link(client, pack({"op": "open", "id": 1, "session": "big", "step": 1, "capacity": capacity}))
         assert ack["status"] == 400 and "context" in ack["message"], ack
 

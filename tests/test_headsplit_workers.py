@@ -1,26 +1,36 @@
-"""HeadSplit blocks over real worker processes (workers/head_routes.py, workers/head_client.py): KV groups
-split across workers give exactly the in-process model's outputs (float32), with and without speculation at
-epsilon 0, gathered at a projection worker or by the controller; a worker past its memory threshold hands
-groups and their caches to another; the routes want the cluster token and refuse bad input without disturbing
-a session."""
+"""HeadSplit blocks over real worker processes (workers/head_relay.py, workers/head_routes.py,
+workers/head_client.py): KV groups split across workers give exactly the in-process model's outputs (float32),
+with and without speculation at epsilon 0, gathered at a projection worker or by the controller, the per-step
+calls on links; a worker past its memory threshold hands groups and their caches to another; the control
+routes want the cluster token, and routes and link calls refuse bad input without disturbing a session; a
+lost peer fails the step at once."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
+import time
 
 import httpx
 import pytest
 import torch
+from links import TestLink
 from model_fixtures import smollm2_folder
 from processes import start_worker
 from test_headsplit_exec import watch_for
+from websockets.asyncio.server import serve
 
 from edgespec.model.config import ModelConfig
 from edgespec.model.headsplit import HeadSplitPipeline, blocks_of
 from edgespec.model.stack import LayerStack, TokenEnds
+from edgespec.model.stage import StageFailure
 from edgespec.model.weights import open_source
 from edgespec.planning.headsplit import LayerPlace
-from edgespec.workers.head_client import remote_headsplit
+from edgespec.workers.frames import unpack
+from edgespec.workers.head_client import call_ms, remote_headsplit
+from edgespec.workers.head_relay import HeadRelay
+from edgespec.workers.host import StageHost
+from edgespec.workers.settings import WorkerSettings
 from edgespec.workers.wire import encode
 
 IDS = [(i * 13) % 300 + 400 for i in range(12)]
@@ -56,7 +66,7 @@ def workers(request, tmp_path):
     n, model = request.param
     token = secrets.token_hex(8)
     procs = [start_worker(tmp_path, token, model, f"w{i}") for i in range(n)]
-    yield token, {f"w{i}": url for i, (_, url) in enumerate(procs)}
+    yield token, {f"w{i}": url for i, (_, url) in enumerate(procs)}, {f"w{i}": p for i, (p, _) in enumerate(procs)}
     for proc, _ in procs:
         proc.stop()
 
@@ -76,7 +86,7 @@ def spread(cfg: ModelConfig, names: list[str], speculate: bool, one_proj: bool =
 
 @pytest.mark.parametrize("workers", [(2, "tiny")], indirect=True, ids=["tiny-2w"])
 def test_tiny_over_two_workers(workers, tiny):
-    token, urls = workers
+    token, urls, procs = workers
     folder = tiny
     cfg = ModelConfig.from_folder(folder)
     want = exact(folder, IDS, 5)
@@ -116,18 +126,20 @@ def test_tiny_over_two_workers(workers, tiny):
     assert pipe.wire("s")["controller-w0"][1] == steps and pipe.wire("s")["w0-peers"][1] > 0
     pipe.release("s")
     pipe.close()
+    # what compare-headsplit's planner takes as a call's cost: a frame on a link, a hidden state out, its answer back
+    assert 0 < call_ms(urls["w1"], token, 4 * cfg.hidden_size, n=3) < 1000
     # step numbers: a device refuses a call older than the last step it saw (409); the same step again is applied
     auth = {"authorization": f"Bearer {token}"}
-    assert httpx.post(urls["w0"] + "/heads/sessions/t/open", json={"capacity": 8}, headers=auth).status_code == 200
+    link = TestLink(urls["w0"], token)
+    assert link.call("head_open", session="t", capacity=8)[0]["ok"]
     body = encode({"x": torch.randn(1, 1, cfg.hidden_size), "positions": torch.tensor([[0]])})
 
-    def attend(step: int) -> httpx.Response:  # w0 holds layer 0's group 0 in this placement
-        return httpx.post(urls["w0"] + "/heads/sessions/t/attend", params={"layer": 0, "start": 0, "step": step},
-                          content=body, headers=auth)
+    def attend(step: int) -> tuple[dict, bytes]:  # w0 holds layer 0's group 0 in this placement
+        return link.call("attend", body, session="t", layer=0, start=0, step=step)
 
     first, again, stale = attend(2), attend(2), attend(1)
-    assert first.status_code == again.status_code == 200 and first.content == again.content
-    assert stale.status_code == 409 and "older than the last" in stale.json()["error"]["message"]
+    assert first[0]["ok"] and again[0]["ok"] and first[1] == again[1]
+    assert stale[0]["status"] == 409 and "older than the last" in stale[0]["message"]
     # w0 holds every block and passes 85% of its memory: groups move to w1 with their caches, over HTTP
     start = [LayerPlace({"w0": list(range(cfg.n_kv_heads))}, "w0", "w0") for _ in range(cfg.n_layers)]
     pipe = remote_headsplit(urls, token, start, cfg, model=folder)
@@ -140,10 +152,11 @@ def test_tiny_over_two_workers(workers, tiny):
     # the cluster's token only; bad input is a clear 400 and the session goes on
     url = urls["w0"]
     assert httpx.post(url + "/heads/assign", json={"groups": {}}, timeout=30).status_code == 401
-    assert httpx.post(url + "/heads/sessions/s/open", json={"capacity": 8}, headers=auth).status_code == 200
-    bad = httpx.post(url + "/heads/sessions/s/attend", params={"layer": 0, "start": 0, "step": 1}, content=b"junk",
-                     headers=auth)
-    assert bad.status_code == 400 and "safetensors" in bad.json()["error"]["message"]
+    assert link.call("head_open", session="s", capacity=8)[0]["ok"]
+    bad, _ = link.call("attend", b"junk", session="s", layer=0, start=0, step=1)
+    assert bad["status"] == 400 and "safetensors" in bad["message"]
+    assert link.call("head_open", session="s", capacity=10**6)[0]["status"] == 400  # past the context
+    assert link.call("attend", body, session="s", layer=0, start=0, step=1)[0]["ok"]  # undisturbed
     held = httpx.get(url + "/heads/memory", headers=auth).json()["used_bytes"]
     for path, kw in (("/heads/reshape", {"headers": {**auth, "x-blocks": "{"}}),
                      ("/heads/reshape", {"headers": {**auth, "x-blocks": '{"groups": {"0": [0]}}'}, "content": b"x"}),
@@ -152,12 +165,57 @@ def test_tiny_over_two_workers(workers, tiny):
         r = httpx.post(url + path, **kw)
         assert r.status_code == 400, (path, r.text)
     assert httpx.get(url + "/heads/memory", headers=auth).json()["used_bytes"] == held  # nothing changed
+    # the old HTTP data plane is gone: the per-step calls travel on links only
+    for path in ("/heads/sessions/s/attend", "/heads/sessions/s/run", "/heads/ffn", "/heads/sessions/s/open"):
+        assert httpx.post(url + path, content=body, headers=auth).status_code == 404, path
+    link.close()
+    # a lost peer: w0 gathers every layer and calls w1 over its link; once w1 is gone the step fails at once
+    # (a StageFailure for the runner to re-place on), not after the stage timeout
+    pipe = remote_headsplit(urls, token, spread(cfg, list(urls), False, one_proj=True), cfg, model=folder,
+                            timeout_s=60)
+    pipe.open("s", 8, epsilon=0.0)
+    ends = TokenEnds.load(open_source(folder), cfg, torch.float32)
+    pipe.forward("s", ends.embed_tokens(torch.tensor([IDS[:2]])), torch.arange(2)[None], 0)
+    procs["w1"].stop()
+    t0 = time.monotonic()
+    with pytest.raises(StageFailure):
+        pipe.forward("s", ends.embed_tokens(torch.tensor([[IDS[2]]])), torch.tensor([[2]]), 2)
+    assert time.monotonic() - t0 < 10
+    pipe.close()
+
+
+def test_a_peer_link_closing_fails_the_calls_waiting_on_it(tiny):
+    """A projection worker's call waits for its peer's ack; when the link closes first (the peer died mid-call)
+    the call fails with ConnectionError at once, however long the downstream timeout."""
+    settings = WorkerSettings(port=0, token="t", model=tiny, downstream_timeout_s=60)
+
+    async def scenario() -> float:
+        got = []
+
+        async def peer(ws):  # takes one call, then goes away without answering
+            got.append(unpack(await ws.recv())[0])
+            await ws.close()
+
+        async with serve(peer, "127.0.0.1", 0) as server:
+            port = server.sockets[0].getsockname()[1]
+            relay = HeadRelay(StageHost(settings), settings)
+            t0 = time.monotonic()
+            with pytest.raises(ConnectionError, match="closed"):
+                await relay.call_peer(f"http://127.0.0.1:{port}", {"op": "ffn", "layer": 0}, b"")
+            seconds = time.monotonic() - t0
+            assert got and got[0]["op"] == "ffn" and not relay.calls
+            with pytest.raises(ConnectionError):  # and a peer that is not there at all
+                await relay.call_peer("http://127.0.0.1:9", {"op": "ffn", "layer": 0}, b"")
+            await relay.close()
+        return seconds
+
+    assert asyncio.run(scenario()) < 5
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [(2, None), (3, None)], indirect=True, ids=["smollm2-2w", "smollm2-3w"])
 def test_smollm2_head_level_over_workers_equals_the_model(workers):
-    token, urls = workers
+    token, urls, _ = workers
     folder = smollm2_folder()
     cfg = ModelConfig.from_folder(folder)
     want = exact(folder, IDS, 5)

@@ -130,7 +130,7 @@ def test_worker_health_says_only_ok_without_the_token(worker):
 
 def test_worker_refuses_before_reading_bodies(worker):
     oversized = b"{" + b" " * 2**17 + b"}"
-    for path in ("/assign", "/heads/assign", "/probe/link", "/heads/ffn", "/nope"):
+    for path in ("/assign", "/heads/assign", "/probe/link", "/heads/reshape", "/nope"):
         r = worker.post(path, content=oversized, headers={"content-type": "application/json"})
         assert r.status_code == 401, (path, r.text)  # the token first: no body is parsed for a stranger
         r = worker.post(path, content=oversized, headers={"content-type": "application/json",

@@ -1,8 +1,9 @@
 """The worker's HTTP API and its link endpoint. Every route needs the cluster token (/health without one answers
 only that the worker is up). Errors are OpenAI-style error objects; an unexpected fault is a logged 500.
 
-HTTP is for control: assignment, profiling, link probes, info and health. Forward calls and session operations
-travel on links, persistent WebSockets at /link (workers/relay.py), whose handshake needs the token too.
+HTTP is for control: assignment, profiling, link probes, info and health. Forward calls and session operations,
+and HeadSplit's per-step calls, travel on links, persistent WebSockets at /link (workers/relay.py,
+workers/head_relay.py), whose handshake needs the token too.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from edgespec.model.timing import CONTEXTS, TOKENS
 from edgespec.workers.auth import bearer_ok, proof
 from edgespec.workers.discovery import announced
 from edgespec.workers.errors import ERRORS
-from edgespec.workers.head_client import Reach
-from edgespec.workers.head_routes import HeadHost, add_head_routes
+from edgespec.workers.head_relay import HeadRelay
+from edgespec.workers.head_routes import add_head_routes
 from edgespec.workers.host import StageHost
 from edgespec.workers.probe import measure_link
-from edgespec.workers.relay import Relay, ws_url
+from edgespec.workers.relay import ws_url
 from edgespec.workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
     if settings.threads:
         torch.set_num_threads(settings.threads)
 
-    relay = Relay(host, settings)
+    relay = HeadRelay(host, settings)  # the layer pipeline's ops and HeadSplit's
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -183,8 +184,7 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
                       "internal_error")
 
     auth = [Depends(require_token)]
-    add_head_routes(app, HeadHost(settings.model, lambda threads: Reach(settings.token, threads),
-                                  int(settings.memory_budget_gib * 2**30)), auth)
+    add_head_routes(app, relay.heads, auth)
 
     @app.get("/health")
     async def health(request: Request):

@@ -1,5 +1,12 @@
-"""HeadSplit devices over HTTP: one proxy per worker with the device calls of model/headsplit.py's HeadBlocks
+"""HeadSplit devices on workers: one proxy per worker with the device calls of model/headsplit.py's HeadBlocks
 (and `run`, the schedule from a layer on at its projection worker), and the pipeline the controller drives.
+
+The per-step calls (attend, ffn, run) and session open/release travel as frames (workers/frames.py) on the
+same persistent links as the layer pipeline's: the controller's link to each worker (workers/uplink.py) and a
+projection worker's links to its peers (workers/head_relay.py). A call carries an id and is answered by an ack
+with that id on the same link, its tensors as the body; a refusal maps to the exception the HTTP routes'
+status did (CapacityError for a full budget, StageFailure otherwise). Control stays on HTTP: assign, memory,
+export, reshape, placement.
 
 The controller hands each step to the first layer's projection worker, which gathers the groups' partial
 outputs from its peers, sends Z to the FFN device and goes on to the next layer, calling the controller back
@@ -10,9 +17,10 @@ plays every projection device itself: two round trips per layer (the comparison'
 from __future__ import annotations
 
 import json
-import socket
+import statistics
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Callable
 from dataclasses import asdict
 
 import httpx
@@ -24,22 +32,84 @@ from edgespec.model.kv_pool import CapacityError
 from edgespec.model.stage import StageFailure
 from edgespec.planning.headsplit import LayerPlace
 from edgespec.workers.client import WorkerRef, _message
+from edgespec.workers.frames import pack
+from edgespec.workers.uplink import Uplinks
 from edgespec.workers.wire import decode, decode_group_kv, encode, encode_group_kv
 
 OCTETS = {"content-type": "application/octet-stream"}
-# a call may be written as headers, then body: with Nagle's algorithm on, the small second write can wait for
-# the peer's delayed ACK (a round trip per call on a real link)
-NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 
 
-class RemoteHeads:
-    """One worker's HeadSplit blocks, driven over HTTP."""
+class Call:
+    """A started device call: `result()` waits for its answer and returns its tensor."""
 
-    def __init__(self, http: httpx.Client, worker: WorkerRef):
-        self.http, self.worker = http, worker
-        self.payload = [0, 0]  # tensor bytes sent and received by attend and ffn calls, and their count below
+    def __init__(self, device: LinkHeads, pending, sent: int, take: Callable[[dict, bytes], object]):
+        self.device, self.pending, self.sent, self.take = device, pending, sent, take
+
+    def result(self):
+        header, body = self.pending.result()
+        self.device.count(self.sent, len(body))
+        return self.take(header, body)
+
+
+class LinkHeads:
+    """One device's HeadSplit blocks reached over a link. `send(header, body)` sends one call and returns what
+    waits for its ack: `.result()` -> (header, body), or the refusal raised (the controller's Uplinks, or a
+    worker's links to its peers)."""
+
+    def __init__(self, name: str, send: Callable[[dict, bytes], object]):
+        self.name, self.send = name, send
+        self.payload = [0, 0]  # tensor bytes sent and received by attend, ffn and run calls, and their count below
         self.calls = 0
-        self.lock = threading.Lock()  # an FFN call and a speculative attend call may run at once
+        self.lock = threading.Lock()  # a worker's schedule thread and its event loop may count at once
+
+    def count(self, sent: int, received: int) -> None:
+        with self.lock:
+            self.payload[0] += sent
+            self.payload[1] += received
+            self.calls += 1
+
+    def _start(self, header: dict, body: bytes, take: Callable[[dict, bytes], object]) -> Call:
+        return Call(self, self.send(header, body), len(body), take)
+
+    def open(self, session: str, capacity: int) -> None:
+        self.send({"op": "head_open", "session": session, "capacity": capacity}, b"").result()
+
+    def start_attend(self, session: str, layer: int, x: torch.Tensor, positions: torch.Tensor, start: int,
+                     mask: torch.Tensor | None, step: int) -> Call:
+        body = encode({"x": x, "positions": positions, "mask": mask})
+        return self._start({"op": "attend", "session": session, "layer": layer, "start": start, "step": step},
+                           body, lambda _, out: decode(out, ("out",))["out"])
+
+    def start_ffn(self, layer: int, z: torch.Tensor) -> Call:
+        return self._start({"op": "ffn", "layer": layer}, encode({"z": z}), lambda _, out: decode(out, ("x",))["x"])
+
+    def run(self, session: str, first: int, x: torch.Tensor, positions: torch.Tensor, start: int,
+            mask: torch.Tensor | None, epsilon: float, stats: SpeculationStats, step: int,
+            wire: dict[str, list[int]]) -> tuple[torch.Tensor, int]:
+        """Layers first.. at this projection worker -> (the last one's output, the next layer to run); its
+        speculation counts add to stats, and its traffic and its peers' to wire (link -> [bytes, requests])."""
+        body = encode({"x": x, "positions": positions, "mask": mask})
+        header = {"op": "run", "session": session, "layer": first, "start": start, "epsilon": epsilon, "step": step}
+        answer, out = self.send(header, body).result()
+        self.count(len(body), len(out))
+        for i, (k, d) in enumerate(zip(answer["kept"], answer["discarded"], strict=True)):
+            stats.kept[i] += k
+            stats.discarded[i] += d
+        for link, b, n in ((f"controller-{self.name}", len(body) + len(out), 1),
+                           (f"{self.name}-peers", *answer["wire"])):
+            tally = wire.setdefault(link, [0, 0])
+            tally[0] += b
+            tally[1] += n
+        return decode(out, ("x",))["x"], int(answer["next"])
+
+
+class RemoteHeads(LinkHeads):
+    """One worker's HeadSplit blocks, driven by the controller: the per-step calls on its link, control over
+    HTTP."""
+
+    def __init__(self, http: httpx.Client, links: Uplinks, worker: WorkerRef):
+        super().__init__(worker.name, lambda header, body: links.start(worker.name, worker.url, header, body))
+        self.http, self.links, self.worker = http, links, worker
 
     def _call(self, method: str, path: str, **kwargs) -> httpx.Response:
         try:
@@ -53,38 +123,18 @@ class RemoteHeads:
                                503 if r.status_code >= 500 else 502)
         return r
 
+    def release(self, session: str) -> None:
+        """Free the session there if the link is up; a worker without a link to this controller may be down, and
+        one that restarted has lost the session anyway."""
+        self.links.link(self.worker.name, self.worker.url).send_if_linked(
+            pack({"op": "head_release", "session": session}))
+
     def assign(self, groups: dict[int, list[int]], ffns: list[int], dtype: str, model: str | None,
                name: str | None = None, placement: list[dict] | None = None, peers: dict[str, str] | None = None
                ) -> dict:
         body = {"model": model, "groups": {str(k): v for k, v in groups.items()}, "ffns": ffns, "dtype": dtype,
                 "name": name, "placement": placement, "peers": peers or {}}
         return self._call("POST", "/heads/assign", json=body, timeout=300).json()
-
-    def open(self, session: str, capacity: int) -> None:
-        self._call("POST", f"/heads/sessions/{session}/open", json={"capacity": capacity})
-
-    def release(self, session: str) -> None:
-        self._call("DELETE", f"/heads/sessions/{session}")
-
-    def attend(self, session: str, layer: int, x: torch.Tensor, positions: torch.Tensor, start: int,
-               mask: torch.Tensor | None, step: int) -> torch.Tensor:
-        body = encode({"x": x, "positions": positions, "mask": mask})
-        r = self._call("POST", f"/heads/sessions/{session}/attend", content=body, headers=OCTETS,
-                       params={"layer": layer, "start": start, "step": step})
-        self._count(body, r)
-        return decode(r.content, ("out",))["out"]
-
-    def _count(self, body: bytes, r: httpx.Response) -> None:
-        with self.lock:
-            self.payload[0] += len(body)
-            self.payload[1] += len(r.content)
-            self.calls += 1
-
-    def feed_forward(self, layer: int, z: torch.Tensor) -> torch.Tensor:
-        body = encode({"z": z})
-        r = self._call("POST", "/heads/ffn", params={"layer": layer}, content=body, headers=OCTETS)
-        self._count(body, r)
-        return decode(r.content, ("x",))["x"]
 
     def memory_bytes(self) -> int:
         return int(self._call("GET", "/heads/memory").json()["used_bytes"])
@@ -101,55 +151,45 @@ class RemoteHeads:
     def set_placement(self, layers: list[LayerPlace]) -> None:
         self._call("POST", "/heads/placement", json=[asdict(lp) for lp in layers])
 
-    def run(self, session: str, first: int, x: torch.Tensor, positions: torch.Tensor, start: int,
-            mask: torch.Tensor | None, epsilon: float, stats: SpeculationStats, step: int,
-            wire: dict[str, list[int]]) -> tuple[torch.Tensor, int]:
-        """Layers first.. at this projection worker -> (the last one's output, the next layer to run); its
-        speculation counts add to stats, and its traffic and its peers' to wire (link -> [bytes, requests])."""
-        body = encode({"x": x, "positions": positions, "mask": mask})
-        r = self._call("POST", f"/heads/sessions/{session}/run", content=body, headers=OCTETS,
-                       params={"layer": first, "start": start, "epsilon": repr(epsilon), "step": step})
-        self._count(body, r)
-        out = decode(r.content, ("x", "next", "kept", "discarded", "wire"))
-        for i, (k, d) in enumerate(zip(out["kept"].tolist(), out["discarded"].tolist(), strict=True)):
-            stats.kept[i] += k
-            stats.discarded[i] += d
-        for link, b, n in ((f"controller-{self.worker.name}", len(body) + len(r.content), 1),
-                           (f"{self.worker.name}-peers", *out["wire"].tolist())):
-            tally = wire.setdefault(link, [0, 0])
-            tally[0] += b
-            tally[1] += n
-        return out["x"], int(out["next"])
-
-
-class Reach:
-    """An HTTP client with the cluster's token and a thread pool, to drive HeadSplit devices on workers."""
-
-    def __init__(self, token: str, threads: int, timeout_s: float = 60.0):
-        self.http = httpx.Client(headers={"authorization": f"Bearer {token}"}, timeout=timeout_s,
-                                 transport=httpx.HTTPTransport(retries=1, socket_options=NODELAY))
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="heads")
-
-    def device(self, name: str, url: str) -> RemoteHeads:
-        return RemoteHeads(self.http, WorkerRef(url.rstrip("/"), name, 0, 0))
-
-    def fan_out(self, fns: list) -> list:
-        """Run the calls at once; their results in order."""
-        return list(self.pool.map(lambda fn: fn(), fns))
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        self.http.close()
-
 
 def remote_headsplit(workers: dict[str, str], token: str, layers: list[LayerPlace], cfg: ModelConfig,
                      dtype: str = "float32", model: str | None = None, epsilon: float = 0.05,
                      timeout_s: float = 60.0, gathered: bool = True) -> HeadSplitPipeline:
     """Assign each worker (name -> URL) its blocks of the placement, and with `gathered` the placement and its
-    peers' URLs, and return the pipeline over them."""
-    reach = Reach(token, len(workers) + 1, timeout_s)  # an FFN call beside every device's
-    devices = {name: reach.device(name, url) for name, url in workers.items()}
+    peers' URLs, and return the pipeline over them (its per-step calls on links, one per worker)."""
+    http = httpx.Client(headers={"authorization": f"Bearer {token}"}, timeout=timeout_s,
+                        transport=httpx.HTTPTransport(retries=1))
+    links = Uplinks(token, timeout_s)
+    devices = {name: RemoteHeads(http, links, WorkerRef(url.rstrip("/"), name, 0, 0)) for name, url in workers.items()}
+
+    def close() -> None:
+        links.close()
+        http.close()
+
     placement = [asdict(lp) for lp in layers] if gathered else None
-    for name, device in devices.items():
-        device.assign(*blocks_of(layers, name), dtype, model, name, placement, workers if gathered else {})
-    return HeadSplitPipeline(devices, layers, cfg, epsilon, reach.fan_out, reach.close, gathered)
+    try:
+        for name, device in devices.items():
+            device.assign(*blocks_of(layers, name), dtype, model, name, placement, workers if gathered else {})
+    except Exception:
+        close()
+        raise
+    return HeadSplitPipeline(devices, layers, cfg, epsilon, close, gathered)
+
+
+def call_ms(url: str, token: str, nbytes: int, n: int = 50) -> float:
+    """Median time of a call on a controller's link to a worker besides the compute: a ping frame carrying
+    `nbytes` (a token's hidden state) out and its pong back, on a link like the one HeadSplit's calls take."""
+    links = Uplinks(token, 60.0)
+    link, body, times = links.link("probe", url.rstrip("/")), b"\0" * nbytes, []
+    try:
+        for i in range(n + 1):  # the first dials the link and warms both ends
+            mid = next(links.ids)
+            t0 = time.perf_counter()
+            links.mailbox.expect(mid, "probe")
+            link.send(pack({"op": "ping", "id": mid}, body))
+            links.mailbox.take(mid, 60.0, "the worker's pong")
+            if i:
+                times.append(1000 * (time.perf_counter() - t0))
+    finally:
+        links.close()
+    return statistics.median(times)

@@ -253,16 +253,17 @@ class Relay:
         if ws is not None:
             await self._send(ws, "controller", data)
 
-    async def send_peer(self, base_url: str, data: bytes) -> None:
+    async def send_peer(self, base_url: str, data: bytes) -> ClientConnection:
         """To the next stage, over the link this worker keeps to it, dialed (again) when there is none; a send
-        that fails on a link that was up is tried once more on a new one (a retry, for the step numbers)."""
+        that fails on a link that was up is tried once more on a new one (a retry, for the step numbers).
+        Returns the link it went on."""
         url = ws_url(base_url)
         for attempt in range(2):
             link = await self._peer(url)
             try:
                 await link.send(data)
                 self.tally.sent(base_url, len(data))
-                return
+                return link
             except websockets.ConnectionClosed:
                 if self.peers.get(url) is link:
                     del self.peers[url]
@@ -284,16 +285,24 @@ class Relay:
             return link
 
     async def _drain(self, url: str, link: ClientConnection) -> None:
-        """A peer link carries nothing back but pongs and errors about malformed frames: read them so that the
-        connection's buffers never fill, and forget the link when it closes."""
+        """Read what comes back on a peer link (a layer stage sends back only pongs and errors about malformed
+        frames; a subclass's calls get their answers here) so that the connection's buffers never fill, and
+        forget the link when it closes."""
         with contextlib.suppress(websockets.ConnectionClosed):
             async for data in link:
                 with contextlib.suppress(FrameError):
-                    header, _ = unpack(data)
-                    if header["op"] == "error":
-                        log.warning("the next stage at %s refused a frame: %s", url, header.get("message"))
+                    self.on_peer_frame(url, *unpack(data))
         if self.peers.get(url) is link:
             del self.peers[url]
+        self.on_peer_closed(url, link)
+
+    def on_peer_frame(self, url: str, header: dict, body: bytes) -> None:
+        """A frame that came back on the link to `url`."""
+        if header["op"] == "error":
+            log.warning("the next stage at %s refused a frame: %s", url, header.get("message"))
+
+    def on_peer_closed(self, url: str, link: ClientConnection) -> None:
+        """A peer link closed (it is forgotten already: the next send dials a new one)."""
 
     async def close(self) -> None:
         for link in list(self.peers.values()):

@@ -168,6 +168,21 @@ class Uplink:
             conn.close()
 
 
+class Answer:
+    """A call on a link whose ack is on its way (a HeadSplit device call): `result()` waits for it."""
+
+    def __init__(self, mailbox: Mailbox, worker: str, mid: int, timeout_s: float, what: str):
+        self.mailbox, self.worker, self.mid, self.timeout_s, self.what = mailbox, worker, mid, timeout_s, what
+
+    def result(self) -> tuple[dict, bytes]:
+        """(the ack's header, its body), or the worker's refusal raised (CapacityError, StageFailure); a
+        StageFailure at once when the link closes first, 504 past the timeout."""
+        header, body = self.mailbox.take(self.mid, self.timeout_s, self.what)
+        if not header.get("ok"):
+            raise refusal(self.worker, header)
+        return header, body
+
+
 class Uplinks:
     """Links to every worker by URL, one mailbox for their answers, and request/ack over them."""
 
@@ -200,6 +215,17 @@ class Uplinks:
             if not ack.get("ok"):
                 raise refusal(name, ack)
         return acks
+
+    def start(self, name: str, url: str, header: dict, body: bytes = b"") -> Answer:
+        """Send one call (an op answered by an ack, with a body) to a worker without waiting for it; what waits."""
+        mid = next(self.ids)
+        self.mailbox.expect(mid, name)
+        try:
+            self.link(name, url).send(pack({**header, "id": mid}, body))
+        except Exception:
+            self.mailbox.forget([mid])
+            raise
+        return Answer(self.mailbox, name, mid, self.timeout_s, f"worker {name}'s answer to {header['op']}")
 
     def close(self) -> None:
         for link in self.links.values():
