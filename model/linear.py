@@ -228,9 +228,13 @@ def linear_bytes(module: nn.Module) -> int:
     """Bytes of the weights under `module`, as held (packed or quantized), counted from the tensors."""
     seen, total = set(), 0
     for t in list(module.parameters()) + list(module.buffers()):
-        if t is not None and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.nbytes
+        if t is None:
+            continue
+        # oneDNN's packed bf16 weights (DenseLinear on a CPU with AVX-512 bf16) are opaque: no storage to share
+        key = t.data_ptr() if t.layout == torch.strided else id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
     return total
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -379,11 +378,6 @@ def serve_settings(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> None:
-    # Before torch loads libgomp: OpenMP threads spin 300000 rounds after each parallel region by default.
-    # When stages are processes on shared cores, only one computes at a time and the spinning threads of
-    # the others take its cores: measured with 4 local workers on 2 cores, 17 decode tokens/s with the
-    # default, 24 with 50000 in every process; in-process serving is unchanged.
-    os.environ.setdefault("GOMP_SPINCOUNT", "50000")
     args = build_parser().parse_args(argv)
     try:
         commands = {"serve": serve, "worker": worker, "profile": profile, "plan": plan, "bench": bench,

@@ -18,7 +18,7 @@ from model_fixtures import make_tiny_model, smollm2_folder
 from edgespec.model.blocks import SeqRows
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache
-from edgespec.model.linear import weight_format
+from edgespec.model.linear import DenseLinear, linear_bytes, weight_format
 from edgespec.model.stack import LayerStack, TokenEnds
 from edgespec.model.weights import open_source
 
@@ -142,3 +142,11 @@ def test_default_model_logits_are_bitwise_the_same_in_every_pass_shape():
                                      add_generation_prompt=True, return_dict=False)
     seq = list(prompt) + [(i * 101) % 20000 + 300 for i in range(24)]
     check_every_shape(stack, ends, seq, prompt=len(prompt))
+
+
+def test_weight_bytes_count_packed_bf16_weights():
+    """A bf16 weight is counted at 2 bytes an element whether oneDNN packed it (an opaque tensor, where the CPU
+    has AVX-512 bf16) or not: a HeadSplit worker's KV budget is what its weights leave."""
+    w = torch.randn(64, 32)
+    module = DenseLinear(w, torch.zeros(64), torch.bfloat16)
+    assert linear_bytes(module) == 64 * 32 * 2 + 64 * 2

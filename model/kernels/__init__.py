@@ -20,7 +20,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = [HERE / "quant.cpp", HERE / "ops.cpp", HERE / "layer.cpp", HERE / "bind.cpp"]
+SOURCES = [HERE / "quant.cpp", HERE / "ops.cpp", HERE / "layer.cpp", HERE / "pool.cpp", HERE / "bind.cpp"]
 HEADERS = [HERE / "common.h"]
 NAME = "edgespec_kernels"
 
@@ -38,7 +38,7 @@ def cpu_flags() -> set[str]:
 
 def compile_flags(simd: bool = True) -> list[str]:
     """The compiler flags for this CPU; simd=False gives the portable build (what an aarch64 board runs)."""
-    flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math"]  # -fopenmp: else at::parallel_for runs serially
+    flags = ["-O3", "-ffp-contract=off", "-fno-fast-math"]  # threads: pool.cpp, not OpenMP
     have = cpu_flags()
     if simd and platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= have:
         flags += ["-mavx2", "-mfma", "-mf16c"]
@@ -79,4 +79,4 @@ def load(simd: bool = True):
     # the `ninja` package's binary sits beside this interpreter, which need not be on PATH (a venv not activated)
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     return build(name=f"{NAME}_{key}", sources=[str(p) for p in SOURCES], extra_cflags=flags,
-                 extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+                 build_directory=str(folder), verbose=False)

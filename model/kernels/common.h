@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
@@ -109,6 +110,10 @@ inline void rotate(const float* x, const float* c, const float* s, int64_t hd, f
     out[i] = x[i] * c[i] + rot * s[i];
   }
 }
+
+// fn(lo, hi) over [begin, end) in chunks of at least `grain`, on the torch thread count's worth of the
+// kernels' own threads (pool.cpp says why not at::parallel_for); a nested call runs serially
+void parallel_chunks(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 
 torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, torch::Tensor m8, int64_t N);
 torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, int64_t N);

@@ -89,7 +89,7 @@ torch::Tensor attend_keys(torch::Tensor q, const Keys& keys, int64_t start, c10:
   const int64_t k0 = keys.k.stride(0), k1 = keys.k.stride(1), k2 = keys.k.stride(2);
   const int64_t v0 = keys.v.stride(0), v1 = keys.v.stride(1), v2 = keys.v.stride(2);
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
-  at::parallel_for(0, B * nq * T, 1, [&](int64_t lo, int64_t hi) {
+  parallel_chunks(0, B * nq * T, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> scores(S);
     std::vector<int64_t> slots(S);
     std::vector<const float*> kps(S), vps(S);

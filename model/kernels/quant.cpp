@@ -206,7 +206,7 @@ torch::Tensor run_groups(int64_t M, int64_t N, Group group) {
   auto out = torch::empty({M, N}, torch::kFloat);
   float* op = out.data_ptr<float>();
   const int64_t G = (N + G8 - 1) / G8;
-  at::parallel_for(0, G, 2, [&](int64_t lo, int64_t hi) {
+  parallel_chunks(0, G, 2, [&](int64_t lo, int64_t hi) {
     for (int64_t r0 = 0; r0 < M; r0 += TILE)
       for (int64_t g = lo; g < hi; ++g)
         for (int64_t r = r0; r < std::min(M, r0 + TILE); r += 4) {
@@ -229,7 +229,7 @@ torch::Tensor run(int64_t M, int64_t N, Dot dot) {
   constexpr int64_t TILE = 16;
   auto out = torch::empty({M, N}, torch::kFloat);
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
+  parallel_chunks(0, N, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t r0 = 0; r0 < M; r0 += TILE)
       for (int64_t n = lo; n < hi; ++n) dot(n, r0, std::min(M, r0 + TILE), op + n);
   });
