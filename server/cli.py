@@ -111,6 +111,8 @@ def _worker_parser(sub) -> None:
                    help="commit the KV cache's memory when layers are assigned")
     p.add_argument("--model", help="local copy of the model (folder or .gguf); default: the embedded one")
     p.add_argument("--threads", type=int)
+    p.add_argument("--adapt-threads", action=argparse.BooleanOptionalAction, default=None,
+                   help="run fewer torch threads while other processes take cores (default: on)")
     p.add_argument("--tool-call-threshold", type=float, help="tool_choice auto: call when log P(the call opening) "
                    "reaches this (default -7)")
     p.add_argument("--log-level")

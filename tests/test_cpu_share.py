@@ -10,6 +10,8 @@ import torch
 
 from edgespec.model.cpu_share import CpuReading, ProcReader, ThreadGovernor, Tuning, Window
 from edgespec.model.thread import ModelThread
+from edgespec.server.cli import _overrides, build_parser
+from edgespec.workers.cluster import worker_command
 from edgespec.workers.host import StageHost
 from edgespec.workers.settings import WorkerSettings
 
@@ -147,3 +149,12 @@ def test_model_thread_applies_the_governors_count():
 def test_worker_governs_its_threads_unless_told_not_to():
     assert StageHost(WorkerSettings(port=0, token="t", threads=2)).governor.configured == 2
     assert StageHost(WorkerSettings(port=0, token="t", adapt_threads=False)).governor is None
+
+
+def test_local_workers_govern_threads_only_alone():
+    """Several local workers share the cores by design (one's wait for another is not contention); one alone
+    keeps its governor for other people's processes."""
+    args = build_parser().parse_args(worker_command(1, "t", "w", None, 2, adapt=False)[3:])
+    assert WorkerSettings(**_overrides(args)).adapt_threads is False
+    args = build_parser().parse_args(worker_command(1, "t", "w", None, 2)[3:])
+    assert WorkerSettings(**_overrides(args)).adapt_threads is True

@@ -82,11 +82,12 @@ def free_ports(n: int, avoid: int | None = None) -> list[int]:
 
 
 def worker_command(port: int, token: str, name: str, model: str | None, threads: int,
-                   prefault: bool = False) -> list[str]:
+                   prefault: bool = False, adapt: bool = True) -> list[str]:
     # --token=VALUE: a random token may start with "-", which argparse would take for an option
     cmd = [sys.executable, "-m", "edgespec.server.cli", "worker", "--host", "127.0.0.1", "--port", str(port),
            f"--token={token}", "--name", name, "--threads", str(threads)]
-    return cmd + (["--model", model] if model else []) + (["--kv-prefault"] if prefault else [])
+    return (cmd + (["--model", model] if model else []) + (["--kv-prefault"] if prefault else [])
+            + ([] if adapt else ["--no-adapt-threads"]))
 
 
 def parse_ranges(spec: str) -> set[int]:
@@ -131,9 +132,13 @@ def launch_local_workers(n: int, model: str | None, threads: int, cpus: str | No
     def spawn(i: int, port: int | None = None) -> None:
         # a port found free can be taken before the worker binds it: wait_healthy respawns on a new one
         port, name = port or free_ports(1, avoid)[0], f"worker{i}"
+        # Several local workers take turns on the same cores by design: each one's wait for another, at every
+        # hand-off, reads as contention to its thread governor (model/cpu_share.py), which dropped all 4 workers
+        # to one thread (bench/distributed in two runs: 4 workers 0.460x of in-process with it, 0.511x without;
+        # 2 workers 0.627x and 0.683x). A single local worker keeps it, for others' busy cores (bench/busy.py).
+        command = worker_command(port, token, name, model, threads, prefault, adapt=n == 1)
         # output goes to the controller's own stderr, so a worker that fails to start says why
-        config.processes[i] = subprocess.Popen(worker_command(port, token, name, model, threads, prefault),
-                                               stdout=sys.stderr, stderr=subprocess.STDOUT, env=env,
+        config.processes[i] = subprocess.Popen(command, stdout=sys.stderr, stderr=subprocess.STDOUT, env=env,
                                                preexec_fn=_child_setup(cpu_sets[i]))
         config.workers[i] = WorkerSpec(f"http://127.0.0.1:{port}", name)
 
