@@ -82,9 +82,8 @@ torch::Tensor attend_keys(torch::Tensor q, const Keys& keys, int64_t start, c10:
     S = m.size(3);
   } else {
     TORCH_CHECK(start + T <= S, "keys hold ", S, " slots, the pass needs ", start + T);
-    // no query sees past start + T: the scratch below is sized by what is visible, not by the pool's room for
-    // the sequence (a server session's blocks cover its whole context; zeroing 4 vectors of that size per
-    // chunk and layer cost more than the attention of a short context)
+    // no query sees past start + T: the scratch below (4 vectors zeroed per chunk and layer) is sized by what
+    // is visible, not by the session's room, which covers its prompt and max_tokens, up to the whole context
     S = start + T;
   }
   auto out = torch::empty_like(q);

@@ -85,9 +85,9 @@ class Pool {
   // Take the call's chunks until none is left. Chunks are claimed, not assigned: a thread that wakes late,
   // or waits for a core another process holds, finds its share done by the threads that ran. In a 4-worker
   // server each stage's kernels took about 3 ms more than its layers' share (the 4 stages' own times added
-  // up to 17.0-18.7 ms a decode step with chunks assigned to threads; 9.9-11.1 claimed, measured together
-  // with attention's scratch sized by the visible slots, ops.cpp). The call's fields are read only after a
-  // claim, and the caller rewrites them only after every claimed chunk is done, so they are the claimed call's.
+  // up to 17.0-18.7 ms a decode step with chunks assigned to threads, 9.9-11.1 claimed). The call's fields are
+  // read only after a claim, and the caller rewrites them only after every claimed chunk is done, so they are
+  // the claimed call's.
   void work(uint64_t call) {
     for (;;) {
       uint64_t c = claim_.load(std::memory_order_acquire);
