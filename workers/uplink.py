@@ -174,10 +174,14 @@ class Answer:
     def __init__(self, mailbox: Mailbox, worker: str, mid: int, timeout_s: float, what: str):
         self.mailbox, self.worker, self.mid, self.timeout_s, self.what = mailbox, worker, mid, timeout_s, what
 
+    def ack(self) -> tuple[dict, bytes]:
+        """(the ack's header, its body), refused or not; a StageFailure at once when the link closes first, 504
+        past the timeout."""
+        return self.mailbox.take(self.mid, self.timeout_s, self.what)
+
     def result(self) -> tuple[dict, bytes]:
-        """(the ack's header, its body), or the worker's refusal raised (CapacityError, StageFailure); a
-        StageFailure at once when the link closes first, 504 past the timeout."""
-        header, body = self.mailbox.take(self.mid, self.timeout_s, self.what)
+        """The ack, or the worker's refusal raised (CapacityError, StageFailure)."""
+        header, body = self.ack()
         if not header.get("ok"):
             raise refusal(self.worker, header)
         return header, body
@@ -202,18 +206,16 @@ class Uplinks:
     def request(self, targets: list[tuple[str, str]], header: dict) -> list[dict]:
         """Send `header` (an op answered by an ack) to every (name, url) at once; their acks in order, or the
         first refusal raised (CapacityError, StageFailure with the worker's code)."""
-        ids = [(name, url, next(self.ids)) for name, url in targets]
+        answers: list[Answer] = []
         try:
-            for name, url, mid in ids:
-                self.mailbox.expect(mid, name)
-                self.link(name, url).send(pack({**header, "id": mid}))
-            acks = [self.mailbox.take(mid, self.timeout_s, f"worker {name}'s answer to {header['op']}")[0]
-                    for name, _, mid in ids]
+            for name, url in targets:
+                answers.append(self.start(name, url, header))
+            acks = [answer.ack()[0] for answer in answers]  # every one, so that no late ack is left filed
         finally:
-            self.mailbox.forget([mid for _, _, mid in ids])
-        for (name, _, _), ack in zip(ids, acks, strict=True):
+            self.mailbox.forget([answer.mid for answer in answers])
+        for answer, ack in zip(answers, acks, strict=True):
             if not ack.get("ok"):
-                raise refusal(name, ack)
+                raise refusal(answer.worker, ack)
         return acks
 
     def start(self, name: str, url: str, header: dict, body: bytes = b"") -> Answer:
