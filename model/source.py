@@ -59,8 +59,9 @@ def resolve_model(model: str | None) -> ModelFiles:
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
-        pointer = path / GGUF_POINTER  # a cache folder of a GGUF file: its weights are in that file
-        return ModelFiles(path, path.name, Path(pointer.read_text().strip()) if pointer.exists() else None)
+        pointer = path / GGUF_POINTER  # a GGUF's cache folder, or a scale model's: its weights are in that file
+        gguf = path / pointer.read_text().strip() if pointer.exists() else None  # a relative path is the folder's
+        return ModelFiles(path, path.name, gguf)
     if path.suffix == ".gguf" and path.exists():
         return ModelFiles(convert_gguf(path), path.stem.split(".")[0], path.resolve())
     raise FileNotFoundError(f"model {model!r} is neither a Hugging Face folder nor a .gguf file")

@@ -35,11 +35,14 @@ def model_card(cfg: ModelConfig, name: str, fmt: WeightFormat | torch.dtype | st
 
 
 def grid(cfg: ModelConfig, tokens: Sequence[int], contexts: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The token and context points that fit the model's context."""
+    """The token and context points that fit the model's context; a context past it is replaced by the longest
+    that fits (a 2048-token model profiled only at context 0 was predicted no cost of attention at all)."""
     limit = cfg.max_position_embeddings
     toks = tuple(n for n in tokens if n <= limit) or (1,)
-    ctxs = tuple(c for c in contexts if c + toks[-1] <= limit) or (0,)
-    return toks, ctxs
+    ctxs = {c for c in contexts if c + toks[-1] <= limit}
+    if any(c + toks[-1] > limit for c in contexts) and limit - toks[-1] > 0:
+        ctxs.add(limit - toks[-1])
+    return toks, tuple(sorted(ctxs)) or (0,)
 
 
 def median_ms(fn: Callable[[], object], reps: int, min_total_s: float = 0.05, max_reps: int = 50) -> float:

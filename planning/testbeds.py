@@ -125,9 +125,10 @@ def scale_curve(curve: Curve, ref_cost, ref: DeviceSpec, target_cost, target: De
 
 
 def derive_device(spec: DeviceSpec, card: ModelCard, reference: ClusterProfile, ref_spec: DeviceSpec,
-                  reference_vocab: int | None = None) -> tuple[Curve, Curve, Curve]:
-    """(layer_ms, embed_ms, head_ms) of `card` on `spec`, scaled from the reference controller's curves."""
-    ref_costs, costs = _costs(reference.model, reference_vocab), _costs(card, None)
+                  reference_vocab: int | None = None, vocab: int | None = None) -> tuple[Curve, Curve, Curve]:
+    """(layer_ms, embed_ms, head_ms) of `card` on `spec`, scaled from the reference controller's curves;
+    `vocab`: the card's vocabulary (None: the card is taken to be untied)."""
+    ref_costs, costs = _costs(reference.model, reference_vocab), _costs(card, vocab)
     ctrl = reference.controller
     measured = {"layer": ctrl.layer_ms, "embed": ctrl.embed_ms, "head": ctrl.head_ms}
     curves = []

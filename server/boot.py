@@ -55,6 +55,7 @@ def obtain_profile(settings: ServeSettings, files: ModelFiles, devices: list[Dev
         return profile.without({w.name for w in profile.workers} - {d.name for d in devices})
     local = bool(settings.local_workers)
     extra = {"local": local, "cpus": settings.worker_cpus, "threads": settings.worker_threads,
+             "budget": settings.worker_memory_budget_gib,
              "urls": [] if local else [d.url for d in devices], "tag": settings.profile_tag}
     path = cache_path(files, settings.dtype, devices, extra)
     if path.exists() and not settings.reprofile:
@@ -118,7 +119,8 @@ def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[Loaded
         return loaded, None
     if settings.local_workers:
         config = launch_local_workers(settings.local_workers, settings.model, settings.worker_threads,
-                                      settings.worker_cpus, avoid=settings.port, prefault=settings.kv_prefault)
+                                      settings.worker_cpus, avoid=settings.port, prefault=settings.kv_prefault,
+                                      budget_gib=settings.worker_memory_budget_gib)
     elif settings.discover:  # proven by their /health just now
         config = ClusterConfig(settings.cluster_token, asyncio.run(discover_workers(settings)))
     else:

@@ -47,6 +47,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--discover-wait-s", type=float, help="with --discover: how long to wait for them (default 30); "
                    "then serve with those found, or in-process until one is found")
     p.add_argument("--worker-threads", type=int, help="torch threads of each local worker (0: all cores)")
+    p.add_argument("--worker-memory-budget-gib", type=float, help="each local worker's bound for its weights plus KV "
+                   "caches (default 4): a model bigger than one worker is split over several")
     p.add_argument("--stage-timeout-s", type=float, help="timeout of one call to a worker (default 60)")
     p.add_argument("--recover-probe-s", type=float, help="after a failed call, a worker that does not answer "
                    "within this many seconds is planned out (default 5)")
@@ -94,6 +96,7 @@ def _profile_parser(sub) -> None:
     p.add_argument("--weights", "--dtype", dest="dtype", default="auto", choices=FORMATS)
     p.add_argument("--worker-cpus", help="CPU sets of the local workers, e.g. '0;1'")
     p.add_argument("--worker-threads", type=int, default=0)
+    p.add_argument("--worker-memory-budget-gib", type=float, help="each local worker's memory budget (as serve's)")
     p.add_argument("--tokens", help="comma-separated tokens-per-pass points (default 1,2,4,...,512)")
     p.add_argument("--contexts", help="comma-separated context lengths (default 0,512,2048)")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per point (median)")
@@ -231,13 +234,34 @@ def _headsplit_parser(sub) -> None:
     p = sub.add_parser("compare-headsplit", help="layer-based, head-level and HeadSplit decoding of one prompt over "
                        "pinned local workers: per-token latency, payload, speculation counts (the paper's --mode all)")
     p.add_argument("--out", type=Path, required=True, help="where headsplit.json and headsplit.png go")
+    p.add_argument("--model", help="a model folder or .gguf, or a scale-model shape (e.g. tinyllama-1.1b: written "
+                   "once in bfloat16 by synth-model) (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--tokens", type=int, default=128, help="greedy tokens decoded per mode")
-    p.add_argument("--workers", type=int, default=2, help="local workers, pinned one per core")
+    p.add_argument("--workers", default="2", help="worker counts, comma-separated (e.g. 2,3,4,5), each in turn; "
+                   "pinned one per core where there are cores enough")
+    p.add_argument("--link", help="put the controller and each worker in network namespaces on links shaped as "
+                   "this link of config/devices.toml (e.g. wifi) (default: loopback)")
+    p.add_argument("--rate", help="shaped links' tc rate, e.g. 100mbit (overrides --link's)")
+    p.add_argument("--delay-ms", type=float, help="netem delay on each shaped egress (default: --link's round "
+                   "trip / 4, a round trip crossing four)")
+    p.add_argument("--layer-placement", choices=["even", "plan"], default="even",
+                   help="layer-based: even layer ranges over every worker (as the paper's baseline) or the planner's")
     p.add_argument("--epsilon", type=float, nargs="+", default=[0.05, 0.3], help="HeadSplit's tolerances")
     p.add_argument("--mode", choices=["layer", "head", "headsplit", "all"], default="all")
     p.add_argument("--data", type=Path, default=Path("../shared/data"), help="the shared data folder")
     p.add_argument("--no-perplexity", dest="perplexity", action="store_false",
                    help="skip the held-out perplexity of the HeadSplit modes")
+
+
+def _synth_parser(sub) -> None:
+    p = sub.add_parser("synth-model", help="write a scale model: a real model's shape with seeded random weights "
+                       "(its text is noise: it is for speed, memory and placement)")
+    p.add_argument("--shape", required=True, help="a card of config/models (tinyllama-1.1b, llama-3.2-1b, "
+                   "llama-2-7b, llama-2-13b) or a card JSON's path")
+    p.add_argument("--out", type=Path, help="the folder to write (default: in the cache, by shape, format and seed)")
+    p.add_argument("--weights", default="q4_1", choices=FORMATS[1:],
+                   help="q4_1 / q8_0: a GGUF of those blocks; float32 / bfloat16 / float16: safetensors (default q4_1)")
+    p.add_argument("--seed", type=int, default=0, help="the same seed writes the same bytes (default 0)")
 
 
 def _overrides(args: argparse.Namespace) -> dict:
@@ -356,6 +380,12 @@ def compare_headsplit(args: argparse.Namespace) -> None:
     run(args)
 
 
+def synth_model(args: argparse.Namespace) -> None:
+    from edgespec.model.synth import synthesize
+
+    print(synthesize(args.shape, args.out, args.weights, args.seed))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `edgespec` command line: one subcommand per tool."""
     parser = argparse.ArgumentParser(prog="edgespec", description=__doc__)
@@ -369,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     _eval_formats_parser(sub)
     _train_parsers(sub)
     _headsplit_parser(sub)
+    _synth_parser(sub)
     return parser
 
 
@@ -385,7 +416,8 @@ def main(argv: list[str] | None = None) -> None:
         commands = {"serve": serve, "worker": worker, "profile": profile, "plan": plan, "bench": bench,
                     "bench-peer": bench_peer, "eval-formats": eval_formats,
                     "train-drafter": train_drafter, "train-medusa": train_medusa,
-                    "profile-headsplit": profile_headsplit, "compare-headsplit": compare_headsplit}
+                    "profile-headsplit": profile_headsplit, "compare-headsplit": compare_headsplit,
+                    "synth-model": synth_model}
         commands[args.command](args)
     except (FileNotFoundError, ValueError) as exc:
         print(f"edgespec {args.command}: {exc}", file=sys.stderr)

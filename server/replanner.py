@@ -191,6 +191,8 @@ class ClusterManager:
         need = card.n_layers * (card.layer_weight_bytes() + options.context * options.concurrency *
                                 card.kv_bytes_per_token())
         free = available_memory_bytes()
+        if self.settings.worker_memory_budget_gib is not None:  # a device as small as the workers (a scale model)
+            free = min(free, int(self.settings.worker_memory_budget_gib * 2**30))
         if need > free:
             log.error("no placement over the workers left (%s), and this controller's free memory (%.2f GiB) "
                       "cannot hold every layer (%.2f GiB)", why, free / 2**30, need / 2**30)

@@ -55,6 +55,9 @@ class ServeSettings(BaseSettings):
     recover_probe_s: float = Field(5.0, gt=0, description="after a failed call, a worker that does not answer "
                                    "within this is taken for lost and planned out (at most the stage timeout)")
     worker_threads: int = Field(0, ge=0, description="torch threads of each local worker; 0: all cores")
+    worker_memory_budget_gib: float | None = Field(None, gt=0, description="each local worker's bound for its "
+                                                   "weights plus KV caches (default: the worker's own, 4 GiB); it "
+                                                   "also bounds the controller's taking over every layer")
     worker_cpus: str | None = Field(None, description="CPU sets of the local workers, e.g. '0;1' (worker i gets "
                                                        "the i-th set); default: unpinned")
     placement: Literal["plan", "even"] = Field("plan", description="layers by the planner's DP, or evenly")

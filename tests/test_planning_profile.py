@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,7 +12,7 @@ from model_fixtures import smollm2_folder
 from edgespec.model.config import ModelConfig
 from edgespec.model.timing import model_card
 from edgespec.planning.plan import InfeasibleError, PlanOptions, even_plan, make_plan
-from edgespec.planning.profile import ClusterProfile, Curve, DeviceProfile, LinkProfile, ModelCard
+from edgespec.planning.profile import IDLE_MS, ClusterProfile, Curve, DeviceProfile, LinkProfile, ModelCard
 from edgespec.planning.split import even_split
 
 GIB = 2**30
@@ -133,3 +134,40 @@ def test_sequence_cuts_cover_the_prompt():
         assert cuts[-1] == n and cuts == sorted(set(cuts)) and cuts[0] >= 1
     assert plan.sequence_cuts(0) == []
     assert not math.isnan(plan.predicted_prefill_ms(300))
+
+
+def test_stages_on_shared_cores_prefill_in_one_pass_each_in_turn():
+    own = profile({"a": 1.0, "b": 1.0})
+    shared = ClusterProfile(own.model, own.dtype, own.controller,
+                            [dataclasses.replace(w, hardware="host/cpus 0,1") for w in own.workers], own.links)
+    apart = make_plan(own, PlanOptions(context=1024))
+    together = make_plan(shared, PlanOptions(context=1024))
+    assert apart.bounds() == together.bounds()
+    assert any(len(sp.cuts) > 1 for sp in apart.prefill)  # separate devices overlap segments
+    for sp in together.prefill:
+        assert sp.cuts == (sp.bucket,)  # shared cores: nothing overlaps, so one segment
+        card = shared.model
+        stages = sum((last - first) * shared.device(s.device).layer_ms(sp.bucket, 0)
+                     + shared.transfer_ms(s.device, nxt, sp.bucket)
+                     for s, (first, last), nxt in zip(together.stages, together.bounds(),
+                                                      [x.device for x in together.stages[1:]] + ["controller"],
+                                                      strict=True))
+        first_hop = shared.transfer_ms("controller", together.stages[0].device, sp.bucket)
+        ends = shared.controller.embed_ms(sp.bucket) + shared.controller.head_ms(1)
+        assert sp.predicted_ms == pytest.approx(ends + first_hop + stages)  # the stages' sum, not their overlap
+        assert card.n_layers == together.stages[-1].last
+
+
+def test_a_decoding_step_pays_each_idle_receivers_wake_up():
+    hot = profile({"a": 3.0, "b": 3.0}, rtt_ms=0.2)  # each stage 36 ms: the others idle past IDLE_MS
+    idle = ClusterProfile(hot.model, hot.dtype, hot.controller, hot.workers,
+                          [dataclasses.replace(lk, rtt_idle_ms=1.2) for lk in hot.links])
+    base, woken = make_plan(hot), make_plan(idle)
+    assert base.bounds() == woken.bounds()
+    # 3 hops (controller -> a -> b -> controller); each receiver idled past IDLE_MS while the others ran
+    step = base.decode_ms_per_token
+    assert step > IDLE_MS
+    assert woken.decode_ms_per_token == pytest.approx(step + 3 * (1.2 - 0.2) * (1 + hot.margin))
+    # a receiver idle for less than IDLE_MS pays that share of the wake-up
+    lk = idle.link("a", "b")
+    assert lk.transfer_ms(0, 0.0, 0.5) == pytest.approx(0.1 + 0.5)

@@ -82,12 +82,13 @@ def free_ports(n: int, avoid: int | None = None) -> list[int]:
 
 
 def worker_command(port: int, token: str, name: str, model: str | None, threads: int,
-                   prefault: bool = False, adapt: bool = True) -> list[str]:
+                   prefault: bool = False, adapt: bool = True, budget_gib: float | None = None) -> list[str]:
     # --token=VALUE: a random token may start with "-", which argparse would take for an option
     cmd = [sys.executable, "-m", "edgespec.server.cli", "worker", "--host", "127.0.0.1", "--port", str(port),
            f"--token={token}", "--name", name, "--threads", str(threads)]
     return (cmd + (["--model", model] if model else []) + (["--kv-prefault"] if prefault else [])
-            + ([] if adapt else ["--no-adapt-threads"]))
+            + ([] if adapt else ["--no-adapt-threads"])
+            + ([] if budget_gib is None else ["--memory-budget-gib", str(budget_gib)]))
 
 
 def parse_ranges(spec: str) -> set[int]:
@@ -121,9 +122,11 @@ def _child_setup(cpus: set[int] | None):
 
 
 def launch_local_workers(n: int, model: str | None, threads: int, cpus: str | None = None,
-                         avoid: int | None = None, prefault: bool = False) -> ClusterConfig:
+                         avoid: int | None = None, prefault: bool = False,
+                         budget_gib: float | None = None) -> ClusterConfig:
     """Start n worker processes on loopback with a fresh random token, pinned to CPU sets if given; `avoid`:
-    the controller's own port, free still while it loads (a worker that took it once kept it from serving)."""
+    the controller's own port, free still while it loads (a worker that took it once kept it from serving);
+    `budget_gib`: each worker's memory budget (None: the worker's default)."""
     token = secrets.token_urlsafe(24)
     config = ClusterConfig(token, [None] * n, processes=[None] * n)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -136,11 +139,11 @@ def launch_local_workers(n: int, model: str | None, threads: int, cpus: str | No
         # hand-off, reads as contention to its thread governor (model/cpu_share.py), which dropped all 4 workers
         # to one thread (bench/distributed in two runs: 4 workers 0.460x of in-process with it, 0.511x without;
         # 2 workers 0.627x and 0.683x). A single local worker keeps it, for others' busy cores (bench/busy.py).
-        command = worker_command(port, token, name, model, threads, prefault, adapt=n == 1)
+        command = worker_command(port, token, name, model, threads, prefault, adapt=n == 1, budget_gib=budget_gib)
         # output goes to the controller's own stderr, so a worker that fails to start says why
         config.processes[i] = subprocess.Popen(command, stdout=sys.stderr, stderr=subprocess.STDOUT, env=env,
                                                preexec_fn=_child_setup(cpu_sets[i]))
-        config.workers[i] = WorkerSpec(f"http://127.0.0.1:{port}", name)
+        config.workers[i] = WorkerSpec(f"http://127.0.0.1:{port}", name, budget_gib)
 
     for i, port in enumerate(free_ports(n, avoid)):
         spawn(i, port)

@@ -59,6 +59,12 @@ def available_memory_bytes() -> int:
     return total_memory_bytes()
 
 
+def hardware_id() -> str:
+    """The cores this process computes on: host name and CPU set (equal for local workers that share cores)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return f"{socket.gethostname()}/cpus {','.join(map(str, cpus))}"
+
+
 def resident_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -114,7 +120,8 @@ class StageHost:
         cfg = ModelConfig.from_folder(files.folder)
         stack = LayerStack.load(open_source(files), cfg, 0, min(PROFILE_LAYERS, cfg.n_layers), fmt)
         curve = time_layers(stack, tokens, contexts, reps)
-        return {"name": self.name, "layer_ms": asdict(curve), "memory": self.info()["memory"]}
+        return {"name": self.name, "layer_ms": asdict(curve), "memory": self.info()["memory"],
+                "hardware": hardware_id()}
 
     def info(self) -> dict:
         a = self.assignment

@@ -7,12 +7,14 @@ hop a hidden state may take has a measured per-message cost.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import statistics
 import time
 
 from websockets.asyncio.client import connect
 
+from edgespec.planning.profile import IDLE_MS
 from edgespec.workers.frames import MAX_HEADER, pack, unpack
 
 SMALL = 64
@@ -35,10 +37,16 @@ async def measure_link(url: str, token: str, reps: int = 5, large: int = LARGE) 
                 if header["op"] == "pong" and header.get("id") == mid:
                     return 1000 * (time.perf_counter() - t0)
 
+        async def idle_ping_ms() -> float:
+            await asyncio.sleep(IDLE_MS / 1000)
+            return await ping_ms(small_body)
+
         small_body, large_body = b"\0" * SMALL, b"\0" * large
         await ping_ms(small_body)  # the first message after the handshake warms both ends
         small = statistics.median([await ping_ms(small_body) for _ in range(reps)])
+        idle = statistics.median([await idle_ping_ms() for _ in range(reps)])
         big = statistics.median([await ping_ms(large_body) for _ in range(max(2, reps // 2))])
     # on loopback the difference can be tiny or even negative: floor it at 10 GB/s-equivalent time
     extra_s = max((big - small) / 1000, (large - SMALL) / 10e9)
-    return {"rtt_ms": round(small, 4), "bandwidth_bytes_per_s": round((large - SMALL) / extra_s, 1)}
+    return {"rtt_ms": round(small, 4), "bandwidth_bytes_per_s": round((large - SMALL) / extra_s, 1),
+            "rtt_idle_ms": round(idle, 4)}

@@ -47,7 +47,8 @@ def run_profile(args: argparse.Namespace) -> None:
                              contexts=_ints(args.contexts, ProfileOptions.contexts), reps=args.reps,
                              margin=args.margin)
     if args.local_workers:
-        config = launch_local_workers(args.local_workers, args.model, args.worker_threads, args.worker_cpus)
+        config = launch_local_workers(args.local_workers, args.model, args.worker_threads, args.worker_cpus,
+                                      budget_gib=args.worker_memory_budget_gib)
     else:
         config = ClusterConfig.from_file(Path(args.cluster))
     try:

@@ -89,8 +89,10 @@ async def profile_workers(devices: list[Device], token: str, model: str | None, 
 
     async with httpx.AsyncClient(headers=headers, timeout=600) as client:
         for d in devices:
-            mem, curve = await _layers(client, d, body)
-            profiles.append(DeviceProfile(d.name, curve, mem["budget_bytes"], mem["resident_bytes"], d.url))
+            ans = await _layers(client, d, body)
+            mem = ans["memory"]
+            profiles.append(DeviceProfile(d.name, _curve(ans["layer_ms"]), mem["budget_bytes"], mem["resident_bytes"],
+                                          d.url, hardware=ans.get("hardware")))
             done(f"layers on {d.name}")
         for d in devices:
             links.append(LinkProfile(CONTROLLER, d.name, **await measure_link(ws_url(d.url), token, options.link_reps)))
@@ -105,11 +107,10 @@ async def profile_workers(devices: list[Device], token: str, model: str | None, 
     return profiles, links
 
 
-async def _layers(client: httpx.AsyncClient, d: Device, body: dict) -> tuple[dict, Curve]:
+async def _layers(client: httpx.AsyncClient, d: Device, body: dict) -> dict:
     r = await client.post(d.url + "/profile", json=body)
     _check(r, d)
-    ans = r.json()
-    return ans["memory"], _curve(ans["layer_ms"])
+    return r.json()
 
 
 def _check(r: httpx.Response, d: Device) -> None:
@@ -136,7 +137,9 @@ def profile_cluster(files: ModelFiles, model: str | None, dtype: str, devices: l
     return assemble(files, dtype, controller, workers, links, options)
 
 
-LINKS = "websocket"  # how stages talk; a profile of the HTTP calls before it measured another link cost
+# how stages talk and what a profile holds: a profile of the HTTP calls before it measured another link cost, and
+# one without the idle round trip and the devices' hardware predicts no wake-ups and overlaps shared cores
+LINKS = "websocket-idle"
 
 
 def cache_path(files: ModelFiles, dtype: str, devices: list[Device], extra: dict) -> Path:

@@ -1,0 +1,309 @@
+"""Scale models (`edgespec synth-model`): Hugging Face folders with the shapes of real models and seeded random
+weights, for measuring speed, memory and placement on models bigger than the embedded 135M one.
+
+Their text is noise: the weights are random. What a pass costs depends on shapes and formats, not on values,
+so such a model measures the split honestly where no real weights of that size are available offline.
+
+A folder holds config.json (the shape's Hugging Face fields, config/models/<shape>.json "hf"), the embedded
+model's tokenizer cut to the shape's vocabulary (its BPE vocabulary and merges kept below the shape's size; a
+larger shape's ids past the tokenizer are never produced by it), and the weights:
+- float32 / bfloat16 / float16: safetensors in that dtype (shards of at most 2 GiB, with an index);
+- q4_1 / q8_0: a GGUF file of those blocks (layers in that format, the embedding and the head in Q8_0, norms in
+  F32; q and k rows in llama.cpp's rotary order, as a converted GGUF has them), pointed at as a converted GGUF
+  folder points at its file, so it is served as a GGUF is (`--weights auto` runs its own blocks).
+
+Values: every tensor from its own generator, seeded by (seed, tensor name), so a tensor is the same whatever
+else is written; matrices N(0, 0.02^2) (about 1/sqrt(hidden) at 2048, as trained Llama matrices are), the output
+projections of attention and FFN divided by sqrt(2 layers) so that the residual stream grows as in a trained
+model (GPT-2's scaling), norms 1. Hidden states stay finite through every layer (tests/test_synth.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edgespec.model.source import GGUF_POINTER, cache_root, resolve_model
+
+SHAPES_DIR = Path(__file__).resolve().parents[1] / "config" / "models"
+FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GGUF_FORMATS = ("q4_1", "q8_0")
+FORMATS = (*GGUF_FORMATS, *FLOAT_FORMATS)
+VERSION = 1  # of the generator: a folder written by another version is written again
+STD = 0.02
+SHARD_BYTES = 2 * 2**30
+GGUF_FILE = "weights.gguf"
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor to write: Hugging Face name, shape, and the std of its values (None: ones, a norm)."""
+
+    name: str
+    shape: tuple[int, ...]
+    std: float | None
+
+    def values(self, seed: int) -> torch.Tensor:
+        """The tensor's float32 values: the same for the same seed and name, whatever else is written."""
+        if self.std is None:
+            return torch.ones(self.shape)
+        key = int.from_bytes(hashlib.sha256(f"{seed}:{self.name}".encode()).digest()[:8], "little") >> 1
+        return torch.randn(self.shape, generator=torch.Generator().manual_seed(key)).mul_(self.std)
+
+
+def shape_names() -> list[str]:
+    """The shapes synth-model can write: config/models cards with Hugging Face fields."""
+    return sorted(p.stem for p in SHAPES_DIR.glob("*.json") if "hf" in json.loads(p.read_text()))
+
+
+def load_shape(shape: str) -> dict:
+    """A shape's card by file stem or card name (case-insensitive), or a card JSON's path."""
+    path = Path(shape)
+    if path.suffix == ".json" and path.exists():
+        card = json.loads(path.read_text())
+    else:
+        cards = {p.stem: json.loads(p.read_text()) for p in SHAPES_DIR.glob("*.json")}
+        found = [c for stem, c in cards.items() if shape.lower() in (stem, c["name"].lower())]
+        if not found:
+            raise ValueError(f"unknown shape {shape!r}; known: {', '.join(shape_names())}")
+        card = found[0]
+    if "hf" not in card:
+        raise ValueError(f"shape {shape!r} has no Hugging Face fields ('hf') to build a model from")
+    return card
+
+
+def hf_config(card: dict, bos: int, eos: int) -> dict:
+    """config.json of a shape (Llama architecture; token ids are the embedded tokenizer's)."""
+    hf = card["hf"]
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": card["hidden_size"], "num_hidden_layers": card["n_layers"],
+        "num_attention_heads": card["n_heads"], "num_key_value_heads": card["n_kv_heads"],
+        "head_dim": card["head_dim"], "intermediate_size": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
+        "rms_norm_eps": hf["rms_norm_eps"], "rope_theta": hf["rope_theta"],
+        "max_position_embeddings": hf["max_position_embeddings"], "tie_word_embeddings": hf["tie_word_embeddings"],
+        "attention_bias": False, "mlp_bias": False, "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos,
+        "_name_or_path": f"synthetic {card['name']} (random weights: its text is noise)",
+    }
+    if "rope_scaling" in hf:
+        config["rope_scaling"] = hf["rope_scaling"]
+    return config
+
+
+def tensors(config: dict) -> list[Tensor]:
+    """Every tensor of a Llama model with this config, in file order."""
+    h, n_layers, hd = config["hidden_size"], config["num_hidden_layers"], config["head_dim"]
+    q, kv, inter = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd, config["intermediate_size"]
+    out_std = STD / math.sqrt(2 * n_layers)
+    out = [Tensor("model.embed_tokens.weight", (config["vocab_size"], h), STD)]
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        out += [Tensor(p + "input_layernorm.weight", (h,), None),
+                Tensor(p + "self_attn.q_proj.weight", (q, h), STD),
+                Tensor(p + "self_attn.k_proj.weight", (kv, h), STD),
+                Tensor(p + "self_attn.v_proj.weight", (kv, h), STD),
+                Tensor(p + "self_attn.o_proj.weight", (h, q), out_std),
+                Tensor(p + "post_attention_layernorm.weight", (h,), None),
+                Tensor(p + "mlp.gate_proj.weight", (inter, h), STD),
+                Tensor(p + "mlp.up_proj.weight", (inter, h), STD),
+                Tensor(p + "mlp.down_proj.weight", (h, inter), out_std)]
+    out.append(Tensor("model.norm.weight", (h,), None))
+    if not config["tie_word_embeddings"]:
+        out.append(Tensor("lm_head.weight", (config["vocab_size"], h), STD))
+    return out
+
+
+def default_out(shape: str, weights: str, seed: int) -> Path:
+    """Where a scale model is cached when no --out is given."""
+    stem = Path(shape).stem if shape.endswith(".json") else load_shape(shape)["name"].lower()
+    return cache_root() / "synth" / f"{stem}-{weights}-s{seed}"
+
+
+def synthesize(shape: str, out: Path | None = None, weights: str = "q4_1", seed: int = 0,
+               progress: bool = True) -> Path:
+    """Write the scale model `shape` in `weights` into `out` once (a folder already written with these
+    parameters is kept); returns the folder."""
+    if weights not in FORMATS:
+        raise ValueError(f"unknown weight format {weights!r}; valid: {', '.join(FORMATS)}")
+    card = load_shape(shape)
+    out = Path(out) if out is not None else default_out(shape, weights, seed)
+    record = {"version": VERSION, "shape": card, "weights": weights, "seed": seed}
+    done = out / "synth.json"
+    if done.exists() and json.loads(done.read_text()) == record:
+        return out
+    if out.exists() and not done.exists() and any(out.iterdir()):  # never replace a folder of something else
+        raise ValueError(f"{out} exists and is not a scale model's folder (no synth.json): choose another --out")
+    tokenizer = resolve_model(None).folder
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tok_config = json.loads((tokenizer / "config.json").read_text())
+    config = hf_config(card, tok_config["bos_token_id"], tok_config["eos_token_id"])
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_tokenizer(tokenizer, tmp, config["vocab_size"])
+    plan = tensors(config)
+    with _progress(progress, f"{card['name']} ({weights}, seed {seed})",
+                   sum(math.prod(t.shape) for t in plan)) as advance:
+        if weights in FLOAT_FORMATS:
+            write_safetensors(plan, tmp, FLOAT_FORMATS[weights], seed, advance)
+        else:
+            write_gguf(plan, tmp / GGUF_FILE, config, weights, seed, advance)
+            (tmp / GGUF_POINTER).write_text(GGUF_FILE + "\n")  # relative: the folder can move
+    (tmp / "synth.json").write_text(json.dumps(record, indent=1) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(out)
+    return out
+
+
+class _progress:
+    """A rich progress bar over parameters written (or nothing); the context value advances it."""
+
+    def __init__(self, show: bool, what: str, total: int):
+        self.show, self.what, self.total = show, what, total
+
+    def __enter__(self) -> Callable[[int], None]:
+        if not self.show:
+            return lambda n: None
+        from rich.console import Console
+        from rich.progress import Progress
+
+        self.bar = Progress(console=Console(stderr=True), transient=False)  # stdout: the folder, for scripts
+        self.bar.start()
+        task = self.bar.add_task(f"writing {self.what}", total=self.total)
+        return lambda n: self.bar.advance(task, n)
+
+    def __exit__(self, *exc) -> None:
+        if self.show:
+            self.bar.stop()
+
+
+def write_tokenizer(src: Path, out: Path, vocab: int) -> None:
+    """The embedded tokenizer's files, its BPE vocabulary cut to ids below `vocab` (a merge is kept when both
+    parts and the result are kept: the rest of the tokenizer never produces a dropped id)."""
+    for name in ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    tok = json.loads((src / "tokenizer.json").read_text())
+    model = tok["model"]
+    if len(model["vocab"]) > vocab:
+        kept = {t: i for t, i in model["vocab"].items() if i < vocab}
+        merges = []
+        for m in model["merges"]:
+            a, b = m.split(" ", 1) if isinstance(m, str) else m
+            if a in kept and b in kept and a + b in kept:
+                merges.append(m)
+        model["vocab"], model["merges"] = kept, merges
+        tok["added_tokens"] = [t for t in tok["added_tokens"] if t["id"] < vocab]
+    (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+
+
+def write_safetensors(plan: list[Tensor], out: Path, dtype: torch.dtype, seed: int,
+                      advance: Callable[[int], None]) -> None:
+    """The tensors as safetensors in `dtype`: one file, or shards of at most SHARD_BYTES with an index."""
+    from safetensors.torch import save_file
+
+    shards, current, size = [], {}, 0
+    for t in plan:
+        value = t.values(seed).to(dtype)
+        nbytes = value.numel() * value.element_size()
+        if current and size + nbytes > SHARD_BYTES:
+            shards.append(current)
+            current, size = {}, 0
+        current[t.name], size = value, size + nbytes
+        advance(value.numel())
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
+        return
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards, strict=True):
+        save_file(shard, out / name, metadata={"format": "pt"})
+    weight_map = {k: name for name, shard in zip(names, shards, strict=True) for k in shard}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+
+
+def gguf_name(name: str) -> str:
+    """'model.layers.3.self_attn.q_proj.weight' -> 'blk.3.attn_q.weight' (model/gguf_source.py's inverse)."""
+    if name in _GGUF_TOP:
+        return _GGUF_TOP[name]
+    _, _, i, *part, kind = name.split(".")
+    return f"blk.{i}.{_GGUF_NAMES['.'.join(part)]}.{kind}"
+
+
+def _gguf_rows(name: str, w: np.ndarray, config: dict) -> np.ndarray:
+    # q and k rows in llama.cpp's rotary order: the inverse of the permutation GGUFSource undoes
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}.get(
+        name.split(".")[-2])
+    if heads is None:
+        return w
+    n = w.shape[0]
+    perm = np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(1, 2).reshape(n)
+    out = np.empty_like(w)
+    out[perm] = w
+    return out
+
+
+def write_gguf(plan: list[Tensor], path: Path, config: dict, weights: str, seed: int,
+               advance: Callable[[int], None]) -> None:
+    """The tensors as one GGUF file: layer matrices in `weights` blocks, the embedding and head in Q8_0, norms
+    F32. Tensor infos go first in a GGUF, so sizes are worked out before any values are drawn."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quant_shape_to_byte_shape, quantize
+
+    layer_kind = GGMLQuantizationType[weights.upper()]
+    writer = GGUFWriter(path, "llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_vocab_size(config["vocab_size"])
+
+    def kind(t: Tensor):
+        if len(t.shape) == 1:
+            return None
+        return layer_kind if ".layers." in t.name else GGMLQuantizationType.Q8_0
+
+    for t in plan:
+        k = kind(t)
+        if k is None:
+            writer.add_tensor_info(gguf_name(t.name), t.shape, np.dtype(np.float32), 4 * math.prod(t.shape))
+        else:
+            shape = quant_shape_to_byte_shape(t.shape, k)
+            writer.add_tensor_info(gguf_name(t.name), shape, np.dtype(np.uint8), math.prod(shape), raw_dtype=k)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in plan:
+        w = t.values(seed).numpy()
+        k = kind(t)
+        writer.write_tensor_data(w if k is None else quantize(_gguf_rows(t.name, w, config), k))
+        advance(w.size)
+    writer.close()
+
+
+def weight_files(folder: Path) -> Iterator[Path]:
+    """The files holding a scale model's weights (for comparing two writes byte for byte)."""
+    yield from sorted(p for p in Path(folder).iterdir() if p.suffix in (".safetensors", ".gguf"))
