@@ -90,6 +90,48 @@ def timeline_ms(layers: list[LayerPlace], devices: dict[str, HeadDevice], link, 
     return t_x + link(x_at, controller) + ends_ms
 
 
+def depth_alphas(alphas: list[float], n_layers: int) -> list[float]:
+    """Per-layer acceptance profiled on one model, mapped onto a model of `n_layers` by relative depth: layer i
+    (depth i / (n_layers - 1)) takes the linear interpolation of the profiled layers at the same depth. Both
+    ends map to both ends (layer 0 keeps the profile's first value, 0: it has no previous layer)."""
+    if not alphas:
+        return [0.0] * n_layers
+    if n_layers == 1 or len(alphas) == 1:
+        return [float(alphas[0])] * n_layers
+    out = []
+    for i in range(n_layers):
+        pos = i * (len(alphas) - 1) / (n_layers - 1)
+        lo = min(int(pos), len(alphas) - 2)
+        f = pos - lo
+        out.append(round((1 - f) * alphas[lo] + f * alphas[lo + 1], 4))
+    return out
+
+
+CONTROLLER = "controller"
+
+
+def predict_setting(card: ModelCard, blocks: dict[str, float], names: list[str], hop_ms: float, ends_ms: float,
+                    modes: dict[str, tuple[list[LayerPlace], list[float], bool]]) -> dict[str, float]:
+    """Predicted ms per token of a measured setting: identical devices `names` (`blocks`: one device's group/
+    proj/ffn ms), every message hop_ms, and a controller (embedding, head: ends_ms) on a device of its own, whose
+    messages cost hop_ms too. "layer": even layer ranges, one message per hop of the chain controller ->
+    devices -> controller; each of `modes` (label -> (placement, alphas, gathered)) by timeline_ms, with the
+    controller as every layer's projection device where not `gathered`."""
+    devices = {d: HeadDevice(d, blocks["group_ms"], blocks["proj_ms"], blocks["ffn_ms"], 0)
+               for d in [*names, CONTROLLER]}
+
+    def link(a: str, b: str) -> float:
+        return 0.0 if a == b else hop_ms
+
+    chain = (len(names) + 1) * hop_ms  # controller -> first device -> ... -> last device -> controller
+    out = {"layer": round(layer_based_ms(card, blocks, len(names), 0.0, ends_ms) + chain, 3)}
+    for label, (layers, alphas, gathered) in modes.items():
+        if not gathered:
+            layers = [LayerPlace(lp.groups, CONTROLLER, lp.ffn, lp.speculate) for lp in layers]
+        out[label] = round(timeline_ms(layers, devices, link, alphas, CONTROLLER, ends_ms), 3)
+    return out
+
+
 def simulate(card: ModelCard, spec: DeviceSpec, n_devices: int, link_profile: LinkProfile, margin: float,
              measured: dict[str, float], ref_card: ModelCard, ref: DeviceSpec, alphas: list[float],
              context: int) -> dict:

@@ -66,7 +66,7 @@ class Lan:
             self._shape("eth0", ns)
             self._shape(outer, lan)
 
-    def _shape(self, dev: str, ns: str) -> None:
+    def _shape(self, dev: str, ns: str | None) -> None:
         tbf = ["tbf", "rate", self.rate, "burst", "32kbit", "latency", "50ms"]
         if self.delay_ms:
             r = sh("tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", f"{self.delay_ms}ms",
@@ -79,9 +79,10 @@ class Lan:
                 self.notes.append(note)
         sh("tc", "qdisc", "add", "dev", dev, "root", *tbf, ns=ns)
 
-    def join_root(self, address: str) -> None:
-        """An unshaped veth from the calling (root) namespace to the bridge, at `address` in the subnet (devices
-        are .10 and up), so that this process reaches the devices directly; down() removes it."""
+    def join_root(self, address: str, shaped: bool = False) -> None:
+        """A veth from the calling (root) namespace to the bridge, at `address` in the subnet (devices are .10 and
+        up), so that this process reaches the devices directly; `shaped`: both its directions shaped as a
+        device's link (the root namespace is then one more device, e.g. the controller); down() removes it."""
         host, bridge = f"{self.prefix}-host", f"{self.prefix}-br"
         sh("ip", "link", "add", host, "type", "veth", "peer", "name", bridge)
         sh("ip", "link", "set", bridge, "netns", f"{self.prefix}-lan")
@@ -89,6 +90,9 @@ class Lan:
         sh("ip", "link", "set", bridge, "up", ns=f"{self.prefix}-lan")
         sh("ip", "addr", "add", f"{address}/24", "dev", host)
         sh("ip", "link", "set", host, "up")
+        if shaped:
+            self._shape(host, None)
+            self._shape(bridge, f"{self.prefix}-lan")
 
     def down(self) -> None:
         sh("ip", "link", "del", f"{self.prefix}-host", check=False)  # join_root's; gone with the bridge anyway
@@ -96,10 +100,12 @@ class Lan:
             sh("ip", "netns", "del", ns, check=False)
 
 
-def spawn(ns: str, args: list[str], log: Path) -> subprocess.Popen:
+def spawn(ns: str, args: list[str], log: Path, cpus: set[int] | None = None) -> subprocess.Popen:
+    """`edgespec ARGS` inside namespace `ns` (pinned to `cpus` if given), in a session of its own for stop()."""
     cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "edgespec.server.cli", *args]
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
@@ -124,6 +130,19 @@ def wait_health(ns: str, url: str, timeout_s: float, procs: list[subprocess.Pope
             raise RuntimeError("a process exited during start-up; see the logs in the output folder")
         time.sleep(1)
     raise TimeoutError(f"{url} not healthy after {timeout_s} s")
+
+
+def netns_problem(prefix: str = PREFIX) -> str | None:
+    """Why network namespaces cannot be made here (ip's message), or None where they can."""
+    try:
+        probe = subprocess.run(["ip", "netns", "add", f"{prefix}-probe"], capture_output=True, text=True,
+                               check=False)
+    except FileNotFoundError:
+        return "no `ip` command"
+    if probe.returncode != 0:
+        return probe.stderr.strip() or f"ip netns add exited {probe.returncode}"
+    subprocess.run(["ip", "netns", "del", f"{prefix}-probe"], capture_output=True, check=False)
+    return None
 
 
 def run_rate(args, rate: str, out: Path) -> dict:
@@ -168,11 +187,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    probe = subprocess.run(["ip", "netns", "add", f"{PREFIX}-probe"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        print(f"skipped: network namespaces are not permitted here ({probe.stderr.strip()})")
+    problem = netns_problem(PREFIX)
+    if problem:
+        print(f"skipped: network namespaces are not permitted here ({problem})")
         return
-    subprocess.run(["ip", "netns", "del", f"{PREFIX}-probe"], check=False)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = [run_rate(args, rate, out) for rate in args.rates.split(",")]

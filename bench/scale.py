@@ -79,9 +79,11 @@ def prompt_of(tokenizer, n: int, seed: int) -> str:
 
 
 def stream(client: httpx.Client, model: str, prompt: str, tokens: int) -> dict:
-    """One greedy naive streamed completion of exactly `tokens` tokens: TTFT and decode ms/token."""
+    """One greedy naive streamed completion of exactly `tokens` tokens: TTFT and decode ms/token. Tokens are
+    timed by their chunks' logprobs, which come for every token: a scale model's random tokens often show no
+    text (a byte of a character, or an id past its tokenizer's)."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0, "stream": True,
-            "max_tokens": tokens, "min_tokens": tokens, "decoding": "naive",
+            "max_tokens": tokens, "min_tokens": tokens, "decoding": "naive", "logprobs": True,
             "stream_options": {"include_usage": True}}
     start_s, first, last, usage = time.perf_counter(), None, None, None
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -93,7 +95,7 @@ def stream(client: httpx.Client, model: str, prompt: str, tokens: int) -> dict:
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+            if chunk["choices"] and (chunk["choices"][0].get("logprobs") or {}).get("content"):
                 first = first or time.perf_counter()
                 last = time.perf_counter()
             usage = chunk.get("usage") or usage
@@ -290,19 +292,23 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--setup", action="append", choices=list(SETUPS), help="setups to run (default: all)")
+    p.add_argument("--setup", action="append", choices=[*SETUPS, "none"],
+                   help="setups to run (default: all; none: only the derived method, on an earlier profile)")
     p.add_argument("--derived", action=argparse.BooleanOptionalAction, default=True,
                    help="also the derived-testbed method (needs the tinyllama-3w profile)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"setups": {}}
-    for name in args.setup or list(SETUPS):
+    path = args.out / "scale.json"
+    # written after each part, and kept: a setup not asked for again keeps its result from an earlier run
+    result = json.loads(path.read_text()) if path.exists() else {"setups": {}}
+    for name in [n for n in args.setup or SETUPS if n != "none"]:
         result["setups"][name] = distributed(name, SETUPS[name], args.out)
+        path.write_text(json.dumps(result, indent=1) + "\n")
         print(json.dumps({name: {k: result["setups"][name][k] for k in ("placement", "predicted", "error")}}))
     if args.derived:
         reference = ClusterProfile.load(args.out / "profile-tinyllama-3w.json")
         result["derived"] = derived(reference, args.out)
-    (args.out / "scale.json").write_text(json.dumps(result, indent=1) + "\n")
+        path.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, args.out / "scale.png")
     print(json.dumps({n: r["error"] for n, r in result["setups"].items()}, indent=1))
 

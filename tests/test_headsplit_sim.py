@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from edgespec.bench.headsplit_sim import block_costs, layer_based_ms, scaled_blocks, timeline_ms
+from edgespec.bench.headsplit_sim import (
+    block_costs,
+    depth_alphas,
+    layer_based_ms,
+    predict_setting,
+    scaled_blocks,
+    timeline_ms,
+)
 from edgespec.planning.headsplit import HeadDevice, LayerPlace
 from edgespec.planning.profile import ModelCard
 from edgespec.planning.testbeds import DeviceSpec
@@ -62,3 +69,28 @@ def test_speculation_helps_in_proportion_to_alpha():
     # 7.2, X1 = 11.7; Z2 = 12.3, X2 = 16.8; back at a 17.3
     assert by_alpha[2] == pytest.approx(17.3)
     assert by_alpha[1] == pytest.approx((by_alpha[0] + by_alpha[2]) / 2, abs=0.6) and by_alpha[2] < by_alpha[1] < head
+
+
+def test_alpha_mapped_by_relative_depth():
+    assert depth_alphas([0.0, 1.0], 3) == pytest.approx([0.0, 0.5, 1.0])
+    profiled = [0.0, 0.0] + [0.8 + 0.005 * i for i in range(28)]  # 30 layers, as SmolLM2's profile
+    mapped = depth_alphas(profiled, 22)
+    assert len(mapped) == 22 and mapped[0] == 0.0 and mapped[-1] == pytest.approx(profiled[-1])
+    assert mapped == sorted(mapped)  # a rising profile stays rising
+    assert depth_alphas([0.0, 0.9, 0.9, 0.9], 8)[3:] == pytest.approx([0.9] * 5)
+    assert depth_alphas([], 4) == [0.0] * 4 and depth_alphas([0.3], 2) == [0.3, 0.3]
+
+
+def test_measured_setting_predicted_with_a_controller_of_its_own():
+    blocks = {"group_ms": 1.0, "proj_ms": 0.1, "ffn_ms": 4.0}
+    plan = layers(False)  # groups a:[0], b:[1]; projection at a, FFN at b
+    got = predict_setting(CARD, blocks, ["a", "b"], 0.5, 0.0, {"head": (plan, [0.0] * 3, True),
+                                                               "star": (plan, [0.0] * 3, False)})
+    # layer-based: 3 layers of 6.1 ms and the chain controller -> a -> b -> controller, three messages
+    assert got["layer"] == pytest.approx(3 * 6.1 + 3 * 0.5)
+    # gathered at a: as the hand-checked timeline above, the controller's X reaching a's groups one message
+    # later (0.5 + 1.0 = 1.5, under b's 2.0): 19.3
+    assert got["head"] == pytest.approx(19.3)
+    # the controller gathers: a's groups now also send their partial back (2.0); layer 1 and 2's residual comes
+    # from b to the controller: Z1 = 6.6 + 2.0 + 0.1 = 8.7, X1 = 13.2, X2 = 19.8, back 20.3
+    assert got["star"] == pytest.approx(20.3)
