@@ -155,11 +155,16 @@ def _check_memory(profile: ClusterProfile, options: PlanOptions) -> None:
                               f"only {held} whole layers")
 
 
+def _ends_ms(c: DeviceProfile, ctx: int) -> float:
+    """The controller's embedding and head for one decoded token."""
+    return (c.embed_ms(1, ctx) if c.embed_ms else 0.0) + (c.head_ms(1, ctx) if c.head_ms else 0.0)
+
+
 def _decode_hops(profile: ClusterProfile, costs: _Costs, bounds: list[tuple[int, int]], ctx: int) -> list[float]:
     """Each hop of a decoding step (controller -> first stage, ..., last stage -> controller), with the wake-up
     of its receiver, which has been idle while every other part of the step ran."""
     c = profile.controller
-    own = [(c.embed_ms(1, ctx) if c.embed_ms else 0.0) + (c.head_ms(1, ctx) if c.head_ms else 0.0)]
+    own = [_ends_ms(c, ctx)]
     own += [(last - first) * costs.order[i].layer_ms(1, ctx) for i, (first, last) in enumerate(bounds)]
     names = [c.name] + [d.name for d in costs.order[:len(bounds)]] + [c.name]
     busy = sum(own) + sum(profile.transfer_ms(a, b, 1) for a, b in itertools.pairwise(names))
@@ -184,8 +189,7 @@ def _finish(profile: ClusterProfile, costs: _Costs, bounds: list[tuple[int, int]
         stages.append(StagePlan(d.name, d.url, first, last, (last - first) * card.layer_weight_bytes(),
                                 (last - first) * card.kv_bytes_per_token() * options.context * options.concurrency,
                                 d.memory_capacity_bytes, (last - first) * d.layer_ms(1, ctx) + hops[i + 1]))
-    c = profile.controller
-    controller = (c.embed_ms(1, ctx) if c.embed_ms else 0.0) + (c.head_ms(1, ctx) if c.head_ms else 0.0) + hops[0]
+    controller = _ends_ms(profile.controller, ctx) + hops[0]
     bottleneck = max(costs.stage_ms(i, f, last) for i, (f, last) in enumerate(bounds))
     plan = Plan(card.name, stages, controller, bottleneck, controller + sum(s.ms_per_token for s in stages), 1,
                 options=options, method=method)
@@ -200,7 +204,7 @@ def _finish(profile: ClusterProfile, costs: _Costs, bounds: list[tuple[int, int]
     # Stages on shared cores cannot overlap: a prompt goes through them in one pass, each stage in turn (three
     # local workers on two cores took 10.2 s for a 558-token prompt in 12 segments, predicted 3.6 s as if overlapped)
     shared = shares_hardware(costs.order[:len(bounds)])
-    max_k = 1 if shared else options.segments_per_device * len(bounds)
+    max_k = options.segments_per_device * len(bounds)
     for bucket in (b for b in options.buckets if b <= card.context):
         if shared:
             stages_ms = [costs.stage_ms_at(i, f, last, bucket, 0) for i, (f, last) in enumerate(bounds)]
