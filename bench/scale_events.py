@@ -77,8 +77,7 @@ def lost_worker(url: str, server: psutil.Process, model: str, tokenizer, workers
 
     def kill_at(i: int) -> None:
         if i == 8 and not killed.is_set():
-            server_pid = worker_pid(server, victim)
-            psutil.Process(server_pid).send_signal(signal.SIGKILL)
+            psutil.Process(worker_pid(server, victim)).send_signal(signal.SIGKILL)
             killed.set()
 
     t0 = time.monotonic()
