@@ -98,7 +98,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class AttentionBlock(nn.Module):
-    """Attention of the KV groups `groups` of one layer, and their share of the output projection."""
+    """Attention of the KV groups `groups` of one layer, and their share of the output projection; with the
+    architecture's per-head q and k norms (Qwen3: one weight [head_dim] for every head) where it has them."""
 
     def __init__(self, cfg: ModelConfig, groups: Sequence[int], dtype: torch.dtype, with_o_bias: bool):
         super().__init__()
@@ -109,12 +110,17 @@ class AttentionBlock(nn.Module):
         out = (self.n_q + 2 * self.n_kv) * self.hd
         self.qkv = nn.Linear(cfg.hidden_size, out, bias=cfg.attention_bias, dtype=dtype)
         self.o = nn.Linear(self.n_q * self.hd, cfg.hidden_size, bias=with_o_bias, dtype=dtype)
+        qk_norm = cfg.arch.qk_norm
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, dtype) if qk_norm else None
         self.requires_grad_(False)
 
     @property
     def compiled(self) -> bool:
-        """Whether both projections are compiled kernels: then the block runs as one call (layer.cpp)."""
-        return isinstance(self.qkv, Kernel) and isinstance(self.o, Kernel) and fused(self.hd)
+        """Whether the block runs as one call (layer.cpp): both projections are compiled kernels and there is no
+        q/k norm, which layer.cpp does not have (such a block runs the same kernels one by one)."""
+        return (isinstance(self.qkv, Kernel) and isinstance(self.o, Kernel) and fused(self.hd)
+                and self.q_norm is None)
 
     def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
         # x [1, T, H] (already normed; one sequence: the cache's) -> partial attention output [1, T, H]
@@ -126,7 +132,11 @@ class AttentionBlock(nn.Module):
         qkv = self.qkv(x)  # [B, T, heads * hd]
         # -> [B, heads, T, hd]; with one token that is a plain view (fewer ops on the decoding path)
         qkv = qkv.view(b, heads, 1, self.hd) if t == 1 else qkv.view(b, t, heads, self.hd).transpose(1, 2)
-        qk = rope(qkv[:, : self.n_q + self.n_kv])  # q and k rotated together
+        qk = qkv[:, : self.n_q + self.n_kv]
+        if self.q_norm is not None:  # each head's q and k normed over head_dim (row by row: any pass shape)
+            qk = torch.cat([self.q_norm(qk[:, : self.n_q].contiguous()), self.k_norm(qk[:, self.n_q :].contiguous())],
+                           dim=1)
+        qk = rope(qk)  # q and k rotated together
         q, k, v = qk[:, : self.n_q], qk[:, self.n_q :], qkv[:, self.n_q + self.n_kv :]
         keys, values = cache.write(layer, start, k, v)  # [1, n_kv, S, hd]
         attn = attend(q, keys, values, start, mask, self.n_q != self.n_kv)  # [B, n_q, T, hd]

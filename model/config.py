@@ -1,4 +1,5 @@
-"""Model card: the architecture numbers of a Llama-family model, read from a Hugging Face config."""
+"""Model card: the architecture numbers of a decoder model, read from a Hugging Face config (model/arch.py says
+which architectures those are and what each adds to the Llama layer)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+from edgespec.model.arch import LLAMA, Architecture, architecture
+
 SUPPORTED_ROPE = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
+    """Shapes of a decoder of one of the architectures in model/arch.py (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2)."""
 
     hidden_size: int
     n_layers: int
@@ -34,6 +36,7 @@ class ModelConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    arch: Architecture = LLAMA
 
     @property
     def queries_per_group(self) -> int:
@@ -51,9 +54,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
-        model_type = d.get("model_type", "llama")
-        if model_type not in SUPPORTED_TYPES:
-            raise ValueError(f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
+        arch = architecture(d.get("model_type", "llama"))
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
@@ -80,11 +81,12 @@ class ModelConfig:
             rope_scaling={**rope, "rope_type": rope_type},
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
-            attention_bias=d.get("attention_bias", model_type == "qwen2"),
-            o_bias=d.get("attention_bias", False) if model_type != "qwen2" else False,
+            attention_bias=arch.bias[0] if arch.bias else d.get("attention_bias", False),
+            o_bias=arch.bias[1] if arch.bias else d.get("attention_bias", False),
             mlp_bias=d.get("mlp_bias", False),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            arch=arch,
         )
 
     @classmethod

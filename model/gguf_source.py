@@ -2,15 +2,15 @@
 
 A stage asks for the matrices of its layers only and gets their blocks (model/quant.py) without a
 dequantized copy: the 135M default holds 210 Q4_1 matrices, the Q8_0 embedding (tied with the head) and
-61 F32 norms. llama.cpp's converter permutes the rows of q and k for its rotary layout; they are permuted
-back here (whole rows, so blocks stay intact), as transformers' GGUF loader does.
+61 F32 norms. For the architectures it writes through LlamaModel, llama.cpp's converter permutes the rows of q
+and k (weights and biases) for its rotary layout; they are permuted back here (whole rows, so blocks stay
+intact), as transformers' GGUF loader does. Names and that reordering come from the model's Architecture.
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
-import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,23 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from edgespec.model.config import ModelConfig
 from edgespec.model.quant import Matrix, dequantized, q4_from_gguf, q4_from_q4k, q8_from_gguf, quantize_q8, take_cols
-
-_LAYER = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
-_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor ('blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight')."""
-    base, _, kind = gguf_name.rpartition(".")
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m.group(2) in _LAYER:
-        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.{kind}"
-    return f"{_TOP[base]}.{kind}" if base in _TOP else None
 
 
 @dataclass(frozen=True)
@@ -51,10 +36,20 @@ class TensorInfo:
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
-def read_index(path: Path) -> tuple[dict[str, TensorInfo], int]:
-    """The tensor index of a GGUF file (names, types, shapes, offsets) and its alignment, without building the
-    metadata's Python objects: gguf's GGUFReader turns the tokenizer's 100k strings into arrays, which cost
-    3.5 s and 160 MB of resident memory for the 135M default; its tokenizer is read by transformers instead."""
+@dataclass(frozen=True)
+class GGUFIndex:
+    """What read_index finds: the tensors by GGUF name, the data's alignment, and the metadata's scalar and string
+    values by key (arrays, such as the tokenizer's, are skipped)."""
+
+    tensors: dict[str, TensorInfo]
+    alignment: int
+    meta: dict[str, object]
+
+
+def read_index(path: Path) -> GGUFIndex:
+    """The tensor index and scalar metadata of a GGUF file, without building the metadata's arrays as Python
+    objects: gguf's GGUFReader turns the tokenizer's 100k strings into arrays, which cost 3.5 s and 160 MB of
+    resident memory for the 135M default; its tokenizer is read by transformers instead."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     with open(path, "rb") as f:
@@ -84,12 +79,12 @@ def read_index(path: Path) -> tuple[dict[str, TensorInfo], int]:
             raise ValueError(f"{path.name} is not a GGUF file")
         unpack("I")  # version
         n_tensors, n_kv = unpack("Q"), unpack("Q")
-        alignment = 32
+        meta = {}
         for _ in range(n_kv):
             key = string()
-            value = skip(unpack("I"))
-            if key == "general.alignment":
-                alignment = int(value)
+            if (value := skip(unpack("I"))) is not None:
+                meta[key] = value
+        alignment = int(meta.get("general.alignment", 32))
         raw = []
         for _ in range(n_tensors):
             name = string()
@@ -104,18 +99,17 @@ def read_index(path: Path) -> tuple[dict[str, TensorInfo], int]:
         shape = tuple(reversed(dims)) if kind.name == "F32" else (*reversed(dims[1:]), row_bytes)  # else in bytes
         nbytes = row_bytes * int(np.prod(dims[1:], dtype=np.int64))
         index[name] = TensorInfo(name, kind.name, shape, start + offset, nbytes)
-    return index, alignment
+    return GGUFIndex(index, alignment, meta)
 
 
 class GGUFSource:
     """The tensors of a GGUF file by Hugging Face name: `matrix` in their own blocks, `get` dequantized."""
 
-    def __init__(self, path: Path, n_heads: int, n_kv_heads: int):
-        self.path = Path(path)
-        index, _ = read_index(self.path)
-        self._tensors = {n: t for t in index.values() if (n := hf_name(t.name))}
+    def __init__(self, path: Path, cfg: ModelConfig):
+        self.path, self.cfg = Path(path), cfg
+        index = read_index(self.path).tensors
+        self._tensors = {n: t for t in index.values() if (n := cfg.arch.hf_name(t.name))}
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r")  # only what is read is paged in
-        self._heads = {"q_proj": n_heads, "k_proj": n_kv_heads}
 
     def has(self, name: str) -> bool:
         return name in self._tensors
@@ -134,12 +128,7 @@ class GGUFSource:
         t = self._tensor(name)
         data = self._map[t.offset:t.offset + t.nbytes]
         data = (data.view(np.float32) if t.kind == "F32" else data).reshape(t.shape)
-        proj = name.split(".")[-2]
-        if proj in self._heads and data.ndim == 2:
-            n, h = data.shape[0], self._heads[proj]
-            perm = np.arange(n).reshape(h, n // h // 2, 2).swapaxes(1, 2).reshape(n)
-            data = data[perm]
-        return data
+        return self.cfg.arch.from_gguf(name, data, self.cfg.n_heads, self.cfg.n_kv_heads)
 
     def matrix(self, name: str, rows: Sequence[tuple[int, int]] | None = None,
                cols: Sequence[tuple[int, int]] | None = None) -> Matrix:

@@ -39,6 +39,13 @@ class Q4:
         q = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).float()  # [N, K/32, 32]
         return (q * self.d[..., None] + self.m[..., None]).reshape(n, k)
 
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids [...] -> [..., K] float32 (an embedding lookup: d q + m in float32, as llama.cpp's get_rows)
+        k = self.shape[1]
+        blocks = self.qs[ids].view(*ids.shape, k // QK, 16)
+        q = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).float()  # [..., K/32, 32]
+        return (q * self.d[ids][..., None] + self.m[ids][..., None]).reshape(*ids.shape, k)
+
 
 @dataclass(frozen=True)
 class Q8:

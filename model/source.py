@@ -71,7 +71,7 @@ def convert_gguf(gguf: Path) -> Path:
     """Write a GGUF file's config and tokenizer (not its weights: they are read from the GGUF) into a cache
     folder, once; returns the folder."""
     stat = gguf.stat()
-    key = hashlib.sha256(f"v3:{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"v4:{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     out = cache_root() / "models" / f"{gguf.stem}-{key}"
     if (out / "done").exists():
         return out
@@ -93,9 +93,15 @@ def convert_gguf(gguf: Path) -> Path:
 def _write_converted(gguf: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
+    from edgespec.model.gguf_source import read_index
+
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
     config.pop("quantization_config", None)
+    meta = read_index(gguf).meta
+    # transformers maps no head size for some architectures (qwen3): Qwen3's heads are wider than hidden / heads
+    if (head_dim := meta.get(f"{meta.get('general.architecture')}.attention.key_length")) is not None:
+        config["head_dim"] = int(head_dim)
     config["_name_or_path"] = gguf.stem
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / GGUF_POINTER).write_text(f"{gguf.resolve()}\n")

@@ -14,7 +14,7 @@ from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache
 from edgespec.model.kv_pool import KVPool
 from edgespec.model.linear import Q8Linear, WeightFormat, as_format, head_matrix, make_linear
-from edgespec.model.quant import Q8, Interleaved, Matrix
+from edgespec.model.quant import Q4, Q8, Interleaved, Matrix
 from edgespec.model.weights import load_layer
 
 
@@ -94,8 +94,8 @@ class LayerStack(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token embedding over a table [V, H] held as the source has it (a GGUF's Q8_0 blocks, or floats), or
-    as a tied Q8 head holds it (Interleaved: the head's own tensors)."""
+    """Token embedding over a table [V, H] held as the source has it (a GGUF's Q8_0 or 4-bit blocks, or floats),
+    or as a tied Q8 head holds it (Interleaved: the head's own tensors)."""
 
     def __init__(self, table: Matrix, dtype: torch.dtype):
         super().__init__()
@@ -104,14 +104,14 @@ class Embedding(nn.Module):
             self.register_buffer("weight", table, persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # ids [B, T] -> [B, T, H]; Q8 rows are d q in float32, exact
-        if isinstance(self.table, Q8 | Interleaved):
+        # ids [B, T] -> [B, T, H]; quantized rows are d q (+ m) in float32, exact
+        if isinstance(self.table, Q4 | Q8 | Interleaved):
             return self.table.dequantize_rows(ids).to(self.dtype)
         return F.embedding(ids, self.weight)
 
     def dense(self) -> torch.Tensor:
         """The table as floats [V, H] (training code)."""
-        return self.table.dequantize() if isinstance(self.table, Q8 | Interleaved) else self.weight
+        return self.table.dequantize() if isinstance(self.table, Q4 | Q8 | Interleaved) else self.weight
 
 
 class TokenEnds(nn.Module):

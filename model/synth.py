@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from edgespec.model.arch import LLAMA
 from edgespec.model.source import GGUF_POINTER, cache_root, resolve_model
 
 SHAPES_DIR = Path(__file__).resolve().parents[1] / "config" / "models"
@@ -232,36 +233,6 @@ def write_safetensors(plan: list[Tensor], out: Path, dtype: torch.dtype, seed: i
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-_GGUF_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-}
-_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-
-
-def gguf_name(name: str) -> str:
-    """'model.layers.3.self_attn.q_proj.weight' -> 'blk.3.attn_q.weight' (model/gguf_source.py's inverse)."""
-    if name in _GGUF_TOP:
-        return _GGUF_TOP[name]
-    _, _, i, *part, kind = name.split(".")
-    return f"blk.{i}.{_GGUF_NAMES['.'.join(part)]}.{kind}"
-
-
-def _gguf_rows(name: str, w: np.ndarray, config: dict) -> np.ndarray:
-    # q and k rows in llama.cpp's rotary order: the inverse of the permutation GGUFSource undoes
-    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}.get(
-        name.split(".")[-2])
-    if heads is None:
-        return w
-    n = w.shape[0]
-    perm = np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(1, 2).reshape(n)
-    out = np.empty_like(w)
-    out[perm] = w
-    return out
-
-
 def write_gguf(plan: list[Tensor], path: Path, config: dict, weights: str, seed: int,
                advance: Callable[[int], None]) -> None:
     """The tensors as one GGUF file: layer matrices in `weights` blocks, the embedding and head in Q8_0, norms
@@ -289,17 +260,18 @@ def write_gguf(plan: list[Tensor], path: Path, config: dict, weights: str, seed:
     for t in plan:
         k = kind(t)
         if k is None:
-            writer.add_tensor_info(gguf_name(t.name), t.shape, np.dtype(np.float32), 4 * math.prod(t.shape))
+            writer.add_tensor_info(LLAMA.gguf_name(t.name), t.shape, np.dtype(np.float32), 4 * math.prod(t.shape))
         else:
             shape = quant_shape_to_byte_shape(t.shape, k)
-            writer.add_tensor_info(gguf_name(t.name), shape, np.dtype(np.uint8), math.prod(shape), raw_dtype=k)
+            writer.add_tensor_info(LLAMA.gguf_name(t.name), shape, np.dtype(np.uint8), math.prod(shape), raw_dtype=k)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
+    heads = config["num_attention_heads"], config["num_key_value_heads"]
     for t in plan:
         w = t.values(seed).numpy()
         k = kind(t)
-        writer.write_tensor_data(w if k is None else quantize(_gguf_rows(t.name, w, config), k))
+        writer.write_tensor_data(w if k is None else quantize(LLAMA.to_gguf(t.name, w, *heads), k))
         advance(w.size)
     writer.close()
 

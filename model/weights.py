@@ -71,8 +71,7 @@ def open_source(files):
     if files.gguf is not None:
         from edgespec.model.gguf_source import GGUFSource
 
-        cfg = ModelConfig.from_folder(files.folder)
-        return GGUFSource(files.gguf, cfg.n_heads, cfg.n_kv_heads)
+        return GGUFSource(files.gguf, ModelConfig.from_folder(files.folder))
     return TensorSource(files.folder)
 
 
@@ -104,6 +103,9 @@ def load_attention(block, src, cfg: ModelConfig, layer: int, fmt: WeightFormat |
     block.qkv = make_linear(qkv, bias, fmt)
     o_bias = _bias(src, p + "o_proj.bias") if block.o.bias is not None else None
     block.o = make_linear(src.matrix(p + "o_proj.weight", cols=q), o_bias, fmt)
+    if block.q_norm is not None:  # one weight [head_dim] for every head: each block holds its own copy
+        block.q_norm.weight.copy_(src.get(p + "q_norm.weight", fmt.act))
+        block.k_norm.weight.copy_(src.get(p + "k_norm.weight", fmt.act))
 
 
 def load_layer(layer_mod, src, cfg: ModelConfig, layer: int, fmt: WeightFormat | torch.dtype) -> None:

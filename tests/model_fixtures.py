@@ -38,18 +38,31 @@ LLAMA3_ROPE = {
 }
 
 
-def make_tiny_model(folder: Path | str, seed: int = 0, **overrides) -> Path:
-    """Write a tiny random Llama model (config.json + model.safetensors) into `folder`; returns it.
+# per architecture of model/arch.py: transformers' config and model classes, and what its config adds
+# (Qwen3's heads are wider than hidden / heads, as in the real models)
+ARCH_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+}
 
-    `overrides` are extra LlamaConfig arguments (attention_bias=True, rope_scaling=LLAMA3_ROPE, ...).
+
+def make_tiny_model(folder: Path | str, seed: int = 0, arch: str = "llama", **overrides) -> Path:
+    """Write a tiny random model of architecture `arch` (config.json + model.safetensors) into `folder`, made
+    with transformers' own class; returns it.
+
+    `overrides` are extra config arguments (attention_bias=True, rope_scaling=LLAMA3_ROPE, ...).
     Biases and norm weights, which transformers initialises to constants, are randomised too so that
     loading them into the wrong place cannot go unnoticed.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
+    config_cls, model_cls, extra = ARCH_CLASSES[arch]
     folder = Path(folder)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**{**TINY_CONFIG, **overrides}))
+    config = getattr(transformers, config_cls)(**{**TINY_CONFIG, **extra, **overrides})
+    model = getattr(transformers, model_cls)(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(".bias"):

@@ -93,10 +93,12 @@ def test_a_layer_in_one_call_gives_the_bits_of_its_blocks(tiny_folder):
     assert torch.equal(whole, z + layer.ffn(layer.post_norm(z)))
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    # dims in whole 32-element blocks, so the layers really run as Q4 / Q8 blocks
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-q"), hidden_size=64, intermediate_size=128, vocab_size=320)
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def tiny_folder(request, tmp_path_factory):
+    # dims in whole 32-element blocks, so the layers really run as Q4 / Q8 blocks; every architecture whose layer
+    # differs (Qwen2's q/k/v biases, Qwen3's q/k norms: its blocks run the kernels one by one)
+    return make_tiny_model(tmp_path_factory.mktemp(f"tiny-q-{request.param}"), arch=request.param, hidden_size=64,
+                           intermediate_size=128, vocab_size=320)
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "float32"])

@@ -1,0 +1,109 @@
+"""The architectures edgespec serves, each described in one place: its names in Hugging Face configs and GGUF
+files, its tensors' names in both formats, and what its layer adds to the Llama layer the blocks implement.
+
+The rest of the code reads an `Architecture`; no file branches on a model's name. An architecture that is not
+here is refused by name at load. What each one is was read from transformers' own modeling code and from
+llama.cpp's converter (`convert_hf_to_gguf.py` and its `conversion/*.py`, from the `llama-cpp-python` source
+distribution): which tensors exist, how they are named, and which are reordered on the way into a GGUF.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# GGUF tensor name -> Hugging Face name, per layer ('blk.{i}.' / 'model.layers.{i}.' around them)
+LLAMA_LAYER = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+QK_NORM_LAYER = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One decoder architecture.
+
+    hf_types: the `model_type` values of its Hugging Face configs; gguf: its `general.architecture` in a GGUF.
+    rotary_permuted: llama.cpp's converter reorders the rows of q and k (and of their norms) for its
+      interleaved rotary layout (`LlamaModel.permute`); families with NEOX rotary (Qwen) are written as they are.
+    qk_norm: an RMSNorm over each head's q and k before the rotary embedding (Qwen3), weights [head_dim].
+    bias: (q/k/v, o) biases where the architecture fixes them (Qwen2: q, k and v always, o never); None: the
+      config's `attention_bias` for all four.
+    layer: GGUF -> Hugging Face names of a layer's tensors (without the 'blk.{i}.' and '.weight' ends).
+    """
+
+    name: str
+    hf_types: tuple[str, ...]
+    gguf: str
+    rotary_permuted: bool = False
+    qk_norm: bool = False
+    bias: tuple[bool, bool] | None = None
+    layer: dict[str, str] = field(default_factory=lambda: dict(LLAMA_LAYER))
+
+    def hf_name(self, gguf_name: str) -> str | None:
+        """The Hugging Face name of a GGUF tensor ('blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'),
+        or None for a tensor edgespec does not read (rope_freqs, for instance)."""
+        base, _, kind = gguf_name.rpartition(".")
+        m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+        if m and m.group(2) in self.layer:
+            return f"model.layers.{m.group(1)}.{self.layer[m.group(2)]}.{kind}"
+        return f"{TOP[base]}.{kind}" if base in TOP else None
+
+    def gguf_name(self, hf_name: str) -> str:
+        """The GGUF name of a Hugging Face tensor (hf_name's inverse)."""
+        top = {v: k for k, v in TOP.items()}
+        base, _, kind = hf_name.rpartition(".")
+        if base in top:
+            return f"{top[base]}.{kind}"
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", base)
+        inverse = {v: k for k, v in self.layer.items()}
+        if not m or m.group(2) not in inverse:
+            raise KeyError(f"{hf_name!r} has no GGUF name in the {self.name} architecture")
+        return f"blk.{m.group(1)}.{inverse[m.group(2)]}.{kind}"
+
+    def _permuted_heads(self, hf_name: str, n_heads: int, n_kv_heads: int) -> int | None:
+        # how many heads the rows of `hf_name` hold when the converter reorders them, else None
+        if not self.rotary_permuted:
+            return None
+        return {"q_proj": n_heads, "k_proj": n_kv_heads}.get(hf_name.split(".")[-2])
+
+    def to_gguf(self, hf_name: str, rows: np.ndarray, n_heads: int, n_kv_heads: int) -> np.ndarray:
+        """A tensor's rows [N, ...] in the order llama.cpp's converter writes them (`LlamaModel.permute`: each
+        head's two halves interleaved, for its rotary layout), or as they are."""
+        h = self._permuted_heads(hf_name, n_heads, n_kv_heads)
+        if h is None:
+            return rows
+        return rows.reshape(h, 2, rows.shape[0] // h // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+    def from_gguf(self, hf_name: str, rows: np.ndarray, n_heads: int, n_kv_heads: int) -> np.ndarray:
+        """to_gguf undone: rows [N, ...] as a GGUF holds them (floats or whole rows of blocks) in Hugging Face
+        order."""
+        h = self._permuted_heads(hf_name, n_heads, n_kv_heads)
+        if h is None:
+            return rows
+        n = rows.shape[0]
+        return rows[np.arange(n).reshape(h, n // h // 2, 2).swapaxes(1, 2).reshape(n)]
+
+
+LLAMA = Architecture("llama", ("llama",), "llama", rotary_permuted=True)
+ARCHITECTURES = (
+    LLAMA,
+    # llama.cpp's converter writes Mistral's dense models through LlamaModel, as the llama architecture
+    Architecture("mistral", ("mistral",), "llama", rotary_permuted=True),
+    Architecture("qwen2", ("qwen2",), "qwen2", bias=(True, False)),
+    Architecture("qwen3", ("qwen3",), "qwen3", qk_norm=True, layer={**LLAMA_LAYER, **QK_NORM_LAYER}),
+)
+
+
+def architecture(model_type: str) -> Architecture:
+    """The architecture of a Hugging Face `model_type`; an unknown one is refused by name."""
+    for arch in ARCHITECTURES:
+        if model_type in arch.hf_types:
+            return arch
+    known = ", ".join(t for a in ARCHITECTURES for t in a.hf_types)
+    raise ValueError(f"model_type {model_type!r} is not supported (supported: {known})")

@@ -1,0 +1,178 @@
+"""Every architecture of model/arch.py against transformers' own forward: a tiny random model made with
+transformers' class (SmolLM2's tokenizer, so the vocabulary and chat template are real), loaded by edgespec from
+its folder and from a GGUF written the way llama.cpp's converter writes it (tests/gguf_files.py). Float32
+logits agree to 1e-4 relative to the largest logit, greedy continuations are identical, and the GGUF serves a
+chat completion through the HTTP API. A 4-bit token embedding (what llama.cpp's quantizer writes for Q4_0, Q4_1
+and Q4_K_M files) is looked up exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf_files import write_gguf
+from inprocess import LoopClient, controller_app
+from model_fixtures import ARCH_CLASSES, load_blocks, load_reference, smollm2_folder
+
+from edgespec.model.arch import ARCHITECTURES, architecture
+from edgespec.model.config import ModelConfig
+from edgespec.model.source import resolve_model
+
+REL_TOL = 1e-4
+SHAPE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 128, "max_position_embeddings": 256, "tie_word_embeddings": False}
+def test_every_architecture_is_checked_here():
+    assert sorted(ARCH_CLASSES) == sorted(a.name for a in ARCHITECTURES)
+
+
+def make_model(kind: str, folder: Path, seed: int = 0) -> Path:
+    """A tiny random `kind` model from transformers' own class, with SmolLM2's tokenizer; biases and norms drawn
+    too (transformers sets them to constants), so a misplaced one cannot pass."""
+    import transformers
+
+    config_cls, model_cls, extra = ARCH_CLASSES[kind]
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2_folder())
+    config = getattr(transformers, config_cls)(**SHAPE, **extra, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                               eos_token_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module", params=sorted(ARCH_CLASSES))
+def model(request, tmp_path_factory):
+    """(kind, folder, GGUF file, transformers' reference)."""
+    folder = make_model(request.param, tmp_path_factory.mktemp(request.param))
+    gguf = write_gguf(folder, tmp_path_factory.mktemp(f"{request.param}-gguf") / f"{request.param}.f32.gguf")
+    return request.param, folder, gguf, load_reference(folder)
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+def _ids(folder: Path, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)(text)["input_ids"]
+
+
+def _reference_greedy(ref, prompt: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                           do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("source", ["folder", "gguf"])
+def test_logits_and_greedy_equal_transformers(model, source):
+    kind, folder, gguf, ref = model
+    blocks = load_blocks(folder if source == "folder" else resolve_model(str(gguf)).folder)
+    # a GGUF names the converter's architecture: Mistral's dense models are written as llama
+    expected = architecture(kind) if source == "folder" else architecture(architecture(kind).gguf)
+    assert blocks.cfg.arch == expected
+    for text in PROMPTS:
+        prompt = _ids(folder, text)
+        ours = blocks.logits_from_scratch(prompt)
+        with torch.inference_mode():
+            theirs = ref(torch.tensor([prompt])).logits[0].float()
+        rel = ((ours - theirs).abs().max() / theirs.abs().max()).item()
+        assert rel < REL_TOL, (kind, source, text, rel)
+        assert blocks.greedy(prompt, 16)[0] == _reference_greedy(ref, prompt, 16), (kind, source, text)
+
+
+def test_the_gguf_config_has_the_folders_shapes(model):
+    _, folder, gguf, _ = model
+    ours, theirs = ModelConfig.from_folder(resolve_model(str(gguf)).folder), ModelConfig.from_folder(folder)
+    assert (ours.arch.gguf, ours.head_dim, ours.n_heads, ours.n_kv_heads, ours.attention_bias, ours.o_bias) == \
+        (theirs.arch.gguf, theirs.head_dim, theirs.n_heads, theirs.n_kv_heads, theirs.attention_bias, theirs.o_bias)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_a_4bit_token_embedding_is_looked_up_exactly(kind, tmp_path):
+    # llama.cpp's quantizer writes token_embd in the file's 4-bit type: every request failed on it (issue 36);
+    # the lookup is the same in every architecture
+    folder = make_model("qwen3", tmp_path / "qwen3")
+    ref = load_reference(folder)
+    gguf = write_gguf(folder, tmp_path / f"qwen3.{kind}.gguf", kinds={"token_embd.weight": kind})
+    blocks = load_blocks(resolve_model(str(gguf)).folder)
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    table = next(t for t in GGUFReader(gguf).tensors if t.name == "token_embd.weight")
+    values = torch.from_numpy(dequantize(np.asarray(table.data), GGMLQuantizationType[kind]).astype(np.float32))
+    ids = torch.tensor([_ids(folder, PROMPTS[0])])
+    assert torch.equal(blocks.ends.embed_tokens(ids)[0], values[ids[0]])
+    with torch.no_grad():
+        ref.get_input_embeddings().weight.copy_(values)  # the reference on the file's own embedding values
+        theirs = ref(ids).logits[0].float()
+    ours = blocks.logits_from_scratch(ids[0].tolist())
+    assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < REL_TOL
+
+
+def test_the_gguf_serves_a_chat_completion(model):
+    kind, _, gguf, _ = model
+    app, service = controller_app(str(gguf), served_model_name=kind)
+    client = LoopClient(app)
+    try:
+        r = client.post("/v1/chat/completions", json={"model": kind, "max_tokens": 6, "temperature": 0,
+                                                      "messages": [{"role": "user", "content": "Hello"}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 6
+    finally:
+        client.close()
+        service.loaded.runner.close()
+
+
+@pytest.fixture(scope="module")
+def qwen3_gguf(tmp_path_factory) -> Path:
+    """A Qwen3 GGUF (per-head q/k norms, heads wider than hidden / heads), for the other paths."""
+    tmp = tmp_path_factory.mktemp("qwen3-paths")
+    return write_gguf(make_model("qwen3", tmp / "folder"), tmp / "qwen3.f32.gguf")
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_headsplit_blocks_equal_the_layer_stack(qwen3_gguf, speculate):
+    # each KV group's block carries its own copy of the per-head norms, so groups can be placed anywhere
+    from edgespec.model.headsplit import HeadSplitPipeline
+    from edgespec.model.stack import LayerStack, TokenEnds
+    from edgespec.model.weights import open_source
+    from edgespec.planning.headsplit import LayerPlace
+
+    files = resolve_model(str(qwen3_gguf))
+    cfg, src = ModelConfig.from_folder(files.folder), open_source(files)
+    stack, ends = LayerStack.load(src, cfg, 0, cfg.n_layers, torch.float32), TokenEnds.load(src, cfg, torch.float32)
+    places = [LayerPlace({"a": [0], "b": [1]}, "a", "ab"[i % 2], speculate and i > 0) for i in range(cfg.n_layers)]
+    pipe = HeadSplitPipeline.local(src, cfg, torch.float32, places)
+    ids = _ids(files.folder, PROMPTS[2])
+    cache = stack.new_cache(len(ids))
+    pipe.open("s", len(ids), epsilon=0.0)
+    with torch.inference_mode():
+        for p in range(4, len(ids) + 1):  # a prefill of 4, then a token at a time
+            a = 0 if p == 4 else p - 1
+            x, pos = ends.embed_tokens(torch.tensor([ids[a:p]])), torch.arange(a, p)[None]
+            torch.testing.assert_close(pipe.forward("s", x, pos, a), stack(x, pos, cache, a), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_layer_workers_serve_what_in_process_serves(qwen3_gguf, tmp_path):
+    from processes import greedy, start_server
+
+    env = {"EDGESPEC_CACHE": str(tmp_path / "cache")}
+    answers = []
+    for name, extra in (("inproc", ()), ("workers2", ("--local-workers", "2", "--placement", "even"))):
+        proc, url = start_server(tmp_path, name, "--model", str(qwen3_gguf), *extra, env=env)
+        try:
+            answers.append([greedy(url, p, 12) for p in PROMPTS])
+        finally:
+            proc.stop()
+    assert answers[0] == answers[1] and all(answers[0])
