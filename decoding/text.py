@@ -83,15 +83,18 @@ class TextStream:
 
     def _stop_prefix_len(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-        best = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:n]):
-                    best = n
-                    break
-        return best
+        return max((partial_suffix(text, s) for s in self.stop), default=0)
 
     def _finish(self, reason: str, text: str) -> Pushed:
         self.finished = reason
         self._held = ""
         return Pushed(text, reason)
+
+
+def partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag` (text to hold back: it may be the
+    start of `tag`)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

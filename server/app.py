@@ -187,11 +187,11 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
         chat_input = req.chat_input()
         top = (req.top_logprobs or 0) if req.logprobs else None
-        gen = await service.chat_request(req, chat_input, req.max_completion_tokens or req.max_tokens, req.logprobs,
-                                         top or 0)
+        gen, reader = await service.chat_request(req, chat_input, req.max_completion_tokens or req.max_tokens,
+                                                 req.logprobs, top or 0)
         renderer = Renderer("chat", service.model_id, service.tokenizer, len(gen.prompt_ids), top,
                             legacy=chat_input.legacy_functions)
-        return await respond(service.deltas(gen, service.extractor(chat_input)), renderer, req, request)
+        return await respond(service.deltas(gen, reader), renderer, req, request)
 
     @app.post("/v1/responses", dependencies=[Depends(require_key)])
     async def responses(req: ResponsesRequest, request: Request):
@@ -199,14 +199,14 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
         history = stored.get(req.previous_response_id) if req.previous_response_id else ()
         chat_input = to_chat_input(req, history)
         fields = SamplingFields(**sampling_fields(req))
-        gen = await service.chat_request(fields, chat_input, fields.max_tokens, max_param="max_output_tokens")
+        gen, reader = await service.chat_request(fields, chat_input, fields.max_tokens, max_param="max_output_tokens")
         renderer = ResponsesRenderer(service.model_id, req, len(gen.prompt_ids))
 
         def keep() -> None:  # the conversation, for a continuation by previous_response_id
             if req.store:
                 stored.put(renderer.id, conversation_after(chat_input, req.instructions, renderer.assistant_message()))
 
-        deltas = await started(service.deltas(gen, service.extractor(chat_input)))
+        deltas = await started(service.deltas(gen, reader))
         if req.stream:
             return EventSourceResponse(response_events(deltas, renderer, keep), sep="\n", ping=15)
         collected = await collect(deltas, request)
@@ -224,7 +224,7 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
         gen = service.generation_request(req, prompt, req.max_tokens, top is not None, top or 0, "prompt")
         echo = service.completion_echo(req) if req.echo else None
         renderer = Renderer("text", service.model_id, service.tokenizer, len(prompt), top, echo=echo)
-        return await respond(service.deltas(gen, service.extractor(None)), renderer, req, request)
+        return await respond(service.deltas(gen, service.reader()), renderer, req, request)
 
     @app.post("/v1/embeddings", dependencies=[Depends(require_key)])
     async def embeddings(req: EmbeddingRequest):

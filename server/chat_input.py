@@ -70,6 +70,7 @@ class ChatInput:
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
     legacy_functions: bool = False  # asked through `functions`: answered as message.function_call
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs: enable_thinking, ...
 
     @property
     def calls_allowed(self) -> bool:
@@ -78,8 +79,9 @@ class ChatInput:
 
 @dataclass
 class ChatDelta:
-    """What one step of a generation adds to the answer: visible content, calls completed in it, and (on the
-    last delta) the finish reason: stop, length, or tool_calls / function_call when a call was made."""
+    """What one step of a generation adds to the answer: visible content, calls completed in it, thinking
+    (`reasoning`, a reasoning model's; server/reasoning.py), and (on the last delta) the finish reason: stop,
+    length, or tool_calls / function_call when a call was made."""
 
     content: str = ""
     calls: list[ToolCall] = field(default_factory=list)
@@ -87,3 +89,4 @@ class ChatDelta:
     tokens: int = 0  # tokens generated in the step
     logprobs: list = field(default_factory=list)  # decoding.types.TokenLogprob of those tokens, when asked
     stats: dict | None = None  # the generation's `decoding` statistics, on the last delta
+    reasoning: str = ""

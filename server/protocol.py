@@ -280,6 +280,11 @@ class SamplingFields(CheckedBody):
         return self.decoding.policy, options
 
 
+# what the server itself passes a chat template
+TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt", "tokenize", "conversation",
+                                "continue_final_message", "return_dict", "chat_template"})
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -291,6 +296,8 @@ class ChatCompletionRequest(SamplingFields):
     functions: list[FunctionSpec] | None = Field(None, max_length=MAX_TOOLS)  # the legacy form of tools
     function_call: Literal["none", "auto"] | NamedFunction | None = None
     response_format: ResponseFormatIn | None = None
+    # llama.cpp's and vLLM's extension: variables for the model's chat template ({"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
     # Refused unless unset: a text model cannot answer in audio or search the web
     audio: dict[str, Any] | None = Field(None, description="not supported: must be null")
     modalities: list[str] | None = Field(None, description="only ['text'] is supported")
@@ -319,8 +326,12 @@ class ChatCompletionRequest(SamplingFields):
         if isinstance(choice, NamedTool | NamedFunction):
             choice = ToolChoiceNamed(choice.function.name if isinstance(choice, NamedTool) else choice.name)
         fmt = self.response_format.format() if self.response_format is not None else None
+        kwargs = self.chat_template_kwargs or {}
+        if reserved := sorted(set(kwargs) & TEMPLATE_ARGUMENTS):
+            raise APIError(400, f"chat_template_kwargs cannot set {', '.join(reserved)}: the request's own fields do",
+                           "chat_template_kwargs", "invalid_value")
         return ChatInput(tuple(m.message() for m in self.messages), tuple(specs), choice or "auto", parallel, fmt,
-                         legacy)
+                         legacy, kwargs)
 
 
 class CompletionRequest(SamplingFields):

@@ -128,7 +128,8 @@ class Renderer:
                 return []
             choice = {"index": 0, "text": delta.content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
             return [self._envelope("text_completion", [choice], **extra, **self._stats(delta))]
-        deltas = ([{"content": delta.content}] if delta.content else []) + self._call_deltas(delta.calls)
+        deltas = (([{"reasoning_content": delta.reasoning}] if delta.reasoning else [])
+                  + ([{"content": delta.content}] if delta.content else []) + self._call_deltas(delta.calls))
         if not deltas and (delta.finish_reason or self.top_logprobs is not None):
             deltas.append({})  # the finish reason (or the logprobs of tokens that show nothing yet) alone
         out = []
@@ -163,6 +164,8 @@ class Renderer:
                                   decoding=last.stats)
         calls = [c for d in deltas for c in d.calls]
         message = {"role": "assistant", "content": text if not calls else content_or_none(text)}
+        if reasoning := "".join(d.reasoning for d in deltas):  # a reasoning model's thinking (server/reasoning.py)
+            message["reasoning_content"] = reasoning
         if calls and self.legacy:
             message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
         elif calls:

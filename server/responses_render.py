@@ -24,11 +24,11 @@ def _hex() -> str:
     return uuid.uuid4().hex
 
 
-def _usage(usage: Usage) -> dict:
+def _usage(usage: Usage, reasoning_tokens: int) -> dict:
     input_tokens, output_tokens, cached = usage
     # cache_write_tokens is required by the SDK's model; this server has no explicit cache writes to report
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": input_tokens + output_tokens}
 
 
@@ -54,6 +54,8 @@ class ResponsesRenderer:
         self._seq = 0
         self._output: list[dict] = []  # the items so far; a finished one is final
         self._open: dict | None = None  # the message item whose text is streaming, if any
+        self._thought: dict | None = None  # the reasoning item whose text is streaming, if any
+        self._reasoning_tokens = 0  # the tokens of the steps that only thought
         self._texts: list[str] = []
         self._calls: list[ToolCall] = []
         self._tokens = 0
@@ -68,10 +70,15 @@ class ResponsesRenderer:
                 self._event("response.in_progress", response=self.snapshot())]
 
     def delta(self, d: ChatDelta) -> list[dict]:
-        """The events of one step: its text into the open message item (opened on the first text), then each
-        call completed in it as a whole function_call item (closing the message item first)."""
+        """The events of one step: its thinking into the reasoning item (opened on the first thought, closed on
+        the answer's first text or call), its text into the open message item (opened on the first text), then
+        each call completed in it as a whole function_call item (closing the message item first)."""
         self._tokens += d.tokens
-        events = []
+        events = self._think(d.reasoning) if d.reasoning else []
+        if self._thought is not None and not d.content and not d.calls:
+            self._reasoning_tokens += d.tokens
+        elif self._thought is not None:
+            events += self._close_thought("completed")
         if d.content:
             if self._open is None:
                 events += self._open_message()
@@ -92,13 +99,14 @@ class ResponsesRenderer:
         default the prompt's count, the deltas' tokens and the statistics' cached_prompt_tokens."""
         events = self.delta(d)
         incomplete = d.finish_reason == "length"
-        if not self._output:  # an empty answer is still a message, so that output_text is ""
-            events += self._open_message()
+        events += self._close_thought("incomplete" if incomplete else "completed")
+        if not any(item["type"] != "reasoning" for item in self._output):  # an empty answer is still a message,
+            events += self._open_message()  # so that output_text is ""
         events += self._close_message("incomplete" if incomplete else "completed")
         if usage is None:
             usage = (self.prompt_tokens, self._tokens, (d.stats or {}).get("cached_prompt_tokens") or 0)
         self._status = "incomplete" if incomplete else "completed"
-        self._extra = {"completed_at": int(time.time()), "usage": _usage(usage),
+        self._extra = {"completed_at": int(time.time()), "usage": _usage(usage, self._reasoning_tokens),
                        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
                        "decoding": d.stats}
         kind = "response.incomplete" if incomplete else "response.completed"
@@ -172,6 +180,30 @@ class ResponsesRenderer:
         where = {"item_id": item["id"], "output_index": index, "content_index": 0}
         return [self._event("response.output_text.done", **where, text=part["text"], logprobs=[]),
                 self._event("response.content_part.done", **where, part=copy.deepcopy(part)),
+                self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
+
+    def _think(self, text: str) -> list[dict]:
+        # a reasoning item (the Responses API's own shape for a model's thinking), its text streamed as deltas
+        events = []
+        if self._thought is None:
+            self._thought = {"id": "rs_" + _hex(), "type": "reasoning", "summary": [], "content": [],
+                             "status": "in_progress"}
+            self._output.append(self._thought)
+            events.append(self._event("response.output_item.added", output_index=len(self._output) - 1,
+                                      item=copy.deepcopy(self._thought)))
+            self._thought["content"].append({"type": "reasoning_text", "text": ""})
+        self._thought["content"][0]["text"] += text
+        return [*events, self._event("response.reasoning_text.delta", item_id=self._thought["id"],
+                                     output_index=self._output.index(self._thought), content_index=0, delta=text)]
+
+    def _close_thought(self, status: str) -> list[dict]:
+        item, self._thought = self._thought, None
+        if item is None:
+            return []
+        item["status"] = status
+        index = self._output.index(item)
+        return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                            text=item["content"][0]["text"]),
                 self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
 
     def _call(self, call: ToolCall) -> list[dict]:

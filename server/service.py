@@ -22,8 +22,9 @@ from edgespec.server.chat_input import ChatDelta, ChatInput
 from edgespec.server.errors import APIError
 from edgespec.server.metrics import Metrics
 from edgespec.server.protocol import CompletionRequest, EmbeddingRequest, SamplingFields
+from edgespec.server.reasoning import ThinkBlock, ThinkSplitter, think_block
 from edgespec.server.settings import ServeSettings
-from edgespec.server.tool_output import CallExtractor
+from edgespec.server.tool_output import AnswerReader, CallExtractor
 from edgespec.server.tool_prompt import ChatTemplate
 
 RETRY_AFTER_S = 5  # what a 503 of a full admission queue suggests: about one answer's time here
@@ -58,21 +59,25 @@ class CompletionService:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}'",
                            "model", "model_not_found")
 
-    def chat_prompt(self, chat: ChatInput) -> list[int]:
+    def chat_prompt(self, chat: ChatInput) -> tuple[list[int], ThinkBlock | None]:
+        """The prompt's token ids, and the answer's thinking block when the model thinks (server/reasoning.py)."""
         try:
             text = self.template.render(chat)
         except Exception as exc:  # a template may reject an order of roles
             raise APIError(400, f"the messages do not fit the model's chat template: {exc}", "messages") from exc
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        thinking = think_block(self.tokenizer, text) if self.template.thinks else None
+        return self.tokenizer.encode(text, add_special_tokens=False), thinking
 
-    async def structure(self, chat: ChatInput) -> tuple[Grammar | None, Trigger | None, Route | None]:
-        """The grammar the answer must match (tools, response format); for tool_choice auto, the trigger whose
-        score decides whether the answer is a call; with several tools, the route that decides which tool a
-        call opens with (decoding/decide.py). APIError 400 naming the parameter at fault."""
+    async def structure(self, chat: ChatInput, thinking: ThinkBlock | None = None
+                        ) -> tuple[Grammar | None, Trigger | None, Route | None]:
+        """The grammar the answer must match (tools, response format; after the thinking block, if any); for
+        tool_choice auto, the trigger whose score decides whether the answer is a call; with several tools, the
+        route that decides which tool a call opens with (decoding/decide.py). APIError 400 naming the parameter
+        at fault."""
         # the parameters as the request named them: the legacy fields are functions and function_call
         names = {"tools": "functions", "tool_choice": "function_call"} if chat.legacy_functions else {}
         try:
-            plan = structured.plan(chat, self.template.syntax)
+            plan = structured.plan(chat, self.template.syntax, thinking)
         except structured.GrammarError as exc:
             raise APIError(400, str(exc), names.get(exc.param, exc.param), "invalid_value") from exc
         if plan is None:
@@ -97,10 +102,11 @@ class CompletionService:
     def _encode(self, text: str) -> tuple[int, ...]:
         return tuple(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def extractor(self, chat: ChatInput | None) -> CallExtractor:
-        """What turns an answer's text into content and calls (a text completion: content only)."""
+    def reader(self, chat: ChatInput | None = None, thinking: ThinkBlock | None = None) -> AnswerReader:
+        """What turns an answer's text into thinking, content and calls (a text completion: content only)."""
         enabled = chat is not None and chat.calls_allowed
-        return CallExtractor(self.template.syntax, enabled, legacy=chat is not None and chat.legacy_functions)
+        calls = CallExtractor(self.template.syntax, enabled, legacy=chat is not None and chat.legacy_functions)
+        return AnswerReader(calls, ThinkSplitter(thinking.opened) if thinking else None)
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
         if isinstance(req.prompt, str):
@@ -116,14 +122,16 @@ class CompletionService:
         return req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(req.prompt)
 
     async def chat_request(self, req: SamplingFields, chat: ChatInput, max_tokens: int | None, logprobs: bool = False,
-                           top_logprobs: int = 0, max_param: str = "max_tokens") -> GenerationRequest:
+                           top_logprobs: int = 0, max_param: str = "max_tokens"
+                           ) -> tuple[GenerationRequest, AnswerReader]:
         """A chat request (chat completions or the Responses API) as the internal request: its prompt rendered
-        with its tools, and the grammar its tools and response format need."""
-        prompt = self.chat_prompt(chat)
-        grammar, trigger, route = await self.structure(chat)
+        with its tools, and the grammar its tools and response format need; and the reader of its answer."""
+        prompt, thinking = self.chat_prompt(chat)
+        grammar, trigger, route = await self.structure(chat, thinking)
         question = next((m.content for m in reversed(chat.messages) if m.role == "user"), None)
-        return self.generation_request(req, prompt, max_tokens, logprobs, top_logprobs, "messages", grammar, trigger,
-                                       route, question, max_param)
+        gen = self.generation_request(req, prompt, max_tokens, logprobs, top_logprobs, "messages", grammar, trigger,
+                                      route, question, max_param)
+        return gen, self.reader(chat, thinking)
 
     def generation_request(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int | None, logprobs: bool,
                            top_logprobs: int, prompt_param: str, grammar: Grammar | None = None,
@@ -196,14 +204,15 @@ class CompletionService:
             self.metrics.in_flight.dec()
             self.metrics.kv_bytes.set(self.loaded.runner.kv_bytes())
 
-    async def deltas(self, gen: GenerationRequest, extractor: CallExtractor) -> AsyncIterator[ChatDelta]:
-        """generate()'s events as the answer's content and calls."""
+    async def deltas(self, gen: GenerationRequest, reader: AnswerReader) -> AsyncIterator[ChatDelta]:
+        """generate()'s events as the answer's thinking, content and calls."""
         async with aclosing(self.generate(gen)) as events:
             async for event in events:
-                delta = extractor.push(event.text)
+                delta = reader.push(event.text)
                 if event.finish_reason is not None:
-                    end = extractor.finish(event.finish_reason)
-                    delta = ChatDelta(delta.content + end.content, delta.calls + end.calls, end.finish_reason)
+                    end = reader.finish(event.finish_reason)
+                    delta = ChatDelta(delta.content + end.content, delta.calls + end.calls, end.finish_reason,
+                                      reasoning=delta.reasoning + end.reasoning)
                 delta.tokens, delta.logprobs, delta.stats = len(event.token_ids), event.logprobs, event.stats
                 yield delta
 

@@ -16,6 +16,7 @@ import llguidance
 
 from edgespec.server.chat_input import ChatInput, ResponseFormat, ToolChoiceNamed, ToolSpec
 from edgespec.server.json_schema import close_schema, compact
+from edgespec.server.reasoning import ThinkBlock
 from edgespec.server.tool_prompt import CallSyntax
 
 PARALLEL_CALLS = 4  # most calls in one answer when parallel_tool_calls is on
@@ -62,10 +63,21 @@ class GrammarError(ValueError):
         self.param = param
 
 
-def plan(chat: ChatInput, syntax: CallSyntax) -> GrammarPlan | None:
-    """The grammars for `chat` with calls written in `syntax`; None when its output is free text.
-    GrammarError: a named tool that is not listed, required/named with no tools, or a schema llguidance cannot
-    compile."""
+def plan(chat: ChatInput, syntax: CallSyntax, thinking: ThinkBlock | None = None) -> GrammarPlan | None:
+    """The grammars for `chat` with calls written in `syntax`, after the thinking block of a model that thinks;
+    None when its output is free text. GrammarError: a named tool that is not listed, required/named with no tools, or
+    a schema llguidance cannot compile.
+
+    A thinking model decides after its thinking whether and which tool to call, so its plan is the one grammar:
+    no trigger scored and no route chosen right after the prompt, before it has thought."""
+    planned = _plan(chat, syntax)
+    if planned is None or thinking is None:
+        return planned
+    head, _, rules = planned.grammar.partition("\n")
+    return GrammarPlan(thinking.grammar(head.removeprefix("start: "), rules))
+
+
+def _plan(chat: ChatInput, syntax: CallSyntax) -> GrammarPlan | None:
     forcing = chat.tool_choice == "required" or isinstance(chat.tool_choice, ToolChoiceNamed)
     if forcing and not chat.tools:
         raise GrammarError("tool_choice asks for a tool call, but the request lists no tools", "tool_choice")

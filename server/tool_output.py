@@ -1,4 +1,4 @@
-"""Generated text back into content and tool calls, as it streams (../shared/notes/tools.md, §3.5-3.6).
+"""Generated text back into thinking, content and tool calls, as it streams (../shared/notes/tools.md, §3.5-3.6).
 
 Calls are emitted whole, once their close tag arrives: a streaming client gets one delta per complete call, as
 Ollama sends them, and a generation cut inside a call leaves no partial call behind.
@@ -11,8 +11,10 @@ import secrets
 import string
 from typing import Any
 
+from edgespec.decoding.text import partial_suffix
 from edgespec.server.chat_input import ChatDelta, ToolCall
 from edgespec.server.json_schema import compact
+from edgespec.server.reasoning import ThinkSplitter
 from edgespec.server.tool_prompt import CallSyntax
 
 _ID_ALPHABET = string.ascii_letters + string.digits
@@ -58,7 +60,7 @@ class CallExtractor:
             if self._call is None:
                 at = rest.find(self.syntax.open)
                 if at < 0:
-                    keep = _partial_suffix(rest, self.syntax.open)
+                    keep = partial_suffix(rest, self.syntax.open)
                     content.append(self._visible(rest[:len(rest) - keep]))
                     self._pending = rest[len(rest) - keep:]
                     break
@@ -131,9 +133,22 @@ def _arguments(value: Any) -> str:
     return value if isinstance(value, str) else compact(value)
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
+class AnswerReader:
+    """An answer's text as ChatDeltas: its thinking as `reasoning` (when the model thinks), the rest as content
+    and calls (CallExtractor)."""
+
+    def __init__(self, calls: CallExtractor, thinking: ThinkSplitter | None = None):
+        self.calls, self.thinking = calls, thinking
+
+    def push(self, text: str) -> ChatDelta:
+        reasoning, text = self.thinking.push(text) if self.thinking is not None else ("", text)
+        delta = self.calls.push(text)
+        delta.reasoning = reasoning
+        return delta
+
+    def finish(self, reason: str) -> ChatDelta:
+        """The held text and the finish reason (CallExtractor's rules)."""
+        reasoning, text = self.thinking.finish() if self.thinking is not None else ("", "")
+        delta = self.calls.push(text)
+        end = self.calls.finish(reason)
+        return ChatDelta(delta.content + end.content, delta.calls + end.calls, end.finish_reason, reasoning=reasoning)

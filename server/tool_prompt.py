@@ -10,6 +10,7 @@ from typing import Any
 
 from edgespec.server.chat_input import ChatInput, Message, ToolCall, ToolSpec
 from edgespec.server.json_schema import compact
+from edgespec.server.reasoning import template_thinks
 
 
 @dataclass(frozen=True)
@@ -56,11 +57,13 @@ class ChatTemplate:
 
     The template is probed once, at construction: `native` when it shows both the tools it is given and a
     past call in the `<tool_call>` format (its `syntax` is then HERMES); otherwise the tools, calls and tool
-    results are written into the messages in SmolLM2's format (syntax SMOLLM2).
+    results are written into the messages in SmolLM2's format (syntax SMOLLM2). `thinks`: the model writes
+    thinking blocks (server/reasoning.py).
     """
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.thinks = template_thinks(tokenizer)
         self.native = False
         self.syntax = SMOLLM2
         probe_call = {"type": "function", "id": "call_probe", "function": {"name": _PROBE_CALL, "arguments": {}}}
@@ -90,7 +93,7 @@ class ChatTemplate:
             tools = None
             messages = _polyfill_messages(chat)
         try:
-            return self._apply(messages, True, tools=tools)
+            return self._apply(messages, True, tools=tools, **chat.template_kwargs)
         except Exception as exc:  # the template is the model's code; any failure is the request's
             raise ValueError(f"the chat template rejected the conversation: {exc}") from exc
 
@@ -107,10 +110,10 @@ class ChatTemplate:
         return out
 
     def _apply(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-               tools: list[dict[str, Any]] | None = None) -> str:
+               tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> str:
         kwargs = {"tools": tools} if tools else {}
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt, **kwargs)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  **kwargs, **template_kwargs)
 
 
 def tool_block(tools: tuple[ToolSpec, ...]) -> str:

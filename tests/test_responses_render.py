@@ -39,10 +39,19 @@ CASES = {
                                                              finish_reason="tool_calls")],
     "length": [ChatDelta("a", tokens=1), ChatDelta("b", tokens=1, finish_reason="length")],
     "empty": [ChatDelta(finish_reason="stop")],
+    # a reasoning model's thinking (server/reasoning.py): a reasoning item before the answer
+    "thought_then_text": [ChatDelta(reasoning="Greet", tokens=1), ChatDelta(reasoning=" them.", tokens=2),
+                          ChatDelta("Hi", reasoning=" Briefly.", tokens=2, finish_reason="stop")],
+    "thought_then_call": [ChatDelta(reasoning="Lights.", tokens=3), ChatDelta(tokens=2),
+                          ChatDelta(calls=[CALL_1], tokens=9, finish_reason="tool_calls")],
+    "length_while_thinking": [ChatDelta(reasoning="Hmm", tokens=1), ChatDelta(reasoning=", well", tokens=2,
+                                                                             finish_reason="length")],
 }
-TEXTS = {"text": "Hello there", "text_then_call": "Sure.", "length": "ab"}
+TEXTS = {"text": "Hello there", "text_then_call": "Sure.", "length": "ab", "thought_then_text": "Hi"}
 CALLS = {"call": [CALL_1], "text_then_call": [CALL_1], "two_calls": [CALL_1, CALL_2],
-         "two_calls_in_one_step": [CALL_1, CALL_2]}
+         "two_calls_in_one_step": [CALL_1, CALL_2], "thought_then_call": [CALL_1]}
+THOUGHTS = {"thought_then_text": ("Greet them. Briefly.", 3), "thought_then_call": ("Lights.", 5),
+            "length_while_thinking": ("Hmm, well", 3)}  # (text, the tokens of the steps that only thought)
 
 
 def stream(deltas, req=REQ, usage=None):
@@ -69,7 +78,7 @@ def test_stream_events_validate_and_the_sdk_accumulates_them(case):
     parsed = [EVENTS.validate_python(e) for e in events]
     assert [p.type for p in parsed] == [e["type"] for e in events]
     assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
-    incomplete = case == "length"
+    incomplete = case.startswith("length")
     assert events[-1]["type"] == ("response.incomplete" if incomplete else "response.completed")
     assert sum(e["type"] in ("response.completed", "response.incomplete") for e in events) == 1
     for e in events[:2]:
@@ -92,6 +101,12 @@ def test_stream_events_validate_and_the_sdk_accumulates_them(case):
     assert final["incomplete_details"] == ({"reason": "max_output_tokens"} if incomplete else None)
     if incomplete:
         assert messages[0]["status"] == "incomplete"
+    thoughts = [i for i in final["output"] if i["type"] == "reasoning"]
+    text, tokens = THOUGHTS.get(case, ("", 0))
+    assert [c["text"] for i in thoughts for c in i["content"]] == ([text] if text else [])
+    assert all(i["id"].startswith("rs_") for i in thoughts) and final["output"][:len(thoughts)] == thoughts
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == text
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == tokens
 
     # the SDK's responses.stream() accumulation: raises on changed ids, unfinished items, bad order
     state = ResponseStreamState(input_tools=[TOOL], text_format=openai.omit)
