@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 # GGUF tensor name -> Hugging Face name, per layer ('blk.{i}.' / 'model.layers.{i}.' around them)
 LLAMA_LAYER = {
@@ -21,6 +22,15 @@ LLAMA_LAYER = {
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
 QK_NORM_LAYER = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Gemma 3's four norms a layer: its `post_attention_layernorm` norms the attention's output (Llama's is the FFN's
+# input norm, Gemma's `pre_feedforward_layernorm`), so the same name means another place in the layer
+GEMMA3_LAYER = {**LLAMA_LAYER, **QK_NORM_LAYER, "post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# the norms of a layer by their place: before attention, after it (on its output, before the residual add),
+# before the FFN, after it -> their Hugging Face names
+LLAMA_NORMS = {"attn_in": "input_layernorm", "ffn_in": "post_attention_layernorm"}
+GEMMA3_NORMS = {"attn_in": "input_layernorm", "attn_out": "post_attention_layernorm",
+                "ffn_in": "pre_feedforward_layernorm", "ffn_out": "post_feedforward_layernorm"}
 TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -35,6 +45,14 @@ class Architecture:
     bias: (q/k/v, o) biases where the architecture fixes them (Qwen2: q, k and v always, o never); None: the
       config's `attention_bias` for all four.
     layer: GGUF -> Hugging Face names of a layer's tensors (without the 'blk.{i}.' and '.weight' ends).
+    norms: a layer's norms by place ('attn_in', 'attn_out', 'ffn_in', 'ffn_out') -> Hugging Face names; 'attn_out'
+      and 'ffn_out' (Gemma 3) norm the attention's and the FFN's output before the residual add.
+    norm_offset: every RMSNorm multiplies by (norm_offset + w), in float32 and rounded after (Gemma 3: 1). Its
+      Hugging Face checkpoints hold w, which the safetensors source turns into norm_offset + w at load
+      (`from_hf`); llama.cpp's converter already writes norm_offset + w into a GGUF (`Gemma3Model.norm_shift`).
+    embed_scaled: token embeddings are multiplied by sqrt(hidden_size) (Gemma: the tied head's are not).
+    gguf_attn_scalar: the GGUF holds no query_pre_attn_scalar, and llama.cpp scales attention by
+      key_length**-0.5, or (n_embd / n_head)**-0.5 for a 62-layer model (Gemma 3 27B); see `gguf_config`.
     """
 
     name: str
@@ -44,6 +62,30 @@ class Architecture:
     qk_norm: bool = False
     bias: tuple[bool, bool] | None = None
     layer: dict[str, str] = field(default_factory=lambda: dict(LLAMA_LAYER))
+    norms: dict[str, str] = field(default_factory=lambda: dict(LLAMA_NORMS))
+    norm_offset: float = 0.0
+    embed_scaled: bool = False
+    gguf_attn_scalar: bool = False
+
+    @property
+    def output_norms(self) -> bool:
+        """Whether the layer norms its attention's and FFN's outputs (what the fused layer.cpp does not)."""
+        return "attn_out" in self.norms or "ffn_out" in self.norms
+
+    def from_hf(self, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor of a Hugging Face checkpoint as the blocks use it: a norm's w as float32 norm_offset + w
+        (transformers' `1.0 + weight.float()`, the same float op, so the same bits), others as they are."""
+        if self.norm_offset and hf_name.endswith("norm.weight"):
+            return tensor.float() + self.norm_offset
+        return tensor
+
+    def gguf_config(self, meta: dict, n_layers: int, hidden: int, n_heads: int) -> dict:
+        """Config fields a GGUF implies for this architecture that transformers' GGUF loader leaves at its
+        defaults: query_pre_attn_scalar by llama.cpp's rule (see gguf_attn_scalar)."""
+        if not self.gguf_attn_scalar:
+            return {}
+        key_length = meta.get(f"{self.gguf}.attention.key_length") or hidden // n_heads
+        return {"query_pre_attn_scalar": hidden // n_heads if n_layers == 62 else int(key_length)}
 
     def hf_name(self, gguf_name: str) -> str | None:
         """The Hugging Face name of a GGUF tensor ('blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'),
@@ -97,6 +139,9 @@ ARCHITECTURES = (
     Architecture("mistral", ("mistral",), "llama", rotary_permuted=True),
     Architecture("qwen2", ("qwen2",), "qwen2", bias=(True, False)),
     Architecture("qwen3", ("qwen3",), "qwen3", qk_norm=True, layer={**LLAMA_LAYER, **QK_NORM_LAYER}),
+    # Gemma 3's text model (the text half of Gemma3ForConditionalGeneration has the same layers)
+    Architecture("gemma3", ("gemma3_text",), "gemma3", qk_norm=True, layer=GEMMA3_LAYER, norms=GEMMA3_NORMS,
+                 norm_offset=1.0, embed_scaled=True, gguf_attn_scalar=True),
 )
 
 

@@ -38,7 +38,8 @@ def fused(width: int) -> bool:
 class RMSNorm(nn.Module):
     """RMS norm with its statistics in float32 (bf16 ones derail the model). In bf16 the normalised
     values are cast back before the weight multiplies them, as the reference does: the order of those
-    roundings changes SmolLM2's greedy output."""
+    roundings changes SmolLM2's greedy output. A float32 weight in a bf16 model (`norm()`: Gemma's) multiplies
+    first and the product is rounded, as Gemma's reference does."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype):
         super().__init__()
@@ -50,39 +51,59 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32 and fused(x.shape[-1]):
             return compiled().rms_norm(x, self.weight, self.eps)
         # torch.rms_norm, not F.rms_norm: the functional wrapper's checks cost more than the math here
-        if x.dtype == torch.float32:
-            return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if x.dtype == torch.float32 or self.weight.dtype == torch.float32:
+            return torch.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
         return self.weight * torch.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+
+
+def norm(cfg: ModelConfig, size: int, dtype: torch.dtype) -> RMSNorm:
+    """An RMSNorm of the architecture: its weight in float32 where the norm multiplies in float32 (norm_offset,
+    Gemma), else in the model's dtype."""
+    return RMSNorm(size, cfg.rms_norm_eps, torch.float32 if cfg.arch.norm_offset else dtype)
 
 
 class Rotary(nn.Module):
     """Rotary position embedding: cos/sin tables looked up by position id.
 
     Called with positions [B, T], it returns the function that rotates q or k [B, heads, T, hd] at those
-    positions. Every pass size uses the same elementwise ops, so a position's rotated q and k are bitwise the
-    same alone or in a pass of many tokens (a matrix form for single tokens was faster in bf16 but rounded
-    differently from the elementwise form, which broke the exact policies in the served format).
+    positions, with the sliding layers' own rotation beside it where their base differs (Gemma 3). Every pass
+    size uses the same elementwise ops, so a position's rotated q and k are bitwise the same alone or in a
+    pass of many tokens (a matrix form for single tokens was faster in bf16 but rounded differently from the
+    elementwise form, which broke the exact policies in the served format).
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, local: bool = False):
         super().__init__()
         t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(t, rope_inv_freq(cfg))  # [P, hd/2]
+        freqs = torch.outer(t, rope_inv_freq(cfg, local))  # [P, hd/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, hd]
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        self.local = Rotary(cfg, dtype, local=True) if cfg.rope_local_theta is not None and not local else None
 
     def forward(self, positions: torch.Tensor) -> Rope:
-        # positions [B, T] -> the rotation at those positions
-        return Rope(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))  # [B, 1, T, hd] each
+        # positions [B, T] -> the rotation at those positions ([B, 1, T, hd] tables each)
+        local = self.local(positions) if self.local is not None else None
+        return Rope(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1), positions, local)
 
 
 class Rope:
-    """The rotary tables cos, sin [B, 1, T, hd] of one pass; called on x [B, heads, T, hd] it rotates x (the
-    fused blocks read cos and sin themselves)."""
+    """The rotary tables cos, sin [B, 1, T, hd] of one pass at positions [B, T]; called on x [B, heads, T, hd] it
+    rotates x (the fused blocks read cos and sin themselves). local: the sliding layers' Rope, or None (theirs
+    is this one)."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
-        self.cos, self.sin = cos, sin
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None,
+                 local: Rope | None = None):
+        self.cos, self.sin, self.positions, self.local = cos, sin, positions, local
+
+    def rows(self, a: int, b: int) -> Rope:
+        """The rotation of rows a..b of a pass over several sequences' rows (tables [1, 1, M, hd])."""
+        local = self.local.rows(a, b) if self.local is not None else None
+        pos = self.positions[..., a:b] if self.positions is not None else None
+        return Rope(self.cos[:, :, a:b], self.sin[:, :, a:b], pos, local)
+
+    def for_layer(self, sliding: bool) -> Rope:
+        return self.local if sliding and self.local is not None else self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.cos.dtype == torch.float32 and fused(self.cos.shape[-1]):
@@ -111,8 +132,9 @@ class AttentionBlock(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, out, bias=cfg.attention_bias, dtype=dtype)
         self.o = nn.Linear(self.n_q * self.hd, cfg.hidden_size, bias=with_o_bias, dtype=dtype)
         qk_norm = cfg.arch.qk_norm
-        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, dtype) if qk_norm else None
-        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, dtype) if qk_norm else None
+        self.q_norm = norm(cfg, self.hd, dtype) if qk_norm else None
+        self.k_norm = norm(cfg, self.hd, dtype) if qk_norm else None
+        self.scale = cfg.attn_scale  # None: head_dim**-0.5
         self.requires_grad_(False)
 
     @property
@@ -120,7 +142,7 @@ class AttentionBlock(nn.Module):
         """Whether the block runs as one call (layer.cpp): both projections are compiled kernels and there is no
         q/k norm, which layer.cpp does not have (such a block runs the same kernels one by one)."""
         return (isinstance(self.qkv, Kernel) and isinstance(self.o, Kernel) and fused(self.hd)
-                and self.q_norm is None)
+                and self.q_norm is None and self.scale is None)
 
     def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
         # x [1, T, H] (already normed; one sequence: the cache's) -> partial attention output [1, T, H]
@@ -139,7 +161,7 @@ class AttentionBlock(nn.Module):
         qk = rope(qk)  # q and k rotated together
         q, k, v = qk[:, : self.n_q], qk[:, self.n_q :], qkv[:, self.n_q + self.n_kv :]
         keys, values = cache.write(layer, start, k, v)  # [1, n_kv, S, hd]
-        attn = attend(q, keys, values, start, mask, self.n_q != self.n_kv)  # [B, n_q, T, hd]
+        attn = attend(q, keys, values, start, mask, self.n_q != self.n_kv, self.scale)  # [B, n_q, T, hd]
         out = attn.reshape(b, 1, self.n_q * self.hd) if t == 1 else attn.transpose(1, 2).reshape(b, t, -1)
         return self.o(out)
 
@@ -150,12 +172,30 @@ def causal_mask(start: int, t: int) -> torch.Tensor:
     return slots.unsqueeze(0) <= (start + torch.arange(t)).unsqueeze(1)
 
 
+def window_mask(mask, positions: torch.Tensor, start: int, t: int, window: int):
+    """`mask` (None: causal by slot) narrowed to a sliding window: the query at position p sees no key at a
+    position <= p - window (transformers' sliding_window_overlay; llama.cpp's standard SWA). A slot before `start`
+    holds position = slot (a committed prefix), the pass's slots its rows' positions [1, T] (a tree pass puts
+    nodes at other slots). -> the same mask where no query reaches past its window, else bool [.., T, start+T]."""
+    if positions is None or (start + t <= window and mask is None):
+        return mask
+    q = positions.reshape(-1)[-t:]  # [T]
+    if int(q.max()) - window < 0:  # every key a query could see is within its window
+        return mask
+    keys = torch.cat([torch.arange(start), q])  # [S] the position each slot holds
+    inside = keys.unsqueeze(0) > (q - window).unsqueeze(1)  # [T, S]
+    if mask is None:
+        return inside & causal_mask(start, t)
+    return mask & inside[..., : mask.shape[-1]]
+
+
 def _heads_mask(mask):
     # [T, S], [B or 1, T, S] or [B or 1, 1, T, S] -> [B or 1, 1, T, S] (None stays None: causal)
     return None if mask is None else mask.view(-1, 1, *mask.shape[-2:])
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, mask, gqa: bool) -> torch.Tensor:
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, mask, gqa: bool,
+           scale: float | None = None) -> torch.Tensor:
     """Attention of queries q [B, n_q, T, hd] at slots start.. over keys, values [B, n_kv, start+T, hd].
 
     mask: bool [T, start+T], [B or 1, T, start+T] or [B or 1, 1, T, start+T] of visible slots, or None
@@ -164,20 +204,26 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
     over all rows with a mask splits and sums the softmax differently by pass length (and, measured here,
     by a row's place in a batch), so a verification pass of K tokens rounded differently from K single-token
     steps and flipped near-ties. bf16 and fp16 keep that one call: they are not exact across pass shapes.
+    scale: the logits' scale (Gemma's query_pre_attn_scalar**-0.5); None: head_dim**-0.5. The kernel scales by
+    head_dim**-0.5, so q is scaled by the ratio first (a rounding apart from scaling the logits).
     """
     mask = _heads_mask(mask)
     if q.dtype == torch.float32 and fused(q.shape[-1]):
+        if scale is not None:
+            q = q * (scale * q.shape[-1] ** 0.5)
         return compiled().attention(q, keys, values, start, mask)
     if mask is None and q.shape[2] > 1:
         mask = causal_mask(start, q.shape[2])
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa, scale=scale)
 
 
 class FFN(nn.Module):
-    """SwiGLU feed-forward block with the gate and up projections fused into one matrix."""
+    """Gated feed-forward block, act(gate) * up, with the gate and up projections fused into one matrix: SiLU
+    (SwiGLU, the compiled kernels' only activation) or the tanh form of GELU (Gemma's gelu_pytorch_tanh)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
+        self.act = cfg.hidden_act
         self.inter = cfg.intermediate_size
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias, dtype=dtype)
         self.down = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
@@ -185,33 +231,61 @@ class FFN(nn.Module):
 
     @property
     def compiled(self) -> bool:
-        return isinstance(self.gate_up, Kernel) and isinstance(self.down, Kernel)
+        # layer.cpp's ffn_block is SwiGLU only: another activation runs the projections' kernels one by one
+        return isinstance(self.gate_up, Kernel) and isinstance(self.down, Kernel) and self.act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [B, T, H] -> [B, T, H]
         if self.compiled:
             return compiled().ffn_block(x.float(), self.gate_up.kernel, self.down.kernel)
-        gate_up = self.gate_up(x)
-        if gate_up.dtype == torch.float32:
+        gate_up = self.gate_up(x)  # [B, T, 2I]
+        if self.act == "silu" and gate_up.dtype == torch.float32:
             return self.down(compiled().silu_mul(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
+        if self.act == "gelu_pytorch_tanh":  # elementwise: each row's bits whatever the pass
+            return self.down(F.gelu(gate, approximate="tanh") * up)
         return self.down(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm decoder layer holding all of its KV groups."""
+    """One pre-norm decoder layer holding all of its KV groups; with the architecture's norms of the attention's
+    and the FFN's outputs where it has them (Gemma 3), and a sliding window where the config makes layer `index`
+    a sliding one (its own rotary base and a windowed mask)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int = 0):
         super().__init__()
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        norms = cfg.arch.norms
+        self.input_norm = norm(cfg, cfg.hidden_size, dtype)
         self.attn = AttentionBlock(cfg, range(cfg.n_kv_heads), dtype, with_o_bias=cfg.o_bias)
-        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.attn_out_norm = norm(cfg, cfg.hidden_size, dtype) if "attn_out" in norms else None
+        self.post_norm = norm(cfg, cfg.hidden_size, dtype)  # the FFN's input norm
         self.ffn = FFN(cfg, dtype)
+        self.ffn_out_norm = norm(cfg, cfg.hidden_size, dtype) if "ffn_out" in norms else None
+        self.window = cfg.window(index)
+
+    def norms(self) -> dict[str, RMSNorm]:
+        """The layer's norms by place (the keys of Architecture.norms)."""
+        places = {"attn_in": self.input_norm, "attn_out": self.attn_out_norm, "ffn_in": self.post_norm,
+                  "ffn_out": self.ffn_out_norm}
+        return {k: v for k, v in places.items() if v is not None}
 
     @property
     def compiled(self) -> bool:
         """Whether the layer runs as one compiled call (layer.cpp's decoder_layer / decoder_layer_rows)."""
-        return self.attn.compiled and self.ffn.compiled and fused(self.input_norm.weight.shape[0])
+        return (self.attn.compiled and self.ffn.compiled and fused(self.input_norm.weight.shape[0])
+                and self.attn_out_norm is None and self.ffn_out_norm is None and self.window is None)
+
+    def _attend(self, x, rope: Rope, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
+        # x [1, T, H] -> the attention's output [1, T, H], normed where the architecture norms it
+        if self.window is not None:
+            rope = rope.for_layer(True)
+            mask = window_mask(mask, rope.positions, start, x.shape[1], self.window)
+        out = self.attn(self.input_norm(x), rope, cache, layer, start, mask)
+        return out if self.attn_out_norm is None else self.attn_out_norm(out)
+
+    def _feed_forward(self, z: torch.Tensor) -> torch.Tensor:
+        out = self.ffn(self.post_norm(z))
+        return out if self.ffn_out_norm is None else self.ffn_out_norm(out)
 
     def forward(self, x, rope: Rope, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
         # x [1, T, H] (one sequence: the cache's) -> [1, T, H]
@@ -222,8 +296,8 @@ class DecoderLayer(nn.Module):
                                            self.input_norm.eps, attn.qkv.kernel, attn.o.kernel,
                                            ffn.gate_up.kernel, ffn.down.kernel, attn.n_q, attn.n_kv, rope.cos,
                                            rope.sin, *cache.storage(layer), start, _heads_mask(mask))
-        x = x + self.attn(self.input_norm(x), rope, cache, layer, start, mask)
-        return x + self.ffn(self.post_norm(x))
+        x = x + self._attend(x, rope, cache, layer, start, mask)
+        return x + self._feed_forward(x)
 
     def rows(self, x: torch.Tensor, rope: Rope, seqs: Sequence[SeqRows], layer: int) -> torch.Tensor:
         """The layer over the rows of several sequences in one pass: x [M, H] holds each sequence's rows in
@@ -242,12 +316,11 @@ class DecoderLayer(nn.Module):
         outs, a = [], 0
         for s in seqs:
             b = a + s.length
-            part = Rope(rope.cos[:, :, a:b], rope.sin[:, :, a:b])
-            outs.append(self(x[None, a:b], part, s.cache, layer, s.start, s.mask)[0])
+            outs.append(self(x[None, a:b], rope.rows(a, b), s.cache, layer, s.start, s.mask)[0])
             a = b
         return torch.cat(outs)
 
     def parts(self, x, rope, cache: KVCache, layer: int, start: int, mask) -> tuple[torch.Tensor, torch.Tensor]:
         """forward() in its two halves: Z, the post-attention state [B, T, H], and X, the layer's output."""
-        z = x + self.attn(self.input_norm(x), rope, cache, layer, start, mask)
-        return z, z + self.ffn(self.post_norm(z))
+        z = x + self._attend(x, rope, cache, layer, start, mask)
+        return z, z + self._feed_forward(z)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from edgespec.model.blocks import FFN, AttentionBlock, RMSNorm, Rotary, causal_mask
+from edgespec.model.blocks import FFN, AttentionBlock, RMSNorm, Rotary, causal_mask, norm
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache
 from edgespec.model.kv_pool import CapacityError
@@ -25,6 +25,14 @@ from edgespec.model.stage import SessionError, StepError
 from edgespec.model.weights import TensorSource, load_attention, load_ffn
 
 GroupKV = dict[str, dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]]  # session -> layer -> group -> (k, v)
+
+
+def refuse_unsplittable(cfg: ModelConfig) -> None:
+    """A ValueError for a model whose layers HeadSplit cannot split: the projection device adds the groups'
+    outputs to the residual as they are, and the blocks keep no sliding window (Gemma 3 has both)."""
+    if cfg.arch.output_norms or any(cfg.sliding_layers):
+        raise ValueError(f"HeadSplit does not run the {cfg.arch.name} architecture (norms of the attention's "
+                         "output, sliding-window layers)")
 
 
 class Deferred:
@@ -62,6 +70,7 @@ class HeadBlocks:
 
     def __init__(self, src: TensorSource, cfg: ModelConfig, dtype: WeightFormat | torch.dtype,
                  groups: dict[int, list[int]], ffns: list[int]):
+        refuse_unsplittable(cfg)
         self.src, self.cfg, self.fmt = src, cfg, as_format(dtype)
         self.dtype = dtype = self.fmt.act
         self.rotary = Rotary(cfg, dtype)
@@ -74,9 +83,9 @@ class HeadBlocks:
         self.reshape(groups, ffns, {})
 
     def _norm(self, name: str) -> RMSNorm:
-        norm = RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps, self.dtype)
-        norm.weight.copy_(self.src.get(name, self.dtype))
-        return norm
+        out = norm(self.cfg, self.cfg.hidden_size, self.dtype)
+        out.weight.copy_(self.src.get(name, out.weight.dtype))
+        return out
 
     @torch.no_grad()
     def reshape(self, groups: dict[int, list[int]], ffns: list[int], incoming: GroupKV) -> None:
@@ -103,13 +112,13 @@ class HeadBlocks:
                 block = GroupBlocks(self.cfg, after, self.dtype)
                 for one in block.blocks:
                     load_attention(one, self.src, self.cfg, layer, self.fmt)
-                self.attn[layer] = (self._norm(f"model.layers.{layer}.input_layernorm.weight"), block)
+                self.attn[layer] = (self._norm(f"model.layers.{layer}.{self.cfg.arch.norms['attn_in']}.weight"), block)
         for layer in set(self.ffn) - set(ffns):
             del self.ffn[layer]
         for layer in sorted(set(ffns) - set(self.ffn)):
             ffn = FFN(self.cfg, self.dtype)
             load_ffn(ffn, self.src, layer, self.fmt)
-            self.ffn[layer] = (self._norm(f"model.layers.{layer}.post_attention_layernorm.weight"), ffn)
+            self.ffn[layer] = (self._norm(f"model.layers.{layer}.{self.cfg.arch.norms['ffn_in']}.weight"), ffn)
 
     @staticmethod
     def _group_kv(cache: KVCache, index: int) -> tuple[torch.Tensor, torch.Tensor]:

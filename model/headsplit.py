@@ -32,7 +32,7 @@ import torch
 
 from edgespec.model.config import ModelConfig
 from edgespec.model.drift import relative_drift
-from edgespec.model.head_blocks import HeadBlocks
+from edgespec.model.head_blocks import HeadBlocks, refuse_unsplittable
 from edgespec.model.stage import forward_each, segments_in_turn
 from edgespec.model.weights import TensorSource
 from edgespec.planning.headsplit import LayerPlace
@@ -53,6 +53,7 @@ def devices_named(layers: list[LayerPlace]) -> set[str]:
 
 def check_placement(layers: list[LayerPlace], cfg: ModelConfig) -> None:
     """A ValueError unless the placement covers every layer and each layer's KV groups exactly once."""
+    refuse_unsplittable(cfg)
     if len(layers) != cfg.n_layers:
         raise ValueError(f"the placement has {len(layers)} layers, the model {cfg.n_layers}")
     for i, lp in enumerate(layers):

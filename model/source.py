@@ -90,6 +90,31 @@ def convert_gguf(gguf: Path) -> Path:
     return out
 
 
+def _gguf_fields(meta: dict, config: dict) -> dict:
+    """Config fields a GGUF holds (or implies) that transformers' GGUF loader leaves at its defaults."""
+    from edgespec.model.arch import architecture
+
+    arch = meta.get("general.architecture")
+    out = {}
+    # transformers maps no head size for some architectures (qwen3): Qwen3's heads are wider than hidden / heads
+    if (head_dim := meta.get(f"{arch}.attention.key_length")) is not None:
+        out["head_dim"] = int(head_dim)
+    # one rope dict per layer type (Gemma 3): the sliding layers' base (rope.freq_base_swa) and the global layers'
+    # linear scaling, which the loader drops
+    rope = config.get("rope_parameters") or {}
+    if "sliding_attention" in rope and (local := meta.get(f"{arch}.rope.freq_base_swa")) is not None:
+        rope["sliding_attention"]["rope_theta"] = float(local)
+    if "full_attention" in rope and meta.get(f"{arch}.rope.scaling.type") == "linear":
+        rope["full_attention"].update(rope_type="linear", factor=float(meta[f"{arch}.rope.scaling.factor"]))
+    # so that a model this code would serve wrong is refused (ModelConfig.from_hf_dict) rather than served
+    if (cap := meta.get(f"{arch}.final_logit_softcapping")) is not None:
+        out["final_logit_softcapping"] = float(cap)
+    # an unknown model_type is refused here by name, as at load
+    out.update(architecture(config["model_type"]).gguf_config(meta, config["num_hidden_layers"], config["hidden_size"],
+                                                              config["num_attention_heads"]))
+    return out
+
+
 def _write_converted(gguf: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
@@ -98,10 +123,7 @@ def _write_converted(gguf: Path, out: Path) -> None:
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
     config.pop("quantization_config", None)
-    meta = read_index(gguf).meta
-    # transformers maps no head size for some architectures (qwen3): Qwen3's heads are wider than hidden / heads
-    if (head_dim := meta.get(f"{meta.get('general.architecture')}.attention.key_length")) is not None:
-        config["head_dim"] = int(head_dim)
+    config.update(_gguf_fields(read_index(gguf).meta, config))
     config["_name_or_path"] = gguf.stem
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / GGUF_POINTER).write_text(f"{gguf.resolve()}\n")

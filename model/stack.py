@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgespec.model.blocks import DecoderLayer, RMSNorm, Rotary, SeqRows
+from edgespec.model.blocks import DecoderLayer, Rotary, SeqRows, norm
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache
 from edgespec.model.kv_pool import KVPool
@@ -28,7 +28,7 @@ class LayerStack(nn.Module):
         self.cfg, self.first, self.last, self.dtype = cfg, first, last, dtype
         self.rotary = Rotary(cfg, dtype)
         with torch.device("meta"):  # weights come from the checkpoint: skip random initialisation
-            self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(first, last))
+            self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(first, last))
         self.layers.to_empty(device="cpu")
 
     @classmethod
@@ -95,19 +95,23 @@ class LayerStack(nn.Module):
 
 class Embedding(nn.Module):
     """Token embedding over a table [V, H] held as the source has it (a GGUF's Q8_0 or 4-bit blocks, or floats),
-    or as a tied Q8 head holds it (Interleaved: the head's own tensors)."""
+    or as a tied Q8 head holds it (Interleaved: the head's own tensors). scale: what the rows are multiplied by
+    (Gemma: sqrt(hidden_size), rounded to the model's dtype as transformers rounds it), or None."""
 
-    def __init__(self, table: Matrix, dtype: torch.dtype):
+    def __init__(self, table: Matrix, dtype: torch.dtype, scale: float | None = None):
         super().__init__()
         self.table, self.dtype = table, dtype
+        self.scale = None if scale is None else torch.tensor(scale).to(dtype)
         if isinstance(table, torch.Tensor):
             self.register_buffer("weight", table, persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # ids [B, T] -> [B, T, H]; quantized rows are d q (+ m) in float32, exact
         if isinstance(self.table, Q4 | Q8 | Interleaved):
-            return self.table.dequantize_rows(ids).to(self.dtype)
-        return F.embedding(ids, self.weight)
+            rows = self.table.dequantize_rows(ids).to(self.dtype)
+        else:
+            rows = F.embedding(ids, self.weight)
+        return rows if self.scale is None else rows * self.scale
 
     def dense(self) -> torch.Tensor:
         """The table as floats [V, H] (training code)."""
@@ -123,7 +127,7 @@ class TokenEnds(nn.Module):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
         self.embed, self.lm_head = embed, lm_head
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = norm(cfg, cfg.hidden_size, dtype)
         self.requires_grad_(False)
 
     @classmethod
@@ -138,9 +142,10 @@ class TokenEnds(nn.Module):
         head = make_linear(table if tied else src.matrix("lm_head.weight"), None, fmt, role="head")
         if tied and isinstance(head, Q8Linear):
             table = head.interleaved()  # one copy of the table: the head's layout serves lookups too
-        ends = cls(cfg, fmt.act, Embedding(table, fmt.act), head)
+        scale = cfg.hidden_size**0.5 if cfg.arch.embed_scaled else None  # the tied head's rows are not scaled
+        ends = cls(cfg, fmt.act, Embedding(table, fmt.act, scale), head)
         with torch.no_grad():
-            ends.norm.weight.copy_(src.get("model.norm.weight", fmt.act))
+            ends.norm.weight.copy_(src.get("model.norm.weight", ends.norm.weight.dtype))
         return ends
 
     @torch.inference_mode()

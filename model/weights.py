@@ -10,16 +10,19 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from edgespec.model.arch import LLAMA, Architecture
 from edgespec.model.config import ModelConfig
 from edgespec.model.linear import WeightFormat, as_format, make_linear
 from edgespec.model.quant import cat_rows
 
 
 class TensorSource:
-    """Lazy access to the tensors of a safetensors folder (single file or sharded with an index)."""
+    """Lazy access to the tensors of a safetensors folder (single file or sharded with an index), in the form the
+    blocks use (`Architecture.from_hf`: Gemma's norm weights w as 1 + w)."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, arch: Architecture = LLAMA):
         folder = Path(folder)
+        self.arch = arch
         index = folder / "model.safetensors.index.json"
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -43,7 +46,7 @@ class TensorSource:
         return name in self._where
 
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        return self._handle(name).get_tensor(name).to(dtype)
+        return self.arch.from_hf(name, self._handle(name).get_tensor(name)).to(dtype)
 
     def rows(self, name: str, ranges: Sequence[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor:
         """Rows [lo, hi) of each range, concatenated; only those rows are read from disk."""
@@ -72,7 +75,7 @@ def open_source(files):
         from edgespec.model.gguf_source import GGUFSource
 
         return GGUFSource(files.gguf, ModelConfig.from_folder(files.folder))
-    return TensorSource(files.folder)
+    return TensorSource(files.folder, ModelConfig.from_folder(files.folder).arch)
 
 
 def _group_ranges(cfg: ModelConfig, groups: Sequence[int]) -> tuple[list, list]:
@@ -104,16 +107,17 @@ def load_attention(block, src, cfg: ModelConfig, layer: int, fmt: WeightFormat |
     o_bias = _bias(src, p + "o_proj.bias") if block.o.bias is not None else None
     block.o = make_linear(src.matrix(p + "o_proj.weight", cols=q), o_bias, fmt)
     if block.q_norm is not None:  # one weight [head_dim] for every head: each block holds its own copy
-        block.q_norm.weight.copy_(src.get(p + "q_norm.weight", fmt.act))
-        block.k_norm.weight.copy_(src.get(p + "k_norm.weight", fmt.act))
+        block.q_norm.weight.copy_(src.get(p + "q_norm.weight", block.q_norm.weight.dtype))
+        block.k_norm.weight.copy_(src.get(p + "k_norm.weight", block.k_norm.weight.dtype))
 
 
 def load_layer(layer_mod, src, cfg: ModelConfig, layer: int, fmt: WeightFormat | torch.dtype) -> None:
-    """Fill a DecoderLayer with the weights of layer `layer`."""
+    """Fill a DecoderLayer with the weights of layer `layer`; its norms by their places in the architecture's
+    layer (Gemma's post_attention_layernorm norms the attention's output, Llama's the FFN's input)."""
     fmt = as_format(fmt)
     p = f"model.layers.{layer}."
-    layer_mod.input_norm.weight.copy_(src.get(p + "input_layernorm.weight", fmt.act))
-    layer_mod.post_norm.weight.copy_(src.get(p + "post_attention_layernorm.weight", fmt.act))
+    for place, norm in layer_mod.norms().items():
+        norm.weight.copy_(src.get(f"{p}{cfg.arch.norms[place]}.weight", norm.weight.dtype))
     load_attention(layer_mod.attn, src, cfg, layer, fmt)
     load_ffn(layer_mod.ffn, src, layer, fmt)
 

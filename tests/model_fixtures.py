@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from edgespec.bench.gguf_writer import ARCH_CLASSES
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache
 from edgespec.model.stack import LayerStack, TokenEnds
@@ -35,16 +36,6 @@ LLAMA3_ROPE = {
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
-}
-
-
-# per architecture of model/arch.py: transformers' config and model classes, and what its config adds
-# (Qwen3's heads are wider than hidden / heads, as in the real models)
-ARCH_CLASSES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
 }
 
 

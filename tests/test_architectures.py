@@ -1,6 +1,6 @@
 """Every architecture of model/arch.py against transformers' own forward: a tiny random model made with
 transformers' class (SmolLM2's tokenizer, so the vocabulary and chat template are real), loaded by edgespec from
-its folder and from a GGUF written the way llama.cpp's converter writes it (tests/gguf_files.py). Float32
+its folder and from a GGUF written the way llama.cpp's converter writes it (bench/gguf_writer.py). Float32
 logits agree to 1e-4 relative to the largest logit, greedy continuations are identical, and the GGUF serves a
 chat completion through the HTTP API. A 4-bit token embedding (what llama.cpp's quantizer writes for Q4_0, Q4_1
 and Q4_K_M files) is looked up exactly."""
@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_files import write_gguf
 from inprocess import LoopClient, controller_app
-from model_fixtures import ARCH_CLASSES, load_blocks, load_reference, smollm2_folder
+from model_fixtures import load_blocks, load_reference
 
-from edgespec.model.arch import ARCHITECTURES, architecture
+from edgespec.bench.gguf_writer import ARCH_CLASSES, tiny_model, write_gguf
+from edgespec.model.arch import ARCHITECTURES
 from edgespec.model.config import ModelConfig
 from edgespec.model.source import resolve_model
 
@@ -27,26 +27,8 @@ def test_every_architecture_is_checked_here():
     assert sorted(ARCH_CLASSES) == sorted(a.name for a in ARCHITECTURES)
 
 
-def make_model(kind: str, folder: Path, seed: int = 0) -> Path:
-    """A tiny random `kind` model from transformers' own class, with SmolLM2's tokenizer; biases and norms drawn
-    too (transformers sets them to constants), so a misplaced one cannot pass."""
-    import transformers
-
-    config_cls, model_cls, extra = ARCH_CLASSES[kind]
-    tok = transformers.AutoTokenizer.from_pretrained(smollm2_folder())
-    config = getattr(transformers, config_cls)(**SHAPE, **extra, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                                               eos_token_id=tok.eos_token_id)
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias") or "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.2)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+def make_model(kind: str, folder: Path, seed: int = 0, **overrides) -> Path:
+    return tiny_model(kind, folder, seed, SHAPE, **overrides)
 
 
 @pytest.fixture(scope="module", params=sorted(ARCH_CLASSES))
@@ -77,8 +59,10 @@ def _reference_greedy(ref, prompt: list[int], n: int) -> list[int]:
 def test_logits_and_greedy_equal_transformers(model, source):
     kind, folder, gguf, ref = model
     blocks = load_blocks(folder if source == "folder" else resolve_model(str(gguf)).folder)
-    # a GGUF names the converter's architecture: Mistral's dense models are written as llama
-    expected = architecture(kind) if source == "folder" else architecture(architecture(kind).gguf)
+    # a GGUF names the converter's architecture: Mistral's dense models are written as llama (the first of a GGUF
+    # name); Gemma 3's model_type is gemma3_text
+    arch = next(a for a in ARCHITECTURES if a.name == kind)
+    expected = arch if source == "folder" else next(a for a in ARCHITECTURES if a.gguf == arch.gguf)
     assert blocks.cfg.arch == expected
     for text in PROMPTS:
         prompt = _ids(folder, text)
@@ -133,6 +117,24 @@ def test_the_gguf_serves_a_chat_completion(model):
         service.loaded.runner.close()
 
 
+@pytest.mark.parametrize("extra", [{"query_pre_attn_scalar": 16, "sliding_window_pattern": 2},
+                                   {"query_pre_attn_scalar": 48, "sliding_window_pattern": 3, "sliding_window": 4}])
+def test_gemma3_scale_and_window_from_a_folder(extra, tmp_path):
+    # what a GGUF cannot hold (llama.cpp assumes query_pre_attn_scalar and the layer pattern): from folders, an
+    # attention scale other than head_dim**-0.5 and sliding layers interleaved otherwise, windows shorter than
+    # the prompts
+    folder = make_model("gemma3", tmp_path / "gemma3", **extra)
+    ref, blocks = load_reference(folder), load_blocks(folder)
+    assert any(blocks.cfg.sliding_layers) and not all(blocks.cfg.sliding_layers)
+    for text in PROMPTS:
+        prompt = _ids(folder, text)
+        with torch.inference_mode():
+            theirs = ref(torch.tensor([prompt])).logits[0].float()
+        rel = ((blocks.logits_from_scratch(prompt) - theirs).abs().max() / theirs.abs().max()).item()
+        assert rel < REL_TOL, (extra, text, rel)
+        assert blocks.greedy(prompt, 16)[0] == _reference_greedy(ref, prompt, 16), (extra, text)
+
+
 @pytest.fixture(scope="module")
 def qwen3_gguf(tmp_path_factory) -> Path:
     """A Qwen3 GGUF (per-head q/k norms, heads wider than hidden / heads), for the other paths."""
@@ -176,3 +178,13 @@ def test_layer_workers_serve_what_in_process_serves(qwen3_gguf, tmp_path):
         finally:
             proc.stop()
     assert answers[0] == answers[1] and all(answers[0])
+
+
+@pytest.mark.parametrize("key", ["final_logit_softcapping", "attn_logit_softcapping"])
+def test_softcapping_is_refused_by_name(key, tmp_path):
+    # Gemma 2's caps: no block here computes them, so a config that sets one is refused rather than served wrong
+    import json
+
+    d = json.loads((make_model("gemma3", tmp_path / "g") / "config.json").read_text())
+    with pytest.raises(ValueError, match=key):
+        ModelConfig.from_hf_dict({**d, key: 30.0})

@@ -89,14 +89,19 @@ def test_a_layer_in_one_call_gives_the_bits_of_its_blocks(tiny_folder):
     rope = stack.rotary(torch.arange(5)[None])
     whole = layer(x, rope, stack.new_cache(8), 0, 0, None)
     cache = stack.new_cache(8)
-    z = x + layer.attn(layer.input_norm(x), rope, cache, 0, 0, None)
-    assert torch.equal(whole, z + layer.ffn(layer.post_norm(z)))
+    def normed(norm, out):  # the architecture's norm of a block's output (Gemma 3), where it has one
+        return out if norm is None else norm(out)
+
+    own = rope.for_layer(layer.window is not None)  # a sliding layer's own rotary base (Gemma 3)
+    z = x + normed(layer.attn_out_norm, layer.attn(layer.input_norm(x), own, cache, 0, 0, None))
+    assert torch.equal(whole, z + normed(layer.ffn_out_norm, layer.ffn(layer.post_norm(z))))
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3"])
 def tiny_folder(request, tmp_path_factory):
     # dims in whole 32-element blocks, so the layers really run as Q4 / Q8 blocks; every architecture whose layer
-    # differs (Qwen2's q/k/v biases, Qwen3's q/k norms: its blocks run the kernels one by one)
+    # differs (Qwen2's q/k/v biases, Qwen3's q/k norms: its blocks run the kernels one by one; Gemma 3's
+    # output norms, GELU FFN and sliding windows shorter than the sequences)
     return make_tiny_model(tmp_path_factory.mktemp(f"tiny-q-{request.param}"), arch=request.param, hidden_size=64,
                            intermediate_size=128, vocab_size=320)
 

@@ -1,0 +1,163 @@
+"""Tiny random models of each architecture, written the way their own tools write them: a Hugging Face folder
+by transformers' own class (`tiny_model`, with SmolLM2's tokenizer, so the vocabulary and chat template are
+real), and a GGUF file the way llama.cpp's converter writes it (`write_gguf`, `convert_hf_to_gguf.py --outtype
+f32`; checked against it, see the README's "Models"): its `TextModel.set_gguf_parameters` keys, its
+`_set_vocab_gpt2` tokenizer, its tensor names (gguf's own TensorNameMap, which the converter maps through), q
+and k rows reordered as its `LlamaModel.permute` does for the architectures it writes through LlamaModel, and
+Gemma 3's norm weights shifted by 1 with its own keys (`Gemma3Model`: norm_shift, set_gguf_parameters).
+Nothing here is taken from edgespec's own description of an architecture (model/arch.py), so a wrong name or
+ordering there fails the tests (tests/test_architectures.py) and shows in bench/gguf_types.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+# per architecture of model/arch.py: transformers' config and model classes, and what its config adds
+# (Qwen3's heads are wider than hidden / heads, as in the real models)
+ARCH_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    # Gemma 3: sliding layers at transformers' (and llama.cpp's) default pattern, every sixth layer global, with
+    # a window shorter than the prompts; tied embeddings. query_pre_attn_scalar is head_dim, as llama.cpp assumes
+    # for a GGUF, which holds none (test_gemma3_attention_scale checks another value from a folder).
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               {"head_dim": 32, "query_pre_attn_scalar": 32, "num_hidden_layers": 6, "sliding_window": 8,
+                "tie_word_embeddings": True, "rope_parameters": {
+                    "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}}),
+}
+
+
+# Hugging Face model_type -> (the converter's GGUF architecture, whether it writes it through LlamaModel)
+CONVERTER = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "qwen2": ("QWEN2", False),
+             "qwen3": ("QWEN3", False), "gemma3_text": ("GEMMA3", False)}
+
+
+def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # LlamaModel.permute: each head's rows from two halves to llama.cpp's interleaved rotary order
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _tokenizer(writer, folder: Path, vocab_size: int) -> None:
+    import gguf
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    reverse = {i: t for t, i in tok.get_vocab().items()}
+    added = tok.added_tokens_decoder
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        else:
+            tokens.append(reverse[i])
+            types.append(gguf.TokenType.CONTROL if i in added and added[i].special
+                         else gguf.TokenType.USER_DEFINED if i in added else gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    gguf.SpecialVocab(folder, load_merges=True).add_to_gguf(writer)
+
+
+def write_gguf(folder: Path | str, out: Path | str, kinds: dict[str, str] | None = None) -> Path:
+    """The model in `folder` as the GGUF file `out` (float32 tensors, norms included; `kinds`: GGUF tensor name ->
+    GGML type name for tensors to quantize, e.g. {'token_embd.weight': 'Q4_0'}). Returns `out`."""
+    import gguf
+    from gguf.quants import quantize
+
+    folder, out, kinds = Path(folder), Path(out), kinds or {}
+    hp = json.loads((folder / "config.json").read_text())
+    arch_name, through_llama = CONVERTER[hp["model_type"]]
+    arch = gguf.MODEL_ARCH[arch_name]
+    names = gguf.get_tensor_name_map(arch, hp["num_hidden_layers"])
+    w = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch])
+    w.add_name(folder.name)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_block_count(hp["num_hidden_layers"])
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_embedding_length(hp["hidden_size"])
+    w.add_feed_forward_length(hp["intermediate_size"])
+    w.add_head_count(hp["num_attention_heads"])
+    w.add_head_count_kv(hp["num_key_value_heads"])
+    rope = hp.get("rope_parameters") or {}
+    # TextModel: the global layers' rope (Gemma 3 keeps one dict per layer type) and the sliding ones' base
+    w.add_rope_freq_base(rope.get("full_attention", rope).get("rope_theta", hp.get("rope_theta", 10000.0)))
+    if (local := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
+        w.add_rope_freq_base_swa(local)
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    if hp.get("head_dim"):
+        w.add_key_length(hp["head_dim"])
+        w.add_value_length(hp["head_dim"])
+    if through_llama:  # LlamaModel's own keys
+        w.add_vocab_size(hp["vocab_size"])
+        w.add_rope_dimension_count(hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"])
+    gemma3 = hp["model_type"] == "gemma3_text"
+    if gemma3:  # Gemma3Model.set_gguf_parameters' own keys (no query_pre_attn_scalar, no layer types)
+        if hp.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(hp["final_logit_softcapping"])
+        if hp.get("sliding_window_pattern") != 1:
+            w.add_sliding_window(hp["sliding_window"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _tokenizer(w, folder, hp["vocab_size"])
+
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            if name == "lm_head.weight" and hp.get("tie_word_embeddings"):
+                continue
+            data = f.get_tensor(name).to(torch.float32)
+            if gemma3 and name.endswith("norm.weight"):  # Gemma3Model.norm_shift: its norms multiply by 1 + w
+                data = data + 1.0
+            data = data.numpy()
+            if through_llama and name.endswith(("q_proj.weight", "q_proj.bias")):
+                data = llama_permute(data, hp["num_attention_heads"])
+            elif through_llama and name.endswith(("k_proj.weight", "k_proj.bias")):
+                data = llama_permute(data, hp["num_key_value_heads"])
+            gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            if gname in kinds:
+                kind = gguf.GGMLQuantizationType[kinds[gname]]
+                w.add_tensor(gname, quantize(data, kind), raw_dtype=kind)
+            else:
+                w.add_tensor(gname, np.ascontiguousarray(data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def tiny_model(kind: str, folder: Path | str, seed: int = 0, shape: dict | None = None, std: float = 0.2,
+               **overrides) -> Path:
+    """A tiny random `kind` model (an ARCH_CLASSES key) from transformers' own class with SmolLM2's tokenizer,
+    saved into `folder`: config `shape`, then the architecture's own settings, then `overrides`. Matrices drawn
+    N(0, std^2), biases and norms U(0.5, 1.5) (transformers sets them to constants), so a misplaced one shows."""
+    import transformers
+
+    from edgespec.model.source import resolve_model
+
+    folder = Path(folder)
+    config_cls, model_cls, extra = ARCH_CLASSES[kind]
+    tok = transformers.AutoTokenizer.from_pretrained(resolve_model(None).folder)
+    config = getattr(transformers, config_cls)(**{"vocab_size": len(tok), "bos_token_id": tok.bos_token_id,
+                                                  "eos_token_id": tok.eos_token_id, **(shape or {}), **extra,
+                                                  **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, std)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
