@@ -23,6 +23,8 @@ from edgespec.model.source import resolve_model
 REL_TOL = 1e-4
 SHAPE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "intermediate_size": 128, "max_position_embeddings": 256, "tie_word_embeddings": False}
+
+
 def test_every_architecture_is_checked_here():
     assert sorted(ARCH_CLASSES) == sorted(a.name for a in ARCHITECTURES)
 
