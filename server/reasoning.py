@@ -87,7 +87,8 @@ class ThinkSplitter:
             at = rest.find(CLOSE)
             if at < 0:
                 keep = partial_suffix(rest, CLOSE)
-                return self._thinking(rest[:len(rest) - keep]), self._hold(rest[len(rest) - keep:])
+                self._held = rest[len(rest) - keep:]
+                return self._thinking(rest[:len(rest) - keep]), ""
             thinking, rest = self._thinking(rest[:at]), rest[at + len(CLOSE):]
             self._state = "closed"
         if self._state == "closed":
@@ -114,7 +115,3 @@ class ThinkSplitter:
         shown = held.rstrip()
         self._blank = held[len(shown):]
         return shown
-
-    def _hold(self, text: str) -> str:
-        self._held = text
-        return ""

@@ -208,11 +208,7 @@ class CompletionService:
         """generate()'s events as the answer's thinking, content and calls."""
         async with aclosing(self.generate(gen)) as events:
             async for event in events:
-                delta = reader.push(event.text)
-                if event.finish_reason is not None:
-                    end = reader.finish(event.finish_reason)
-                    delta = ChatDelta(delta.content + end.content, delta.calls + end.calls, end.finish_reason,
-                                      reasoning=delta.reasoning + end.reasoning)
+                delta = reader.push(event.text, event.finish_reason)
                 delta.tokens, delta.logprobs, delta.stats = len(event.token_ids), event.logprobs, event.stats
                 yield delta
 

@@ -140,15 +140,16 @@ class AnswerReader:
     def __init__(self, calls: CallExtractor, thinking: ThinkSplitter | None = None):
         self.calls, self.thinking = calls, thinking
 
-    def push(self, text: str) -> ChatDelta:
+    def push(self, text: str, finish_reason: str | None = None) -> ChatDelta:
+        """The delta of one step's text; with the generation's finish reason, the held text too and the answer's
+        own finish reason (CallExtractor's rules)."""
         reasoning, text = self.thinking.push(text) if self.thinking is not None else ("", text)
+        if finish_reason is not None and self.thinking is not None:
+            held_reasoning, held_text = self.thinking.finish()
+            reasoning, text = reasoning + held_reasoning, text + held_text
         delta = self.calls.push(text)
+        if finish_reason is not None:
+            end = self.calls.finish(finish_reason)
+            delta = ChatDelta(delta.content + end.content, delta.calls + end.calls, end.finish_reason)
         delta.reasoning = reasoning
         return delta
-
-    def finish(self, reason: str) -> ChatDelta:
-        """The held text and the finish reason (CallExtractor's rules)."""
-        reasoning, text = self.thinking.finish() if self.thinking is not None else ("", "")
-        delta = self.calls.push(text)
-        end = self.calls.finish(reason)
-        return ChatDelta(delta.content + end.content, delta.calls + end.calls, end.finish_reason, reasoning=reasoning)

@@ -67,7 +67,7 @@ def test_calls_after_a_thinking_block():
             '<tool_call>\n{"name": "HassTurnOn", "arguments": {"name": "x"}}\n</tool_call>')
     for pieces in every_cut(text)[:2]:
         reader = AnswerReader(CallExtractor(HERMES, True), ThinkSplitter(False))
-        deltas = [reader.push(p) for p in pieces] + [reader.finish("stop")]
+        deltas = [reader.push(p) for p in pieces[:-1]] + [reader.push(pieces[-1], "stop")]
         assert "".join(d.reasoning for d in deltas) == "The light."
         assert "".join(d.content for d in deltas) == ""
         assert [(c.name, c.arguments) for d in deltas for c in d.calls] == [("HassTurnOn", '{"name":"x"}')]
