@@ -31,6 +31,7 @@ from edgespec.decoding.types import SamplingParams
 from edgespec.model.blocks import DecoderLayer, Rotary
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache
+from edgespec.model.kv_format import FLOAT32
 from edgespec.model.linear import pack_linears
 from edgespec.model.stack import TokenEnds
 
@@ -103,7 +104,7 @@ class FeatureDrafter:
         self.greedy = params.greedy
         self.sampler = draft_sampler(params, model.cfg.vocab_size)
         cfg = model.cfg
-        self.cache = KVCache.alone(1, cfg.n_kv_heads, cfg.head_dim, capacity, model.ends.dtype)
+        self.cache = KVCache.alone(1, cfg.n_kv_heads, cfg.head_dim, capacity, FLOAT32)  # a drafter's: float32
         self.g = torch.empty(capacity, cfg.hidden_size, dtype=model.ends.dtype)  # [capacity, H] target features
         self.first = None  # first position with a feature (a cached prompt prefix has none)
         self.known = 0  # features known for positions first..known-1

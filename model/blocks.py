@@ -160,7 +160,7 @@ class AttentionBlock(nn.Module):
                            dim=1)
         qk = rope(qk)  # q and k rotated together
         q, k, v = qk[:, : self.n_q], qk[:, self.n_q :], qkv[:, self.n_q + self.n_kv :]
-        keys, values = cache.write(layer, start, k, v)  # [1, n_kv, S, hd]
+        keys, values = (t.to(q.dtype) for t in cache.write(layer, start, k, v))  # [1, n_kv, S, hd]
         attn = attend(q, keys, values, start, mask, self.n_q != self.n_kv, self.scale)  # [B, n_q, T, hd]
         out = attn.reshape(b, 1, self.n_q * self.hd) if t == 1 else attn.transpose(1, 2).reshape(b, t, -1)
         return self.o(out)

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from edgespec.model.arch import LLAMA, Architecture, architecture
+from edgespec.model.kv_format import FLOAT32, KVFormat
 
 SUPPORTED_ROPE = ("default", "linear", "llama3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -50,10 +51,10 @@ class ModelConfig:
     def queries_per_group(self) -> int:
         return self.n_heads // self.n_kv_heads
 
-    def kv_bytes_per_token(self, n_layers: int | None = None, dtype: torch.dtype = torch.float32) -> int:
-        """Bytes of K and V one token occupies over `n_layers` layers (all layers by default)."""
+    def kv_bytes_per_token(self, n_layers: int | None = None, fmt: KVFormat = FLOAT32) -> int:
+        """Bytes of K and V one token occupies over `n_layers` layers (all layers by default) in KV format fmt."""
         layers = self.n_layers if n_layers is None else n_layers
-        return 2 * layers * self.n_kv_heads * self.head_dim * torch.finfo(dtype).bits // 8
+        return 2 * layers * self.n_kv_heads * fmt.row(self.head_dim) * fmt.dtype.itemsize
 
     @property
     def attn_scale(self) -> float | None:

@@ -54,7 +54,7 @@ def time_blocks(stack: LayerStack, context: int, reps: int = 5) -> dict[str, flo
     group = pack_linears(AttentionBlock(cfg, [0], dtype, with_o_bias=cfg.o_bias))
     ffn = pack_linears(FFN(cfg, dtype))
     norm = stack.layers[0].post_norm
-    cache = KVCache.alone(1, 1, cfg.head_dim, context + 1, dtype)
+    cache = KVCache.alone(1, 1, cfg.head_dim, context + 1, stack.kv)
     if context:
         cache.write(0, 0, torch.randn(1, 1, context, cfg.head_dim, dtype=dtype),
                     torch.randn(1, 1, context, cfg.head_dim, dtype=dtype))

@@ -19,6 +19,7 @@ from torch import nn
 from edgespec.model.blocks import FFN, AttentionBlock, RMSNorm, Rotary, causal_mask, norm
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache
+from edgespec.model.kv_format import FLOAT32, KVFormat
 from edgespec.model.kv_pool import CapacityError
 from edgespec.model.linear import WeightFormat, as_format, linear_bytes
 from edgespec.model.stage import SessionError, StepError
@@ -69,9 +70,10 @@ class HeadBlocks:
     the same calls over a link: workers/head_client.py)."""
 
     def __init__(self, src: TensorSource, cfg: ModelConfig, dtype: WeightFormat | torch.dtype,
-                 groups: dict[int, list[int]], ffns: list[int]):
+                 groups: dict[int, list[int]], ffns: list[int], kv: KVFormat = FLOAT32):
         refuse_unsplittable(cfg)
-        self.src, self.cfg, self.fmt = src, cfg, as_format(dtype)
+        kv.check(cfg.head_dim)
+        self.src, self.cfg, self.fmt, self.kv = src, cfg, as_format(dtype), kv
         self.dtype = dtype = self.fmt.act
         self.rotary = Rotary(cfg, dtype)
         self.attn: dict[int, tuple[RMSNorm, GroupBlocks]] = {}
@@ -128,7 +130,7 @@ class HeadBlocks:
     def _new_cache(self, n_kv: int, capacity: int) -> KVCache:
         # one layer's cache of n_kv groups, each as a "layer" of one KV head, its whole capacity held from the
         # start (a pool of its own)
-        return KVCache.alone(n_kv, 1, self.cfg.head_dim, capacity, self.dtype)
+        return KVCache.alone(n_kv, 1, self.cfg.head_dim, capacity, self.kv)
 
     def _cache_of(self, session: str, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> KVCache:
         # a cache of len(kv) groups holding their keys and values (each [1, 1, length, hd])

@@ -33,6 +33,7 @@ import torch
 from edgespec.model.config import ModelConfig
 from edgespec.model.drift import relative_drift
 from edgespec.model.head_blocks import HeadBlocks, refuse_unsplittable
+from edgespec.model.kv_format import FLOAT32, KVFormat
 from edgespec.model.stage import forward_each, segments_in_turn
 from edgespec.model.weights import TensorSource
 from edgespec.planning.headsplit import LayerPlace
@@ -128,12 +129,14 @@ class HeadSplitPipeline:
 
     @classmethod
     def local(cls, src: TensorSource, cfg: ModelConfig, dtype: torch.dtype, layers: list[LayerPlace],
-              epsilon: float = 0.05, kv_budget_bytes: int | None = None) -> HeadSplitPipeline:
-        """Every device of the placement as HeadBlocks in this process; kv_budget_bytes: the bound of all their
-        caches (each device gets an equal share: the placement spreads the KV groups)."""
+              epsilon: float = 0.05, kv_budget_bytes: int | None = None, kv: KVFormat = FLOAT32
+              ) -> HeadSplitPipeline:
+        """Every device of the placement as HeadBlocks in this process, caches in KV format `kv`;
+        kv_budget_bytes: the bound of all their caches (each device gets an equal share: the placement spreads
+        the KV groups)."""
         check_placement(layers, cfg)
         names = sorted(devices_named(layers))
-        devices = {name: HeadBlocks(src, cfg, dtype, *blocks_of(layers, name)) for name in names}
+        devices = {name: HeadBlocks(src, cfg, dtype, *blocks_of(layers, name), kv) for name in names}
         if kv_budget_bytes is not None:
             for device in devices.values():
                 device.limit_kv(kv_budget_bytes // len(devices))

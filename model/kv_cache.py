@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from edgespec.model.kv_format import KVFormat
 from edgespec.model.kv_pool import BLOCK_SLOTS, KVPool
 
 
@@ -36,10 +37,10 @@ class KVCache:
         self._table = None  # the table as a tensor, rebuilt after it changes
 
     @classmethod
-    def alone(cls, n_layers: int, n_kv: int, head_dim: int, capacity: int, dtype: torch.dtype) -> KVCache:
+    def alone(cls, n_layers: int, n_kv: int, head_dim: int, capacity: int, fmt: KVFormat) -> KVCache:
         """A cache over a pool of its own, every block of its capacity in its table from the start (a drafter's,
         a HeadSplit device's group cache, a tool's: what layers called one by one write into)."""
-        cache = cls(KVPool(n_layers, n_kv, head_dim, dtype, -(-capacity // BLOCK_SLOTS)), capacity)
+        cache = cls(KVPool(n_layers, n_kv, head_dim, fmt, -(-capacity // BLOCK_SLOTS)), capacity)
         cache.ensure(0, capacity)
         return cache
 
@@ -85,7 +86,7 @@ class KVCache:
 
     def storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What a compiled attention call writes and reads for `layer` (model/kernels/layer.cpp): the pool's
-        k, v [N, n_kv, B, hd] and the block table [nb]."""
+        k, v [N, n_kv, B, row] in its format's storage and the block table [nb]."""
         return self.pool.k[layer], self.pool.v[layer], self.table_tensor()
 
     def _where(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,20 +95,23 @@ class KVCache:
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [1, n_kv, T, hd] at slots start..start+T of `layer` (ensure them first). Returns keys and
-        values for slots [0, start+T), each [1, n_kv, start+T, hd] (a copy: the per-op path's attention)."""
+        """Store k, v [1, n_kv, T, hd] at slots start..start+T of `layer` (ensure them first), converted to the
+        pool's format. Returns keys and values for slots [0, start+T) as read(), each [1, n_kv, start+T, hd]."""
         blocks, offsets = self._where(torch.arange(start, start + k.shape[2]))
-        self.pool.k[layer][blocks, :, offsets] = k[0].transpose(0, 1)  # [T, n_kv, hd]
-        self.pool.v[layer][blocks, :, offsets] = v[0].transpose(0, 1)
+        encode = self.pool.fmt.encode
+        self.pool.k[layer][blocks, :, offsets] = encode(k[0].transpose(0, 1))  # [T, n_kv, row]
+        self.pool.v[layer][blocks, :, offsets] = encode(v[0].transpose(0, 1))
         return self.read(layer, start + k.shape[2])
 
     def read(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of slots [0, n) of `layer`: [1, n_kv, n, hd] each."""
+        """Keys and values of slots [0, n) of `layer` as float32 (the format's decoded values, what the compiled
+        kernels compute with): [1, n_kv, n, hd] each (copies)."""
         table = self.table_tensor()[:self.pool.blocks_for(n)]
 
         def gather(store: torch.Tensor) -> torch.Tensor:
-            blocks = store[table]  # [nb, n_kv, B, hd]
-            return blocks.transpose(0, 1).reshape(blocks.shape[1], -1, blocks.shape[3])[None, :, :n]
+            blocks = store[table]  # [nb, n_kv, B, row]
+            rows = blocks.transpose(0, 1).reshape(blocks.shape[1], -1, blocks.shape[3])[None, :, :n]
+            return self.pool.fmt.decode(rows)
 
         return gather(self.pool.k[layer]), gather(self.pool.v[layer])
 

@@ -17,15 +17,17 @@ import math
 
 import torch
 
+from edgespec.model.kv_format import KVFormat
+
 BLOCK_SLOTS = 64  # slots per block (vLLM: 16 on GPUs, 128 on CPUs). Measured on the 2-core EPYC, the served
 # model's 30 layers over 16 decoding sequences, the kernels before and after the pool alternated in one process
 # (bench/results/issue18-kv-pool/tools): blocks of 16 slots were 0-6% slower than contiguous caches, blocks of 64
 # within 2%. A SmolLM2 block of 64 slots is 2.9 MiB in float32.
 
 
-def block_bytes(n_layers: int, n_kv: int, head_dim: int, dtype: torch.dtype, block: int) -> int:
-    """Bytes of one block: keys and values of `block` slots in every layer."""
-    return 2 * n_layers * n_kv * block * head_dim * dtype.itemsize
+def block_bytes(n_layers: int, n_kv: int, head_dim: int, fmt: KVFormat, block: int) -> int:
+    """Bytes of one block: keys and values of `block` slots in every layer, stored in `fmt`."""
+    return 2 * n_layers * n_kv * block * fmt.row(head_dim) * fmt.dtype.itemsize
 
 
 class CapacityError(RuntimeError):
@@ -33,27 +35,29 @@ class CapacityError(RuntimeError):
 
 
 class KVPool:
-    """k[layer], v[layer] [n_blocks, n_kv, block, head_dim] for `n_layers` layers, with each block's reference
-    count, the free list and the blocks reserved by open sessions but not yet taken."""
+    """k[layer], v[layer] [n_blocks, n_kv, block, fmt.row(head_dim)] in `fmt`'s storage for `n_layers` layers,
+    with each block's reference count, the free list and the blocks reserved by open sessions but not yet
+    taken."""
 
-    def __init__(self, n_layers: int, n_kv: int, head_dim: int, dtype: torch.dtype, n_blocks: int,
+    def __init__(self, n_layers: int, n_kv: int, head_dim: int, fmt: KVFormat, n_blocks: int,
                  block: int = BLOCK_SLOTS, prefault: bool = False):
-        shape = (n_blocks, n_kv, block, head_dim)
+        fmt.check(head_dim)
+        shape = (n_blocks, n_kv, block, fmt.row(head_dim))
         alloc = torch.zeros if prefault else torch.empty  # zeros writes every page now
-        self.k = [alloc(shape, dtype=dtype) for _ in range(n_layers)]
-        self.v = [alloc(shape, dtype=dtype) for _ in range(n_layers)]
-        self.block, self.n_blocks = block, n_blocks
-        self.block_bytes = block_bytes(n_layers, n_kv, head_dim, dtype, block)
+        self.k = [alloc(shape, dtype=fmt.dtype) for _ in range(n_layers)]
+        self.v = [alloc(shape, dtype=fmt.dtype) for _ in range(n_layers)]
+        self.fmt, self.block, self.n_blocks = fmt, block, n_blocks
+        self.block_bytes = block_bytes(n_layers, n_kv, head_dim, fmt, block)
         self.refs = [0] * n_blocks
         self.free_list = list(range(n_blocks - 1, -1, -1))  # pop() hands out block 0 first
         self.reserved = 0
 
     @classmethod
-    def for_bytes(cls, n_layers: int, n_kv: int, head_dim: int, dtype: torch.dtype, nbytes: int,
+    def for_bytes(cls, n_layers: int, n_kv: int, head_dim: int, fmt: KVFormat, nbytes: int,
                   block: int = BLOCK_SLOTS, prefault: bool = False) -> KVPool:
         """The pool of as many blocks as `nbytes` holds."""
-        per_block = block_bytes(n_layers, n_kv, head_dim, dtype, block)
-        return cls(n_layers, n_kv, head_dim, dtype, max(0, nbytes // per_block), block, prefault)
+        per_block = block_bytes(n_layers, n_kv, head_dim, fmt, block)
+        return cls(n_layers, n_kv, head_dim, fmt, max(0, nbytes // per_block), block, prefault)
 
     def blocks_for(self, slots: int) -> int:
         return math.ceil(slots / self.block)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edgespec.model.config import ModelConfig
+from edgespec.model.kv_format import kv_format
 from edgespec.model.linear import weight_format
 from edgespec.model.runner import ModelRunner, RunnerOptions
 from edgespec.model.source import ModelFiles
@@ -40,17 +41,17 @@ def load_with_pipeline(files: ModelFiles, weights: str, pipeline, thread: ModelT
 
 
 def local_pipeline(files: ModelFiles, weights: str, kv_budget_gib: float, src=None,
-                   prefault: bool = False) -> Pipeline:
-    """Every layer in this process, as one LocalStage with a KV pool of kv_budget_gib (run on the model thread;
-    prefault: see model/kv_pool.py)."""
+                   prefault: bool = False, kv: str = "float32") -> Pipeline:
+    """Every layer in this process, as one LocalStage with a KV pool of kv_budget_gib in KV format `kv` (run on
+    the model thread; prefault: see model/kv_pool.py)."""
     cfg = ModelConfig.from_folder(files.folder)
-    stack = LayerStack.load(src or open_source(files), cfg, 0, cfg.n_layers, weight_format(weights))
+    stack = LayerStack.load(src or open_source(files), cfg, 0, cfg.n_layers, weight_format(weights), kv_format(kv))
     return Pipeline([LocalStage(stack, int(kv_budget_gib * 2**30), prefault)])
 
 
 def load_local(files: ModelFiles, weights: str, kv_budget_gib: float, thread: ModelThread,
-               options: RunnerOptions | None = None, prefault: bool = False) -> LoadedModel:
+               options: RunnerOptions | None = None, prefault: bool = False, kv: str = "float32") -> LoadedModel:
     """All layers in-process: one LocalStage."""
     src = open_source(files)  # one read of a GGUF's tensor index for the layers and the token ends
-    pipeline = thread.run_sync(local_pipeline, files, weights, kv_budget_gib, src, prefault)
+    pipeline = thread.run_sync(local_pipeline, files, weights, kv_budget_gib, src, prefault, kv)
     return load_with_pipeline(files, weights, pipeline, thread, src, options)

@@ -21,6 +21,7 @@ import torch
 from edgespec.model.admission import Admission
 from edgespec.model.config import ModelConfig
 from edgespec.model.engine import Engine, Work
+from edgespec.model.kv_format import FLOAT32, KVFormat
 from edgespec.model.kv_pool import CapacityError
 from edgespec.model.prefix import PrefixCache
 from edgespec.model.stack import TokenEnds
@@ -51,12 +52,14 @@ class RunnerOptions:
     waiting for KV room; recover(error, generation), awaited on the event loop when a stage failed in work
     begun under that placement generation (a lost worker): it re-places the stages unless that happened since
     (bumping the generation, so that every session is rebuilt from its tokens) and returns whether the work
-    may run again (None: stage failures are final)."""
+    may run again (None: stage failures are final); kv, the stages' KV format (what a kept prefix holds on
+    workers, whose pools the controller does not see)."""
 
     cuts: Callable[[int], list[int]] | None = None
     prefix: PrefixCache | None = None
     admission: Admission = field(default_factory=Admission)
     recover: Callable[[Exception, int], Awaitable[bool]] | None = None
+    kv: KVFormat = FLOAT32
 
 
 class SessionLostError(RuntimeError):
@@ -84,6 +87,7 @@ class ModelRunner:
         self.prefix = options.prefix
         self.admission = options.admission
         self._recover = options.recover
+        self.kv = options.kv
         self.held: set[str] = set()  # every session holding a cache (kept prefixes aside)
         self.steps = self.step_rows = 0  # forward passes of any kind, and the token rows they carried
         self.engine = Engine(self)
@@ -197,7 +201,7 @@ class ModelRunner:
             if kept is not None:
                 nbytes = self.pipeline.session_bytes(kept.id)  # in-process stages know; workers: None, estimated
                 if nbytes is None:
-                    nbytes = self.cfg.kv_bytes_per_token(dtype=self.ends.dtype) * kept.length
+                    nbytes = self.cfg.kv_bytes_per_token(fmt=self.kv) * kept.length
                 freed += self.prefix.add(kept, kept.tokens, nbytes, self.generation)
         for s in freed:
             await self._run(self.pipeline.release, s.id)

@@ -12,6 +12,7 @@ from torch import nn
 from edgespec.model.blocks import DecoderLayer, Rotary, SeqRows, norm
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache
+from edgespec.model.kv_format import FLOAT32, KVFormat
 from edgespec.model.kv_pool import KVPool
 from edgespec.model.linear import Q8Linear, WeightFormat, as_format, head_matrix, make_linear
 from edgespec.model.quant import Q4, Q8, Interleaved, Matrix
@@ -19,23 +20,27 @@ from edgespec.model.weights import load_layer
 
 
 class LayerStack(nn.Module):
-    """Decoder layers [first, last) with their rotary tables; the payload of one pipeline stage."""
+    """Decoder layers [first, last) with their rotary tables; the payload of one pipeline stage. Its KV caches
+    store keys and values in `kv` (model/kv_format.py)."""
 
-    def __init__(self, cfg: ModelConfig, first: int, last: int, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, first: int, last: int, dtype: torch.dtype, kv: KVFormat = FLOAT32):
         super().__init__()
         if not 0 <= first < last <= cfg.n_layers:
             raise ValueError(f"layer range [{first}, {last}) is outside the model's {cfg.n_layers} layers")
-        self.cfg, self.first, self.last, self.dtype = cfg, first, last, dtype
+        kv.check(cfg.head_dim)
+        self.cfg, self.first, self.last, self.dtype, self.kv = cfg, first, last, dtype, kv
         self.rotary = Rotary(cfg, dtype)
         with torch.device("meta"):  # weights come from the checkpoint: skip random initialisation
             self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(first, last))
         self.layers.to_empty(device="cpu")
 
     @classmethod
-    def load(cls, src, cfg: ModelConfig, first: int, last: int, fmt: WeightFormat | torch.dtype) -> LayerStack:
-        """Layers [first, last) from a tensor source, in weight format `fmt` (or the dense format of a dtype)."""
+    def load(cls, src, cfg: ModelConfig, first: int, last: int, fmt: WeightFormat | torch.dtype,
+             kv: KVFormat = FLOAT32) -> LayerStack:
+        """Layers [first, last) from a tensor source, in weight format `fmt` (or the dense format of a dtype),
+        their caches in KV format `kv`."""
         fmt = as_format(fmt)
-        stack = cls(cfg, first, last, fmt.act)
+        stack = cls(cfg, first, last, fmt.act, kv)
         with torch.no_grad():
             for i, layer in enumerate(stack.layers):
                 load_layer(layer, src, cfg, first + i, fmt)
@@ -43,12 +48,12 @@ class LayerStack(nn.Module):
 
     def new_pool(self, nbytes: int, prefault: bool = False) -> KVPool:
         """A KV pool for these layers of as many blocks as `nbytes` holds (a stage's); prefault: see KVPool."""
-        return KVPool.for_bytes(len(self.layers), self.cfg.n_kv_heads, self.cfg.head_dim, self.dtype, nbytes,
+        return KVPool.for_bytes(len(self.layers), self.cfg.n_kv_heads, self.cfg.head_dim, self.kv, nbytes,
                                 prefault=prefault)
 
     def new_cache(self, capacity: int) -> KVCache:
         """A KV cache for these layers over a pool of its own (a drafter's, a tool's, a test's)."""
-        return KVCache.alone(len(self.layers), self.cfg.n_kv_heads, self.cfg.head_dim, capacity, self.dtype)
+        return KVCache.alone(len(self.layers), self.cfg.n_kv_heads, self.cfg.head_dim, capacity, self.kv)
 
     @torch.inference_mode()
     def forward(

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from edgespec.model.config import ModelConfig
+from edgespec.model.kv_format import FLOAT32, KVFormat
 from edgespec.model.linear import WeightFormat, as_format, bytes_per_param
 from edgespec.model.stack import LayerStack, TokenEnds
 from edgespec.planning.profile import Curve, ModelCard
@@ -23,15 +24,15 @@ PROFILE_LAYERS = 4  # timed together and divided: fewer calls' overhead per laye
 
 
 def model_card(cfg: ModelConfig, name: str, fmt: WeightFormat | torch.dtype | str,
-               from_gguf: bool = False) -> ModelCard:
+               from_gguf: bool = False, kv: KVFormat = FLOAT32) -> ModelCard:
     """The planner's view of a model in a weight format: real bytes per parameter of its layers (Q4 blocks are
-    0.75 bytes, not a float's size), activations and KV cache at the format's activation dtype."""
+    0.75 bytes, not a float's size), activations at the format's activation dtype, the KV cache in `kv`."""
     fmt = as_format(fmt)
     act = torch.finfo(fmt.act).bits // 8
     ends = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size
     return ModelCard(name, cfg.n_layers, cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                      cfg.layer_param_count(), ends, cfg.max_position_embeddings,
-                     bytes_per_param(fmt, from_gguf), act, act)
+                     bytes_per_param(fmt, from_gguf), kv.bytes_per_value(), act)
 
 
 def grid(cfg: ModelConfig, tokens: Sequence[int], contexts: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:

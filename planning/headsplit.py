@@ -71,7 +71,7 @@ def head_card(card: ModelCard) -> HeadCard:
     """The block sizes of a model card. The projection block only sums the groups' outputs (their projection
     columns travel with the groups): it holds no weights."""
     group = int(group_params(card) * card.weight_bytes_per_param)
-    return HeadCard(card.n_layers, card.n_kv_heads, group, 2 * card.head_dim * card.kv_bytes_per_value, 0,
+    return HeadCard(card.n_layers, card.n_kv_heads, group, round(2 * card.head_dim * card.kv_bytes_per_value), 0,
                     card.layer_weight_bytes() - card.n_kv_heads * group, card.activation_bytes(1))
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 PROFILE_VERSION = 1
@@ -29,7 +29,7 @@ class ModelCard:
     ends_params: int  # embedding, final norm and head: held by the controller
     context: int  # the model's maximum context
     weight_bytes_per_param: float = 2.0  # 2 for bf16/fp16, 1 for int8, about 0.56 for 4-bit
-    kv_bytes_per_value: int = 2
+    kv_bytes_per_value: float = 2.0  # 4 float32, 2 float16, 1.0625 q8_0 (its blocks' scales included)
     activation_bytes_per_value: int = 2  # hidden states on the wire
 
     def layer_weight_bytes(self) -> int:
@@ -37,7 +37,7 @@ class ModelCard:
 
     def kv_bytes_per_token(self) -> int:
         """K and V of one token in one layer."""
-        return 2 * self.n_kv_heads * self.head_dim * self.kv_bytes_per_value
+        return round(2 * self.n_kv_heads * self.head_dim * self.kv_bytes_per_value)
 
     def activation_bytes(self, tokens: int) -> int:
         """One hidden state [tokens, hidden] crossing a link."""
@@ -148,6 +148,10 @@ class ClusterProfile:
     margin: float = 0.15  # safety margin on link times
     created: str = ""
     notes: str = ""
+
+    def with_kv_bytes(self, per_value: float) -> ClusterProfile:
+        """This profile with the model card's KV cache at `per_value` bytes a value (the served KV format)."""
+        return replace(self, model=replace(self.model, kv_bytes_per_value=per_value))
 
     def device(self, name: str) -> DeviceProfile:
         for d in [self.controller, *self.workers]:

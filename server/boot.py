@@ -17,6 +17,7 @@ from edgespec.decoding.target_fit import SHIPPED
 from edgespec.model.admission import Admission
 from edgespec.model.config import ModelConfig
 from edgespec.model.headsplit import HeadSplitPipeline
+from edgespec.model.kv_format import kv_format
 from edgespec.model.linear import weight_format
 from edgespec.model.load import LoadedModel, load_local, load_with_pipeline
 from edgespec.model.prefix import PrefixCache
@@ -42,7 +43,14 @@ log = logging.getLogger(__name__)
 
 def obtain_profile(settings: ServeSettings, files: ModelFiles, devices: list[Device], token: str,
                    thread: ModelThread, options: ProfileOptions) -> ClusterProfile:
-    """The profile named in the settings, else a cached one for these devices, else a new measurement."""
+    """The profile named in the settings, else a cached one for these devices, else a new measurement; its
+    model card's KV bytes are those of the served KV format (arithmetic, so any profile's hold)."""
+    return _profile(settings, files, devices, token, thread, options).with_kv_bytes(
+        kv_format(settings.kv_format).bytes_per_value())
+
+
+def _profile(settings: ServeSettings, files: ModelFiles, devices: list[Device], token: str, thread: ModelThread,
+             options: ProfileOptions) -> ClusterProfile:
     if settings.profile:
         profile = ClusterProfile.load(Path(settings.profile))
         n_layers = ModelConfig.from_folder(files.folder).n_layers
@@ -73,9 +81,10 @@ def runner_options(settings: ServeSettings, cluster: ClusterManager | None) -> R
     prefix = PrefixCache(int(settings.prefix_cache_mib * 2**20), settings.prefix_min_tokens) \
         if settings.prefix_cache_mib > 0 else None
     admission = Admission(settings.max_waiting, settings.queue_timeout_s)
+    kv = kv_format(settings.kv_format)
     if cluster is None:
-        return RunnerOptions(prefill_cuts(settings, None), prefix, admission)
-    return RunnerOptions(prefill_cuts(settings, cluster.plan), prefix, admission, cluster.recover)
+        return RunnerOptions(prefill_cuts(settings, None), prefix, admission, kv=kv)
+    return RunnerOptions(prefill_cuts(settings, cluster.plan), prefix, admission, cluster.recover, kv)
 
 
 def observe_runner(runner: ModelRunner, metrics: Metrics) -> None:
@@ -114,7 +123,7 @@ def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[Loaded
     files = resolve_model(settings.model)  # converts a GGUF once, before any worker needs the cache
     if not settings.local_workers and not settings.cluster and not settings.discover:
         loaded = load_local(files, settings.dtype, settings.kv_cache_gib, thread, runner_options(settings, None),
-                            settings.kv_prefault)
+                            settings.kv_prefault, settings.kv_format)
         observe_runner(loaded.runner, metrics)
         return loaded, None
     if settings.local_workers:
@@ -135,7 +144,7 @@ def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[Loaded
         options = PlanOptions(context=context, concurrency=settings.plan_concurrency)
         manager = ClusterManager(settings, config, devices, profile, metrics, options, profile_options)
         manager.pipeline = RemotePipeline([], config.token, settings.model, settings.dtype, settings.stage_timeout_s,
-                                          metrics.observe_hop)
+                                          metrics.observe_hop, settings.kv_format)
         if devices:
             log.info("placement (%s): %s", settings.placement,
                      ", ".join(f"{s.device} [{s.first}, {s.last})" for s in manager.plan.stages))
@@ -144,7 +153,7 @@ def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[Loaded
                                         options=runner_options(settings, manager))
         else:  # --discover found none: every layer here, as after losing every worker, until one joins
             loaded = load_local(files, settings.dtype, settings.kv_cache_gib, thread,
-                                runner_options(settings, manager), settings.kv_prefault)
+                                runner_options(settings, manager), settings.kv_prefault, settings.kv_format)
             loaded.runner.cuts = prefill_cuts(settings, None)
             manager.here = loaded.runner.pipeline
         manager.runner = loaded.runner
@@ -169,14 +178,16 @@ def headsplit_runner(settings: ServeSettings, loaded: LoadedModel, cluster: Clus
         cfg, dtype = loaded.cfg, weight_format(settings.dtype)
         record = load_profile(loaded.files.name, Path(settings.headsplit_profile) if settings.headsplit_profile
                               else None)
-        card = head_card(model_card(cfg, loaded.files.name, dtype, loaded.files.gguf is not None))
+        card = head_card(model_card(cfg, loaded.files.name, dtype, loaded.files.gguf is not None,
+                                    kv_format(settings.kv_format)))
         context = min(settings.plan_context, cfg.max_position_embeddings)
         alphas = profiled_alphas(record, cfg.n_layers, settings.headsplit_epsilon)
         if cluster is None:
             layers = place(profiled_devices(record, {"local": 2**62}, context), card, alphas, lambda a, b: 0.0,
                            context)
             pipe = HeadSplitPipeline.local(open_source(loaded.files), cfg, dtype, layers,
-                                           settings.headsplit_epsilon, int(settings.kv_cache_gib * 2**30))
+                                           settings.headsplit_epsilon, int(settings.kv_cache_gib * 2**30),
+                                           kv_format(settings.kv_format))
             recover = None
         else:
             devices = HeadSplitCluster(settings, cluster, record, card, alphas, cfg, context)

@@ -30,6 +30,8 @@ def _serve_parser(sub) -> None:
                    help="weight format (default auto: a GGUF's own quantization, float32 for a folder)")
     p.add_argument("--threads", type=int)
     p.add_argument("--kv-cache-gib", type=float, help="memory bound of all sessions' KV caches (default 2)")
+    p.add_argument("--kv-format", help="how the KV cache stores keys and values, here and on the workers: float32 "
+                   "(the default), float16 or q8_0 (README, 'KV cache formats')")
     p.add_argument("--kv-prefault", action="store_true", default=None, help="commit the KV caches' memory at load "
                    "(here and on local workers), so that RSS holds still while serving")
     p.add_argument("--max-waiting", type=int, help="requests that may wait for KV cache room (default 64; more: 503)")

@@ -42,7 +42,8 @@ class HeadSplitCluster:
         layers = self._place(names, self.context)
         urls = {n: self.cluster.members[n].url for n in names}
         pipe = remote_headsplit(urls, self.cluster.config.token, layers, self.cfg, self.settings.dtype,
-                                self.settings.model, self.settings.headsplit_epsilon, self.settings.stage_timeout_s)
+                                self.settings.model, self.settings.headsplit_epsilon, self.settings.stage_timeout_s,
+                                kv_format=self.settings.kv_format)
         threshold = self.settings.memory_threshold
         replan: Callable[[int], list] = lambda slots: self._place(names, max(slots, 1), threshold)  # noqa: E731
         pipe.memory = MemoryWatch(self._capacities(names), replan, threshold)

@@ -202,7 +202,7 @@ class ClusterManager:
         def take_over() -> None:  # on the model thread, between steps
             files = resolve_model(self.settings.model)
             self.here = local_pipeline(files, self.settings.dtype, self.settings.kv_cache_gib,
-                                       prefault=self.settings.kv_prefault)
+                                       prefault=self.settings.kv_prefault, kv=self.settings.kv_format)
             self.pipeline.replace([])
             self.runner.pipeline = self.here
             self.runner.cuts = None

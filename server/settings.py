@@ -8,6 +8,8 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from edgespec.model.kv_format import KVFormatName
+
 
 def read_key_file(path: str) -> list[str]:
     """The keys in a file: one per line; blank lines and lines starting with # are skipped, spaces trimmed."""
@@ -33,6 +35,9 @@ class ServeSettings(BaseSettings):
     dtype: Literal["auto", "q4_1", "q8_0", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weight format (`--weights`; see model/linear.py): auto keeps a GGUF's own "
         "quantization; q4_1 / q8_0 quantize at load; float32 / bfloat16 / float16 dequantize")
+    kv_format: KVFormatName = Field(
+        "float32", description="how the KV cache stores keys and values (model/kv_format.py; README, 'KV cache "
+        "formats'): float32, float16 (half the bytes) or q8_0 (0.27 of them)")
     threads: int = Field(0, ge=0, description="torch threads for the model; 0: all cores")
     kv_cache_gib: float = Field(2.0, gt=0, description="memory bound for all sessions' KV caches")
     kv_prefault: bool = Field(False, description="commit the KV pool's memory at load (its own and local "

@@ -18,16 +18,17 @@ from model_fixtures import make_tiny_model, smollm2_folder
 from edgespec.model.blocks import SeqRows
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache
+from edgespec.model.kv_format import KV_FORMATS, kv_format
 from edgespec.model.linear import DenseLinear, linear_bytes, weight_format
 from edgespec.model.stack import LayerStack, TokenEnds
 from edgespec.model.weights import open_source
 
 
-def load(folder, fmt: str):
+def load(folder, fmt: str, kv: str = "float32"):
     cfg = ModelConfig.from_folder(folder)
     src = open_source(folder)
-    return cfg, LayerStack.load(src, cfg, 0, cfg.n_layers, weight_format(fmt)), TokenEnds.load(src, cfg,
-                                                                                                weight_format(fmt))
+    return (cfg, LayerStack.load(src, cfg, 0, cfg.n_layers, weight_format(fmt), kv_format(kv)),
+            TokenEnds.load(src, cfg, weight_format(fmt)))
 
 
 def logits(stack, ends, cache, ids: list[list[int]], start: int) -> torch.Tensor:
@@ -99,16 +100,17 @@ def test_a_layer_in_one_call_gives_the_bits_of_its_blocks(tiny_folder):
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3"])
 def tiny_folder(request, tmp_path_factory):
-    # dims in whole 32-element blocks, so the layers really run as Q4 / Q8 blocks; every architecture whose layer
-    # differs (Qwen2's q/k/v biases, Qwen3's q/k norms: its blocks run the kernels one by one; Gemma 3's
-    # output norms, GELU FFN and sliding windows shorter than the sequences)
-    return make_tiny_model(tmp_path_factory.mktemp(f"tiny-q-{request.param}"), arch=request.param, hidden_size=64,
+    # dims in whole 32-element blocks, so the layers really run as Q4 / Q8 blocks and heads of 32 hold a q8_0
+    # cache's block; every architecture whose layer differs (Qwen2's q/k/v biases, Qwen3's q/k norms: its blocks
+    # run the kernels one by one; Gemma 3's output norms, GELU FFN and sliding windows shorter than the sequences)
+    return make_tiny_model(tmp_path_factory.mktemp(f"tiny-q-{request.param}"), arch=request.param, hidden_size=128,
                            intermediate_size=128, vocab_size=320)
 
 
+@pytest.mark.parametrize("kv", list(KV_FORMATS))
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "float32"])
-def test_tiny_logits_are_bitwise_the_same_in_every_pass_shape(tiny_folder, fmt):
-    cfg, stack, ends = load(tiny_folder, fmt)
+def test_tiny_logits_are_bitwise_the_same_in_every_pass_shape(tiny_folder, fmt, kv):
+    cfg, stack, ends = load(tiny_folder, fmt, kv)
     assert fmt == "float32" or type(stack.layers[0].ffn.gate_up).__name__ == {"q4_1": "Q4Linear",
                                                                                "q8_0": "Q8Linear"}[fmt]
     seq = [(i * 37) % cfg.vocab_size for i in range(40)]

@@ -10,6 +10,7 @@ import torch
 from model_fixtures import load_blocks, make_tiny_model
 
 from edgespec.model.kv_cache import KVCache, KVCacheError
+from edgespec.model.kv_format import FLOAT32
 from edgespec.model.kv_pool import BLOCK_SLOTS, CapacityError, KVPool
 from edgespec.model.stage import LocalStage, Pipeline, SessionError
 
@@ -250,7 +251,7 @@ def test_failed_write_leaves_the_cache_unchanged(blocks):
 
 
 def test_pool_layout_reservations_and_references():
-    pool = KVPool(n_layers=3, n_kv=2, head_dim=16, dtype=torch.float32, n_blocks=5, block=4)
+    pool = KVPool(n_layers=3, n_kv=2, head_dim=16, fmt=FLOAT32, n_blocks=5, block=4)
     assert len(pool.k) == len(pool.v) == 3 and all(t.shape == (5, 2, 4, 16) for t in pool.k + pool.v)
     assert pool.block_bytes == 2 * 3 * 2 * 4 * 16 * 4 and pool.nbytes == 5 * pool.block_bytes
     cache = KVCache(pool, capacity=10)  # 3 blocks promised, none taken
@@ -271,12 +272,12 @@ def test_pool_layout_reservations_and_references():
 
 
 RESIDENT = """
-import torch
+from edgespec.model.kv_format import FLOAT32
 from edgespec.model.kv_pool import KVPool
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
 before = rss()
-pool = KVPool(n_layers=2, n_kv=4, head_dim=64, dtype=torch.float32, n_blocks=16, block=1024, prefault={})
+pool = KVPool(n_layers=2, n_kv=4, head_dim=64, fmt=FLOAT32, n_blocks=16, block=1024, prefault={})
 print((rss() - before) / pool.nbytes)
 """
 
@@ -297,7 +298,7 @@ def test_local_stage_budget_is_its_pool(blocks):
     """A session reserves its capacity's blocks at its open: what does not fit is refused then, naming the
     numbers, and a session that opened never fails a write for room."""
     cfg = blocks.cfg
-    per_block = B * cfg.kv_bytes_per_token(cfg.n_layers, torch.float32)
+    per_block = B * cfg.kv_bytes_per_token(cfg.n_layers, FLOAT32)
     stage = LocalStage(blocks.stack, kv_budget_bytes=6 * per_block + 100)  # 6 blocks
     assert stage.pool.n_blocks == 6
     stage.open("a", 3 * B - 8)  # 3 blocks promised

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from edgespec.model.kv_format import KVFormatName
 from edgespec.model.timing import CONTEXTS, TOKENS
 from edgespec.workers.auth import bearer_ok, proof
 from edgespec.workers.discovery import announced
@@ -45,6 +46,7 @@ class AssignBody(Strict):
     first: int = Field(ge=0, lt=2**31)
     last: int = Field(ge=1, lt=2**31)
     dtype: str = "float32"
+    kv_format: KVFormatName = "float32"
 
 
 class ProfileBody(Strict):
@@ -208,7 +210,7 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
 
     @app.post("/assign", dependencies=auth)
     async def assign(body: AssignBody):
-        return host.assign(body.model, body.first, body.last, body.dtype)
+        return host.assign(body.model, body.first, body.last, body.dtype, body.kv_format)
 
     @app.post("/profile", dependencies=auth)
     async def profile(body: ProfileBody):

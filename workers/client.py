@@ -37,8 +37,8 @@ class RemotePipeline:
     """Workers in layer order, used as one Stage by the ModelRunner."""
 
     def __init__(self, workers: list[WorkerRef], token: str, model: str | None, dtype: str, timeout_s: float = 60.0,
-                 on_hop=None):
-        self.model, self.dtype = model, dtype
+                 on_hop=None, kv_format: str = "float32"):
+        self.model, self.dtype, self.kv_format = model, dtype, kv_format
         self.timeout_s = timeout_s
         self.on_hop = on_hop  # on_hop(link, bytes, stage, forward_ms): metrics
         self.http = httpx.Client(headers={"authorization": f"Bearer {token}"}, timeout=timeout_s)  # assignment
@@ -58,7 +58,8 @@ class RemotePipeline:
         return self.steps[session]
 
     def assign(self, worker: WorkerRef) -> dict:
-        body = {"model": self.model, "first": worker.first, "last": worker.last, "dtype": self.dtype}
+        body = {"model": self.model, "first": worker.first, "last": worker.last, "dtype": self.dtype,
+                "kv_format": self.kv_format}
         try:
             r = self.http.post(worker.url + "/assign", json=body, timeout=max(self.timeout_s, 300))
         except httpx.HTTPError as exc:

@@ -130,10 +130,10 @@ class RemoteHeads(LinkHeads):
             pack({"op": "head_release", "session": session}))
 
     def assign(self, groups: dict[int, list[int]], ffns: list[int], dtype: str, model: str | None,
-               name: str | None = None, placement: list[dict] | None = None, peers: dict[str, str] | None = None
-               ) -> dict:
+               name: str | None = None, placement: list[dict] | None = None, peers: dict[str, str] | None = None,
+               kv_format: str = "float32") -> dict:
         body = {"model": model, "groups": {str(k): v for k, v in groups.items()}, "ffns": ffns, "dtype": dtype,
-                "name": name, "placement": placement, "peers": peers or {}}
+                "name": name, "placement": placement, "peers": peers or {}, "kv_format": kv_format}
         return self._call("POST", "/heads/assign", json=body, timeout=300).json()
 
     def memory_bytes(self) -> int:
@@ -154,7 +154,7 @@ class RemoteHeads(LinkHeads):
 
 def remote_headsplit(workers: dict[str, str], token: str, layers: list[LayerPlace], cfg: ModelConfig,
                      dtype: str = "float32", model: str | None = None, epsilon: float = 0.05,
-                     timeout_s: float = 60.0, gathered: bool = True) -> HeadSplitPipeline:
+                     timeout_s: float = 60.0, gathered: bool = True, kv_format: str = "float32") -> HeadSplitPipeline:
     """Assign each worker (name -> URL) its blocks of the placement, and with `gathered` the placement and its
     peers' URLs, and return the pipeline over them (its per-step calls on links, one per worker)."""
     http = httpx.Client(headers={"authorization": f"Bearer {token}"}, timeout=timeout_s,
@@ -169,7 +169,8 @@ def remote_headsplit(workers: dict[str, str], token: str, layers: list[LayerPlac
     placement = [asdict(lp) for lp in layers] if gathered else None
     try:
         for name, device in devices.items():
-            device.assign(*blocks_of(layers, name), dtype, model, name, placement, workers if gathered else {})
+            device.assign(*blocks_of(layers, name), dtype, model, name, placement, workers if gathered else {},
+                          kv_format)
     except Exception:
         close()
         raise

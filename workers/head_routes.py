@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from edgespec.model.config import ModelConfig
 from edgespec.model.head_blocks import HeadBlocks
 from edgespec.model.headsplit import HeadSplitPipeline, SpeculationStats, blocks_of, check_placement, devices_named
+from edgespec.model.kv_format import KVFormatName, kv_format
 from edgespec.model.linear import weight_format
 from edgespec.model.source import resolve_model
 from edgespec.model.stage import SessionError
@@ -49,6 +50,7 @@ class HeadAssignBody(Strict):
     groups: dict[int, list[int]] = Field(default_factory=dict)
     ffns: list[int] = Field(default_factory=list)
     dtype: str = "float32"
+    kv_format: KVFormatName = "float32"
     name: str | None = Field(None, description="this worker's device name in the placement")
     placement: list[PlaceBody] | None = Field(None, description="every layer's LayerPlace; with it, this worker "
                                               "can run the schedule where it is the projection device")
@@ -80,8 +82,8 @@ class HeadHost:
         self.name: str | None = None
 
     def assign(self, model: str | None, groups: dict[int, list[int]], ffns: list[int], dtype: str,
-               name: str | None = None, placement: list[dict] | None = None, peers: dict[str, str] | None = None
-               ) -> dict:
+               name: str | None = None, placement: list[dict] | None = None, peers: dict[str, str] | None = None,
+               kv: str = "float32") -> dict:
         fmt = weight_format(dtype)
         files = resolve_model(model if model is not None else self.default_model)
         cfg = ModelConfig.from_folder(files.folder)
@@ -98,7 +100,7 @@ class HeadHost:
             for url in (peers or {}).values():
                 ws_url(url)  # a ValueError now rather than at the first step
         self.close()  # free the old blocks first
-        self.blocks = HeadBlocks(open_source(files), cfg, fmt, groups, ffns)
+        self.blocks = HeadBlocks(open_source(files), cfg, fmt, groups, ffns, kv_format(kv))
         if self.memory_budget_bytes is not None:  # the caches get what the blocks' weights leave
             self.blocks.limit_kv(self.memory_budget_bytes - self.blocks.memory_bytes())
         self.name = name
@@ -167,7 +169,8 @@ def add_head_routes(app: FastAPI, host: HeadHost, auth: list) -> None:
     @app.post("/heads/assign", dependencies=auth)
     async def assign(body: HeadAssignBody):
         placement = None if body.placement is None else [p.model_dump() for p in body.placement]
-        return host.assign(body.model, body.groups, body.ffns, body.dtype, body.name, placement, body.peers)
+        return host.assign(body.model, body.groups, body.ffns, body.dtype, body.name, placement, body.peers,
+                           body.kv_format)
 
     @app.get("/heads/memory", dependencies=auth)
     async def memory():

@@ -17,6 +17,7 @@ import torch
 
 from edgespec.model.config import ModelConfig
 from edgespec.model.cpu_share import ThreadGovernor
+from edgespec.model.kv_format import kv_format
 from edgespec.model.linear import bytes_per_param, linear_bytes, weight_format
 from edgespec.model.source import resolve_model
 from edgespec.model.stack import LayerStack
@@ -90,9 +91,10 @@ class StageHost:
 
     # assignment
 
-    def assign(self, model: str | None, first: int, last: int, dtype: str) -> dict:
-        """Load layers [first, last) of `model` (reading only their tensors); drops every session."""
-        fmt = weight_format(dtype)
+    def assign(self, model: str | None, first: int, last: int, dtype: str, kv: str = "float32") -> dict:
+        """Load layers [first, last) of `model` (reading only their tensors), their caches in KV format `kv`;
+        drops every session."""
+        fmt, kv_fmt = weight_format(dtype), kv_format(kv)
         files = resolve_model(model if model is not None else self.settings.model)
         cfg = ModelConfig.from_folder(files.folder)
         if not 0 <= first < last <= cfg.n_layers:
@@ -106,7 +108,7 @@ class StageHost:
         self.steps.clear()
         self.last_output.clear()
         self.last_batch = None
-        stack = LayerStack.load(open_source(files), cfg, first, last, fmt)
+        stack = LayerStack.load(open_source(files), cfg, first, last, fmt, kv_fmt)
         weight_bytes = linear_bytes(stack)  # what the tensors really hold
         self.stage = LocalStage(stack, budget - weight_bytes, self.settings.kv_prefault)
         self.cfg, self.weight_bytes = cfg, weight_bytes

@@ -1,6 +1,6 @@
 """The CPU kernels, compiled once per machine and CPU feature set, then cached: `quant.cpp` (quantized and
 dense matmuls), `ops.cpp` (norm, rotary, attention, SwiGLU), `layer.cpp` (an attention block, an FFN, a decoder layer in
-one call each), `bind.cpp` (the Python module).
+one call each), `kv.h` (the KV cache's storage formats), `bind.cpp` (the Python module).
 
 `load()` builds the extension with the flags this CPU supports (AVX2 + FMA on x86 where present, the
 portable C++ loops elsewhere, aarch64 included) into `model/kernels/build/`, and returns the module.
@@ -21,7 +21,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [HERE / "quant.cpp", HERE / "ops.cpp", HERE / "layer.cpp", HERE / "pool.cpp", HERE / "bind.cpp"]
-HEADERS = [HERE / "common.h"]
+HEADERS = [HERE / "common.h", HERE / "kv.h"]
 NAME = "edgespec_kernels"
 
 
@@ -40,7 +40,7 @@ def compile_flags(simd: bool = True) -> list[str]:
     """The compiler flags for this CPU; simd=False gives the portable build (what an aarch64 board runs)."""
     flags = ["-O3", "-ffp-contract=off", "-fno-fast-math"]  # threads: pool.cpp, not OpenMP
     have = cpu_flags()
-    if simd and platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= have:
+    if simd and platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= have:
         flags += ["-mavx2", "-mfma", "-mf16c"]
     return flags
 

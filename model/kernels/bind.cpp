@@ -21,6 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("rope", &rope, "rotate-half rotary of x [B, heads, T, hd] by cos, sin [B, 1, T, hd]");
   mod.def("attention", &attention, free, "per-row attention over the slots each query row sees");
   mod.def("silu_mul", &silu_mul, "silu(gate) * up of gate_up [..., 2I] -> [..., I]");
+  mod.def("kv_encode", &kv_encode, "head vectors x [n, hd] as a KV cache of like's dtype stores them");
   // module_local: the portable build, loaded beside this one in a test, registers its own Linear
   pybind11::class_<Linear>(mod, "Linear", pybind11::module_local(), "a weight in a compiled format: 0 q4, 1 q8, 2 f32")
       .def(pybind11::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t>())

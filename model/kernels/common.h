@@ -9,7 +9,7 @@
 #include <functional>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define ES_AVX2 1
 #endif
@@ -124,9 +124,10 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t start,
                         c10::optional<torch::Tensor> mask);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor kv_encode(torch::Tensor x, torch::Tensor like);
 
-// The keys and values one attention call reads, in blocks: k, v [N, n_kv, BS, hd] (any strides, last dim
-// contiguous) and table, int64 [trows, nb] row-major (trows 1 or the query rows): row b's slot j is in block
+// The keys and values one attention call reads, in blocks: k, v [N, n_kv, BS, row] in a KV storage format
+// (kv.h; any strides, last dim contiguous) and table, int64 [trows, nb] row-major (trows 1 or the query rows): row b's slot j is in block
 // table[b][j / BS], at offset j % BS. A sequence of a stage's KV pool reads its blocks in place
 // (model/kv_pool.py); plain keys [B, n_kv, S, hd] are B blocks of S slots, row b's table [b]. The table is a
 // pointer, not a tensor: a view or a conversion per call cost microseconds, times every sequence and layer of
@@ -139,7 +140,7 @@ struct Keys {
 torch::Tensor attend_keys(torch::Tensor q, const Keys& keys, int64_t start, c10::optional<torch::Tensor> mask);
 
 // One sequence's share of a batch of rows (layer.cpp's attention_rows): its T rows are written at slots
-// start..start+T of its blocks (k, v: the pool's [N, n_kv, BS, hd], contiguous; table int64 [nb]) and attend
+// start..start+T of its blocks (k, v: the pool's [N, n_kv, BS, row] in a KV format (kv.h), contiguous; table int64 [nb]) and attend
 // over the slots before them and themselves; mask [1, 1, T, S] or none (causal).
 struct SeqKV {
   torch::Tensor k, v, table;

@@ -5,6 +5,7 @@
 // arithmetic is the per-op path's, op for op, so a layer gives the same bits called whole or in blocks (as a
 // HeadSplit device calls it), and every output keeps its one fixed order whatever the pass shape.
 #include "common.h"
+#include "kv.h"
 
 // One linear layer of n output rows in a compiled format: kind 0 = q4 (pw, d8, m8 interleaved as quant.cpp
 // says), 1 = q8 (pw, d8), 2 = float32 (w [n, K]); bias [n] or none, added after the matmul.
@@ -45,23 +46,29 @@ torch::Tensor attention_rows(torch::Tensor x, const Linear& qkv, const Linear& o
   for (const SeqKV& s : seqs) {
     const int64_t T = s.T, BS = s.k.size(2);
     TORCH_CHECK(s.k.is_contiguous() && s.v.is_contiguous() && s.k.dim() == 4 && s.v.sizes() == s.k.sizes() &&
-                    s.k.size(1) == n_kv && s.k.size(3) == hd, "a sequence's blocks must be contiguous [N, n_kv, BS, hd]");
+                    s.v.scalar_type() == s.k.scalar_type() && s.k.size(1) == n_kv,
+                "a sequence's blocks must be contiguous [N, n_kv, BS, row], keys and values stored alike");
+    const KVKind kind = kv_kind(s.k, hd);
+    const int64_t row_bytes = s.k.size(3) * s.k.element_size();
     TORCH_CHECK(s.table.scalar_type() == torch::kLong && s.table.dim() == 1 && s.table.is_contiguous(),
                 "a block table must be contiguous int64 [nb]");
     const int64_t nb = s.table.size(0);
     TORCH_CHECK(s.start >= 0 && s.start + T <= nb * BS, "the write does not fit the sequence's blocks");
     const int64_t* tp = s.table.data_ptr<int64_t>();
     auto q = torch::empty({1, n_q, T, hd}, x.options());
-    float *qp = q.data_ptr<float>(), *kp = s.k.data_ptr<float>(), *vp = s.v.data_ptr<float>();
+    float* qp = q.data_ptr<float>();
+    uint8_t *kp = static_cast<uint8_t*>(s.k.data_ptr()), *vp = static_cast<uint8_t*>(s.v.data_ptr());
+    std::vector<float> key(hd);
     for (int64_t t = 0; t < T; ++t) {
       const int64_t m = r0 + t, slot = s.start + t, blk = tp[slot / BS];
       TORCH_CHECK(blk >= 0 && blk < s.k.size(0), "block ", blk, " is not in the pool");
       const float *row = yp + m * heads * hd, *c = cp + m * hd, *sn = sp + m * hd;
       for (int64_t h = 0; h < n_q; ++h) rotate(row + h * hd, c, sn, hd, qp + (h * T + t) * hd);
       for (int64_t g = 0; g < n_kv; ++g) {
-        const int64_t at = ((blk * n_kv + g) * BS + slot % BS) * hd;
-        rotate(row + (n_q + g) * hd, c, sn, hd, kp + at);
-        std::copy(row + (n_q + n_kv + g) * hd, row + (n_q + n_kv + g + 1) * hd, vp + at);
+        const int64_t at = ((blk * n_kv + g) * BS + slot % BS) * row_bytes;  // each head vector stored on its own
+        rotate(row + (n_q + g) * hd, c, sn, hd, key.data());
+        kv_write(kind, key.data(), hd, kp + at);
+        kv_write(kind, row + (n_q + n_kv + g) * hd, hd, vp + at);
       }
     }
     const Keys keys{s.k, s.v, tp, 1, nb};

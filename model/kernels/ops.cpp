@@ -4,6 +4,7 @@
 // layer instead of the 5-20 torch ops they replace: dispatch, not arithmetic, was half of a decoding step's
 // time on 2 cores (measured: 19 ms per token of which about 9 outside the matmuls).
 #include "common.h"
+#include "kv.h"
 
 #include <vector>
 
@@ -52,19 +53,131 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   return out;
 }
 
+namespace {
+
+// <a, row> over n values (n % 8 == 0), row read by R: dot8's lanes and order
+template <class R>
+inline float dot_kv(const float* a, const uint8_t* row, int64_t n) {
+#ifdef ES_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t k = 0; k < n; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), R::load8(row, k), acc);
+  return reduce8(acc);
+#else
+  float acc[8] = {};
+  for (int64_t k = 0; k < n; k += 8)
+    for (int lane = 0; lane < 8; ++lane) acc[lane] = std::fma(a[k + lane], R::at(row, k + lane), acc[lane]);
+  return reduce8(acc);
+#endif
+}
+
+// y += p * row over n values, row read by R: axpy's operations
+template <class R>
+inline void axpy_kv(float* y, const uint8_t* row, float p, int64_t n) {
+#ifdef ES_AVX2
+  const __m256 pv = _mm256_set1_ps(p);
+  for (int64_t k = 0; k < n; k += 8)
+    _mm256_storeu_ps(y + k, _mm256_fmadd_ps(pv, R::load8(row, k), _mm256_loadu_ps(y + k)));
+#else
+  for (int64_t k = 0; k < n; ++k) y[k] = std::fma(p, R::at(row, k), y[k]);
+#endif
+}
+
+// What attend_keys has checked and worked out, for its body in each storage format
+struct AttendArgs {
+  const float* q;
+  float* out;
+  const uint8_t *k, *v;  // the stores' first bytes
+  int64_t k0, k1, k2, v0, v1, v2;  // their strides in bytes
+  const int64_t* table;
+  int64_t trows, nb, BS, B, nq, nkv, T, hd, S, start, mrows;
+  const bool* mask;
+};
+
+template <class R>
+void attend_body(const AttendArgs& a) {
+  const int64_t nq = a.nq, T = a.T, hd = a.hd, S = a.S, BS = a.BS;
+  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  parallel_chunks(0, a.B * nq * T, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> scores(S);
+    std::vector<int64_t> slots(S);
+    std::vector<const uint8_t*> kps(S), vps(S);
+    for (int64_t job = lo; job < hi; ++job) {
+      const int64_t b = job / (nq * T), h = (job / T) % nq, t = job % T, g = h / (nq / a.nkv);
+      int64_t n = 0;
+      if (a.mask) {
+        const bool* row = a.mask + ((a.mrows == 1 ? 0 : b) * T + t) * S;
+        for (int64_t j = 0; j < S; ++j)
+          if (row[j]) slots[n++] = j;
+      } else {
+        for (int64_t j = 0; j <= a.start + t; ++j) slots[n++] = j;
+      }
+      // each visible slot's key and value: the slots ascend, so the block walks forward (no division per slot)
+      const int64_t* tb = a.table + (a.trows == 1 ? 0 : b) * a.nb;
+      for (int64_t i = 0, blk = 0, base = 0; i < n; ++i) {
+        while (slots[i] >= base + BS) ++blk, base += BS;
+        const int64_t off = slots[i] - base;
+        kps[i] = a.k + tb[blk] * a.k0 + g * a.k1 + off * a.k2;
+        vps[i] = a.v + tb[blk] * a.v0 + g * a.v1 + off * a.v2;
+      }
+      const float* qr = a.q + ((b * nq + h) * T + t) * hd;
+      float* o = a.out + ((b * nq + h) * T + t) * hd;
+      std::fill(o, o + hd, 0.f);
+      if (n == 0) continue;
+      int64_t j0 = 0;
+#ifdef ES_AVX2
+      // four slots' dot products at once: dot8's operations, in four independent fma chains instead of one
+      // that waits on its own latency (the scores were the other half of attention's time)
+      for (; j0 + 4 <= n; j0 += 4) {
+        const uint8_t* ks[4] = {kps[j0], kps[j0 + 1], kps[j0 + 2], kps[j0 + 3]};
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t k = 0; k < hd; k += 8) {
+          const __m256 qv = _mm256_loadu_ps(qr + k);
+          for (int u = 0; u < 4; ++u) acc[u] = _mm256_fmadd_ps(qv, R::load8(ks[u], k), acc[u]);
+        }
+        for (int u = 0; u < 4; ++u) scores[j0 + u] = reduce8(acc[u]) * scale;
+      }
+#endif
+      for (int64_t j = j0; j < n; ++j) scores[j] = dot_kv<R>(qr, kps[j], hd) * scale;
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, scores[j]);
+      exp_shifted(scores.data(), mx, n);
+      float sum = 0.f;
+      for (int64_t j = 0; j < n; ++j) sum += scores[j];
+#ifdef ES_AVX2
+      if (hd == 64) {  // the sum of p v held in 8 registers over the slots: axpy's operations, without the
+                       // load and store of o per slot (attention over 500 slots: most of its time)
+        __m256 acc[8];
+        for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; ++j) {
+          const __m256 p = _mm256_set1_ps(scores[j]);
+          for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(p, R::load8(vps[j], 8 * c), acc[c]);
+        }
+        for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
+      } else
+#endif
+        for (int64_t j = 0; j < n; ++j) axpy_kv<R>(o, vps[j], scores[j], hd);
+      const float inv = 1.f / sum;
+      for (int64_t i = 0; i < hd; ++i) o[i] *= inv;
+    }
+  });
+}
+
+}  // namespace
+
 // q [B, n_q, T, hd] at slots start..start+T over keys (see Keys in common.h); mask: bool [Bm, 1, T, S] (Bm 1
 // or B) of the slots each query row sees, or none (slots 0..start+i, causal). Each (row, head, query) attends
 // over its visible slots in slot order: scores <q, k> / sqrt(hd), a softmax with its max and sum taken in
 // that order, then the sum of p v in that order. Where a slot's entry lives (which block) changes no
-// arithmetic. -> [B, n_q, T, hd]
+// arithmetic; keys and values in float16 or q8_0 are read as the floats kv.h gives. -> [B, n_q, T, hd]
 torch::Tensor attend_keys(torch::Tensor q, const Keys& keys, int64_t start, c10::optional<torch::Tensor> mask) {
   check_float(q, "q");
-  check_float(keys.k, "keys");
-  check_float(keys.v, "values");
   q = q.contiguous();
   const int64_t B = q.size(0), nq = q.size(1), T = q.size(2), hd = q.size(3), nkv = keys.k.size(1);
   const int64_t N = keys.k.size(0), BS = keys.k.size(2);
   TORCH_CHECK(hd % 8 == 0 && nq % nkv == 0, "attention needs head_dim % 8 == 0 and whole query groups");
+  const KVKind kind = kv_kind(keys.k, hd);
+  TORCH_CHECK(keys.v.scalar_type() == keys.k.scalar_type(), "keys and values must be stored alike");
+  kv_kind(keys.v, hd);
   TORCH_CHECK(keys.k.stride(3) == 1 && keys.v.stride(3) == 1, "keys and values need a contiguous last dim");
   TORCH_CHECK(keys.v.size(0) == N && keys.v.size(2) == BS, "keys and values must have the same blocks");
   const int64_t nb = keys.nb, trows = keys.trows;
@@ -87,75 +200,17 @@ torch::Tensor attend_keys(torch::Tensor q, const Keys& keys, int64_t start, c10:
     S = start + T;
   }
   auto out = torch::empty_like(q);
-  const float *qp = q.data_ptr<float>(), *kp = keys.k.data_ptr<float>(), *vp = keys.v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t k0 = keys.k.stride(0), k1 = keys.k.stride(1), k2 = keys.k.stride(2);
-  const int64_t v0 = keys.v.stride(0), v1 = keys.v.stride(1), v2 = keys.v.stride(2);
-  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
-  parallel_chunks(0, B * nq * T, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> scores(S);
-    std::vector<int64_t> slots(S);
-    std::vector<const float*> kps(S), vps(S);
-    for (int64_t job = lo; job < hi; ++job) {
-      const int64_t b = job / (nq * T), h = (job / T) % nq, t = job % T, g = h / (nq / nkv);
-      int64_t n = 0;
-      if (mp) {
-        const bool* row = mp + ((mrows == 1 ? 0 : b) * T + t) * S;
-        for (int64_t j = 0; j < S; ++j)
-          if (row[j]) slots[n++] = j;
-      } else {
-        for (int64_t j = 0; j <= start + t; ++j) slots[n++] = j;
-      }
-      // each visible slot's key and value: the slots ascend, so the block walks forward (no division per slot)
-      const int64_t* tb = tp + (trows == 1 ? 0 : b) * nb;
-      for (int64_t i = 0, blk = 0, base = 0; i < n; ++i) {
-        while (slots[i] >= base + BS) ++blk, base += BS;
-        const int64_t off = slots[i] - base;
-        kps[i] = kp + tb[blk] * k0 + g * k1 + off * k2;
-        vps[i] = vp + tb[blk] * v0 + g * v1 + off * v2;
-      }
-      const float* qr = qp + ((b * nq + h) * T + t) * hd;
-      float* o = op + ((b * nq + h) * T + t) * hd;
-      std::fill(o, o + hd, 0.f);
-      if (n == 0) continue;
-      int64_t j0 = 0;
-#ifdef ES_AVX2
-      // four slots' dot products at once: dot8's operations, in four independent fma chains instead of one
-      // that waits on its own latency (the scores were the other half of attention's time)
-      for (; j0 + 4 <= n; j0 += 4) {
-        const float* ks[4] = {kps[j0], kps[j0 + 1], kps[j0 + 2], kps[j0 + 3]};
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t k = 0; k < hd; k += 8) {
-          const __m256 qv = _mm256_loadu_ps(qr + k);
-          for (int u = 0; u < 4; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(ks[u] + k), acc[u]);
-        }
-        for (int u = 0; u < 4; ++u) scores[j0 + u] = reduce8(acc[u]) * scale;
-      }
-#endif
-      for (int64_t j = j0; j < n; ++j) scores[j] = dot8(qr, kps[j], hd) * scale;
-      float mx = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, scores[j]);
-      exp_shifted(scores.data(), mx, n);
-      float sum = 0.f;
-      for (int64_t j = 0; j < n; ++j) sum += scores[j];
-#ifdef ES_AVX2
-      if (hd == 64) {  // the sum of p v held in 8 registers over the slots: axpy's operations, without the
-                       // load and store of o per slot (attention over 500 slots: most of its time)
-        __m256 acc[8];
-        for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n; ++j) {
-          const float* v = vps[j];
-          const __m256 p = _mm256_set1_ps(scores[j]);
-          for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
-        }
-        for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
-      } else
-#endif
-        for (int64_t j = 0; j < n; ++j) axpy(o, vps[j], scores[j], hd);
-      const float inv = 1.f / sum;
-      for (int64_t i = 0; i < hd; ++i) o[i] *= inv;
-    }
-  });
+  const int64_t ek = keys.k.element_size(), ev = keys.v.element_size();
+  const AttendArgs args{q.data_ptr<float>(), out.data_ptr<float>(),
+                        static_cast<const uint8_t*>(keys.k.data_ptr()), static_cast<const uint8_t*>(keys.v.data_ptr()),
+                        keys.k.stride(0) * ek, keys.k.stride(1) * ek, keys.k.stride(2) * ek,
+                        keys.v.stride(0) * ev, keys.v.stride(1) * ev, keys.v.stride(2) * ev,
+                        tp, trows, nb, BS, B, nq, nkv, T, hd, S, start, mrows, mp};
+  switch (kind) {
+    case KVKind::F32: attend_body<KVF32>(args); break;
+    case KVKind::F16: attend_body<KVF16>(args); break;
+    case KVKind::Q8_0: attend_body<KVQ8>(args); break;
+  }
   return out;
 }
 
@@ -182,5 +237,19 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
       const float g = gp[r * 2 * I + i], u = gp[r * 2 * I + I + i];
       op[r * I + i] = g / (1.f + std::exp(-g)) * u;
     }
+  return out;
+}
+
+// x [n, hd] float -> [n, row] head vectors stored as kv.h writes them into a cache of `like`'s dtype (float32,
+// float16, uint8 for q8_0): what attention_rows writes, for model/kv_format.py's tests
+torch::Tensor kv_encode(torch::Tensor x, torch::Tensor like) {
+  check_float(x, "x");
+  x = x.contiguous();
+  const int64_t n = x.size(0), hd = x.size(1);
+  const int64_t row = like.scalar_type() == torch::kByte ? hd / KV_Q8_BLOCK * KV_Q8_BYTES : hd;
+  auto out = torch::empty({n, row}, like.options());
+  const KVKind kind = kv_kind(out, hd);
+  for (int64_t i = 0; i < n; ++i)
+    kv_write(kind, x.data_ptr<float>() + i * hd, hd, static_cast<uint8_t*>(out.data_ptr()) + i * row * out.element_size());
   return out;
 }
