@@ -24,7 +24,7 @@ from edgespec.server.metrics import Metrics
 from edgespec.server.protocol import CompletionRequest, EmbeddingRequest, SamplingFields
 from edgespec.server.reasoning import ThinkBlock, ThinkSplitter, think_block
 from edgespec.server.settings import ServeSettings
-from edgespec.server.tool_output import AnswerReader, CallExtractor
+from edgespec.server.tool_output import AnswerReader, call_extractor
 from edgespec.server.tool_prompt import ChatTemplate
 
 RETRY_AFTER_S = 5  # what a 503 of a full admission queue suggests: about one answer's time here
@@ -105,7 +105,7 @@ class CompletionService:
     def reader(self, chat: ChatInput | None = None, thinking: ThinkBlock | None = None) -> AnswerReader:
         """What turns an answer's text into thinking, content and calls (a text completion: content only)."""
         enabled = chat is not None and chat.calls_allowed
-        calls = CallExtractor(self.template.syntax, enabled, legacy=chat is not None and chat.legacy_functions)
+        calls = call_extractor(self.template.syntax, enabled, legacy=chat is not None and chat.legacy_functions)
         return AnswerReader(calls, ThinkSplitter(thinking.opened) if thinking else None)
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:

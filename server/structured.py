@@ -1,7 +1,8 @@
 """The grammar a chat request's output must follow: its tool calls and its response format, as llguidance
 lark grammars (../shared/notes/tools.md, §3.4).
 
-JSON is always compact (`{"a":1}`): no whitespace is allowed anywhere in it, so no tokens go to spaces. Every
+JSON is compact (`{"a":1}`): no whitespace is allowed anywhere in it, so no tokens go to spaces; bare JSON calls
+(Llama 3.x) alone are written in their template's separators (`{"a": 1, "b": 2}`), as it shows them back. Every
 grammar ends where the output is complete; the matcher then allows only EOS.
 """
 
@@ -17,7 +18,7 @@ import llguidance
 from edgespec.server.chat_input import ChatInput, ResponseFormat, ToolChoiceNamed, ToolSpec
 from edgespec.server.json_schema import close_schema, compact
 from edgespec.server.reasoning import ThinkBlock
-from edgespec.server.tool_prompt import CallSyntax
+from edgespec.server.tool_prompt import CallSyntax, JsonCalls, Syntax
 
 PARALLEL_CALLS = 4  # most calls in one answer when parallel_tool_calls is on
 TOOL_MAX_ITEMS = 3  # caps inside call arguments: with them 6/8 HA commands finished, without 3/8 (the notes, §2)
@@ -36,6 +37,10 @@ _TEXT_OR_CALLS = "\n".join([
     "TEXT_OPEN: TEXT OPEN",
     "ANY: /(?s:.*)/",
 ])
+# tool_choice auto with bare JSON calls (JsonCalls): free text that does not open as a call does, or the calls.
+# The calls are the whole answer (llama.cpp reads a Llama 3.x call only at the start, too), so a text that
+# starts like one is refused and a malformed call cannot pass as text.
+_JSON_TEXT = 'TEXT: /(?s:.*)/ & ~(/[ \\t\\n]*/ {head} /(?s:.*)/)'
 # Keywords that give an object schema a shape; a tool's parameters with none of them take no arguments.
 _SHAPE_KEYWORDS = ("properties", "additionalProperties", "patternProperties", "anyOf", "oneOf", "allOf", "$ref",
                    "required", "minProperties")
@@ -63,7 +68,7 @@ class GrammarError(ValueError):
         self.param = param
 
 
-def plan(chat: ChatInput, syntax: CallSyntax, thinking: ThinkBlock | None = None) -> GrammarPlan | None:
+def plan(chat: ChatInput, syntax: Syntax, thinking: ThinkBlock | None = None) -> GrammarPlan | None:
     """The grammars for `chat` with calls written in `syntax`, after the thinking block of a model that thinks;
     None when its output is free text. GrammarError: a named tool that is not listed, required/named with no tools, or
     a schema llguidance cannot compile.
@@ -77,7 +82,7 @@ def plan(chat: ChatInput, syntax: CallSyntax, thinking: ThinkBlock | None = None
     return GrammarPlan(thinking.grammar(head.removeprefix("start: "), rules))
 
 
-def _plan(chat: ChatInput, syntax: CallSyntax) -> GrammarPlan | None:
+def _plan(chat: ChatInput, syntax: Syntax) -> GrammarPlan | None:
     forcing = chat.tool_choice == "required" or isinstance(chat.tool_choice, ToolChoiceNamed)
     if forcing and not chat.tools:
         raise GrammarError("tool_choice asks for a tool call, but the request lists no tools", "tool_choice")
@@ -87,6 +92,8 @@ def _plan(chat: ChatInput, syntax: CallSyntax) -> GrammarPlan | None:
         return None if json_rules is None else GrammarPlan(f"start: json\n{json_rules}")
     max_calls = PARALLEL_CALLS if chat.parallel_tool_calls and not chat.legacy_functions else 1
     tools = _chosen_tools(chat)
+    if isinstance(syntax, JsonCalls):
+        return _json_calls_plan(tools, syntax, max_calls, forcing, json_rules)
     call_rules = _call_rules(tools, syntax, max_calls)
     forced = f"start: OPEN calls\n{call_rules}"
     # which tool a call opens with is decided before decoding (decoding/decide.py): one grammar per tool
@@ -98,6 +105,22 @@ def _plan(chat: ChatInput, syntax: CallSyntax) -> GrammarPlan | None:
     if json_rules is not None:
         return GrammarPlan(f"start: json | OPEN calls\n{json_rules}\n{call_rules}", forced, trigger, routes)
     return GrammarPlan(f"{_TEXT_OR_CALLS}\n{call_rules}", forced, trigger, routes)
+
+
+def _json_calls_plan(tools: tuple[ToolSpec, ...], syntax: JsonCalls, max_calls: int, forcing: bool,
+                     json_rules: str | None) -> GrammarPlan:
+    """_plan for bare JSON calls, which are the whole answer: its free text is text that does not open as one."""
+    call_rules = _json_call_rules(tools, syntax, max_calls)
+    forced = f"start: calls\n{call_rules}"
+    routes = tuple((t.name, f"start: calls\n{_json_call_rules(tools, syntax, max_calls, first=i)}")
+                   for i, t in enumerate(tools)) if len(tools) > 1 else ()
+    if forcing:
+        return GrammarPlan(forced, routes=routes)
+    if json_rules is not None:
+        objects = _json_call_rules(tools, syntax, max_calls, objects=True)
+        return GrammarPlan(f"start: json | calls\n{json_rules}\n{objects}", forced, syntax.head, routes)
+    text = _JSON_TEXT.format(head=json.dumps(syntax.head))
+    return GrammarPlan(f"start: TEXT | calls\n{text}\n{call_rules}", forced, syntax.head, routes)
 
 
 def _chosen_tools(chat: ChatInput) -> tuple[ToolSpec, ...]:
@@ -154,16 +177,49 @@ def _call_rules(tools: tuple[ToolSpec, ...], syntax: CallSyntax, max_calls: int,
     return text
 
 
-def _call_object(tool: ToolSpec, index: int) -> dict[str, Any]:
-    """The schema of one call of `tool`: {"name": its name, "arguments": its closed parameters}."""
+def _json_call_rules(tools: tuple[ToolSpec, ...], syntax: JsonCalls, max_calls: int, first: int | None = None,
+                     objects: bool = False) -> str:
+    """Rule `calls` for at most `max_calls` bare JSON calls of `tools` (JsonCalls), checked; first: as for
+    _call_rules. Each call is written as the template writes a past one, `{"name": "f", "parameters": ARGS}`
+    in its `tojson`'s separators (", " and ": "), so that an answer and its rendering in the next turn's prompt
+    are the same text.
+
+    The opening up to ARGS is one literal, so that free text (a lexeme that refuses that opening) and a call
+    can start alike until the opening is whole; beside a response format's %json, which would take the `{`
+    as its own, each call is a %json object instead (`objects`), whose keys keep their order."""
+    head = "" if syntax.prefix_id is None else f"<[{syntax.prefix_id}]>? "  # <|python_tag|>, as the model likes
+    one = "call" if first is None else f"call_{first}"
+    more = f" ({json.dumps(syntax.separator)} call){{0,{max_calls - 1}}}" if max_calls > 1 else ""
+    rules = [f"calls: {head}{one}{more}", "call: " + " | ".join(f"call_{i}" for i in range(len(tools)))]
+    spaced = {"item_separator": ", ", "key_separator": ": "}
+    for i, tool in enumerate(tools):
+        if objects:
+            rules.append(f"call_{i}: %json{compact(_json_options(_call_object(tool, i, syntax.args_key), **spaced))}")
+            continue
+        opening = f'{{"name": {json.dumps(tool.name, ensure_ascii=False)}, "{syntax.args_key}": '
+        args = _json_options(_call_parameters(tool, i), **spaced)
+        rules += [f'call_{i}: {json.dumps(opening)} args_{i} "}}"', f"args_{i}: %json{compact(args)}"]
+    text = "\n".join(rules)
+    if first is None and llguidance.LLMatcher.validate_grammar(f"start: calls\n{text}"):
+        raise _tool_error(tools, [_call_object(t, i) for i, t in enumerate(tools)])
+    return text
+
+
+def _call_parameters(tool: ToolSpec, index: int) -> dict[str, Any]:
+    """The schema of `tool`'s arguments, closed and capped."""
     params = tool.parameters or {}
     if not any(k in params for k in _SHAPE_KEYWORDS):
         params = {"type": "object", **params, "properties": {}}  # no parameters: the only arguments are {}
     params = close_schema(params, max_items=TOOL_MAX_ITEMS, max_length=TOOL_MAX_LENGTH)
     # Its own base URI, so that the client's local refs ("#/$defs/X") resolve inside it, not in our wrapper.
     params.setdefault("$id", f"urn:edgespec:tool:{index}")
-    return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": params},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    return params
+
+
+def _call_object(tool: ToolSpec, index: int, args_key: str = "arguments") -> dict[str, Any]:
+    """The schema of one call of `tool`: {"name": its name, args_key: its closed parameters}."""
+    return {"type": "object", "properties": {"name": {"const": tool.name}, args_key: _call_parameters(tool, index)},
+            "required": ["name", args_key], "additionalProperties": False}
 
 
 def _tool_error(tools: tuple[ToolSpec, ...], objects: list[dict[str, Any]]) -> GrammarError:
@@ -183,8 +239,14 @@ def _any_of(objects: list[dict[str, Any]]) -> dict[str, Any]:
 def _compact_json(schema: dict[str, Any]) -> dict[str, Any]:
     """`schema` with llguidance's option for compact JSON. It is only read at the top level of a %json block
     (a `%llguidance {...}` header does not reach it: 1.9.1 takes any key there and ignores it)."""
+    return _json_options(schema)
+
+
+def _json_options(schema: dict[str, Any], **separators: str) -> dict[str, Any]:
+    """`schema` with llguidance's options for JSON without free whitespace: compact, or in `separators`
+    (item_separator, key_separator) exactly."""
     options = schema.get("x-guidance")
-    merged = {**(options if isinstance(options, dict) else {}), "whitespace_flexible": False}
+    merged = {**(options if isinstance(options, dict) else {}), "whitespace_flexible": False, **separators}
     return {"x-guidance": merged, **{k: v for k, v in schema.items() if k != "x-guidance"}}
 
 

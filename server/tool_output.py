@@ -1,7 +1,8 @@
 """Generated text back into thinking, content and tool calls, as it streams (../shared/notes/tools.md, §3.5-3.6).
 
-Calls are emitted whole, once their close tag arrives: a streaming client gets one delta per complete call, as
-Ollama sends them, and a generation cut inside a call leaves no partial call behind.
+Calls are emitted whole, once their close tag (or, for bare JSON calls, their object's last brace) arrives: a
+streaming client gets one delta per complete call, as Ollama sends them, and a generation cut inside a call
+leaves no partial call behind.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from edgespec.decoding.text import partial_suffix
 from edgespec.server.chat_input import ChatDelta, ToolCall
 from edgespec.server.json_schema import compact
 from edgespec.server.reasoning import ThinkSplitter
-from edgespec.server.tool_prompt import CallSyntax
+from edgespec.server.tool_prompt import PYTHON_TAG, CallSyntax, JsonCalls, Syntax
 
 _ID_ALPHABET = string.ascii_letters + string.digits
 
@@ -124,6 +125,105 @@ class CallExtractor:
         return [ToolCall(new_call_id(), item["name"], _arguments(item.get("arguments", {}))) for item in items]
 
 
+# How a bare JSON call opens, whitespace removed: llama.cpp's pattern for Llama 3.x (`{"name": "`, with the OpenAI
+# wrapper's "type" first if the model writes it), after the <|python_tag|> that Llama 3.2 may write as text.
+_JSON_HEADS = tuple(tag + head for tag in ("", PYTHON_TAG)
+                    for head in ('{"name":"', '{"type":"function","name":"'))
+_CALL_SEPARATORS = " \t\r\n;"
+
+
+class JsonCallExtractor:
+    """Splits one generation's text into content and calls written as bare JSON objects (JsonCalls).
+
+    An answer that opens as a call does (after whitespace) is calls: each is emitted once its object closes,
+    and the separators between them (";" and whitespace) are dropped; `parameters` and `arguments` are both
+    read. Any other answer is content, shown as it comes; so is an object that turns out not to be a call
+    (possible only without a grammar). While the opening is undecided, the text is held.
+    """
+
+    def __init__(self, enabled: bool, legacy: bool = False):
+        self.enabled = enabled
+        self.legacy = legacy
+        self.made_call = False
+        self._state = "start"  # start: undecided; call: inside an object; content: the rest is text
+        self._held = ""
+
+    def push(self, text: str) -> ChatDelta:
+        """The content that may be shown after `text`, and the calls it completed."""
+        if not self.enabled or self._state == "content":
+            return ChatDelta(content=text)
+        self._held += text
+        calls: list[ToolCall] = []
+        while self._state != "content":
+            if self._state == "start":
+                if self.made_call:  # between calls
+                    self._held = self._held.lstrip(_CALL_SEPARATORS)
+                opening = _json_opening(self._held)
+                if opening is None:
+                    break
+                self._state = "call" if opening else "content"
+                if opening:
+                    self._held = self._held[self._held.index("{"):]
+                continue
+            try:
+                value, end = json.JSONDecoder().raw_decode(self._held)
+            except ValueError:  # not closed yet
+                break
+            call = _json_call(value)
+            if call is None:
+                self._state = "content"
+                continue
+            calls.append(call)
+            self._held, self._state, self.made_call = self._held[end:], "start", True
+        content = ""
+        if self._state == "content":
+            content, self._held = self._held, ""
+        return ChatDelta(content=content, calls=calls)
+
+    def finish(self, reason: str) -> ChatDelta:
+        """The text still held and the finish reason, by CallExtractor's rules: text held as a possible call's
+        opening is dropped when max_tokens cut it (a forced call's first tokens), shown at a stop; a call the
+        generation ended inside of is dropped, with "length"."""
+        if not self.enabled:
+            return ChatDelta(finish_reason=reason)
+        held, state = self._held, self._state
+        self._held, self._state = "", "content"
+        cut = state == "call"
+        content = held if state == "start" and reason != "length" and not self.made_call else ""
+        if cut:
+            finish = "length"
+        elif self.made_call:
+            finish = "function_call" if self.legacy else "tool_calls"
+        else:
+            finish = reason
+        return ChatDelta(content="" if not content.strip() else content, finish_reason=finish)
+
+
+def _json_opening(text: str) -> bool | None:
+    """Whether `text` opens as a bare JSON call does; None while it may still."""
+    compact = "".join(text.split())
+    if any(compact.startswith(head) for head in _JSON_HEADS):
+        return True
+    return None if any(head.startswith(compact) for head in _JSON_HEADS) else False
+
+
+def _json_call(value: Any) -> ToolCall | None:
+    """A bare JSON call as a ToolCall; None when `value` is not one."""
+    if not _is_call(value) or set(value) - {"type", "name", "parameters", "arguments"}:
+        return None
+    args = value.get("parameters", value.get("arguments"))
+    if not isinstance(args, dict | str) or value.get("type", "function") != "function":
+        return None
+    return ToolCall(new_call_id(), value["name"], _arguments(args))
+
+
+def call_extractor(syntax: Syntax, enabled: bool, legacy: bool = False) -> CallExtractor | JsonCallExtractor:
+    """The extractor of calls written in `syntax`."""
+    if isinstance(syntax, JsonCalls):
+        return JsonCallExtractor(enabled, legacy)
+    return CallExtractor(syntax, enabled, legacy)
+
+
 def _is_call(item: Any) -> bool:
     return isinstance(item, dict) and isinstance(item.get("name"), str) and item["name"] != ""
 
@@ -137,7 +237,7 @@ class AnswerReader:
     """An answer's text as ChatDeltas: its thinking as `reasoning` (when the model thinks), the rest as content
     and calls (CallExtractor)."""
 
-    def __init__(self, calls: CallExtractor, thinking: ThinkSplitter | None = None):
+    def __init__(self, calls: CallExtractor | JsonCallExtractor, thinking: ThinkSplitter | None = None):
         self.calls, self.thinking = calls, thinking
 
     def push(self, text: str, finish_reason: str | None = None) -> ChatDelta:

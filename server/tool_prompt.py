@@ -1,5 +1,6 @@
-"""The prompt of a chat request with tools: the model's own chat template where it can show tools and calls,
-else a polyfill in SmolLM2's trained function-calling format (../shared/notes/tools.md, §3).
+"""The prompt of a chat request with tools: the model's own chat template where it can show tools and calls
+(Qwen's and Hermes' `<tool_call>` tags, Llama 3.x's bare JSON calls), else a polyfill in SmolLM2's trained
+function-calling format (../shared/notes/tools.md, §3).
 """
 
 from __future__ import annotations
@@ -26,6 +27,25 @@ class CallSyntax:
 SMOLLM2 = CallSyntax("<tool_call>", "</tool_call>", True)
 HERMES = CallSyntax("<tool_call>", "</tool_call>", False)  # Qwen / Hermes templates; several calls: several tags
 
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.x's token before a call (3.1's built-in tools; 3.2 writes it before JSON too)
+
+
+@dataclass(frozen=True)
+class JsonCalls:
+    """Calls written as bare JSON objects that are the whole answer, as Llama 3.1/3.2/3.3's templates write a
+    past call: `{"name": "f", "parameters": {"a": 1}}` (`args_key`; "arguments" is read too), in the separators
+    of the templates' `tojson`. The templates hold one call per assistant turn; several in one answer are
+    separated by "; " (vLLM's llama3_json parser reads them so). `prefix_id`: the `<|python_tag|>` token, which
+    the model may write before its calls (None: not in the vocabulary)."""
+
+    args_key: str = "parameters"
+    prefix_id: int | None = None
+    separator: str = "; "
+    head: str = '{"name": "'  # how every call opens: the trigger scored for tool_choice auto
+
+
+Syntax = CallSyntax | JsonCalls
+
 # SmolLM2's function-calling system prompt, word for word from its model card (the trailing spaces included):
 # the 135M model was trained on it, and emits no call at all under a prompt of our own.
 SMOLLM2_TOOL_PROMPT = (
@@ -50,22 +70,25 @@ SMOLLM2_TOOL_PROMPT = (
 _PROBE_TOOL = "edgespec_probe_tool_q7x"
 _PROBE_CALL = "edgespec_probe_call_k3z"
 _CHANNEL_MARK = "edgespec_request_m8v"  # where the request goes in a route's context
+# Llama 3.x's templates print today's date unless given one: the probe's renders must agree at midnight too
+_PROBE_DATE = {"date_string": "26 Jul 2024"}
 
 
 class ChatTemplate:
     """Renders a ChatInput with a tokenizer's chat template.
 
     The template is probed once, at construction: `native` when it shows both the tools it is given and a
-    past call in the `<tool_call>` format (its `syntax` is then HERMES); otherwise the tools, calls and tool
-    results are written into the messages in SmolLM2's format (syntax SMOLLM2). `thinks`: the model writes
-    thinking blocks (server/reasoning.py).
+    past call, in the `<tool_call>` format (its `syntax` is then HERMES) or as a bare JSON object that is the
+    whole assistant turn (JsonCalls, Llama 3.x); otherwise the tools, calls and tool results are written into
+    the messages in SmolLM2's format (syntax SMOLLM2). `thinks`: the model writes thinking blocks
+    (server/reasoning.py).
     """
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.thinks = template_thinks(tokenizer)
         self.native = False
-        self.syntax = SMOLLM2
+        self.syntax: Syntax = SMOLLM2
         probe_call = {"type": "function", "id": "call_probe", "function": {"name": _PROBE_CALL, "arguments": {}}}
         conversation = [
             {"role": "user", "content": "hi"},
@@ -73,15 +96,21 @@ class ChatTemplate:
             {"role": "tool", "tool_call_id": "call_probe", "name": _PROBE_CALL, "content": "ok"},
         ]
         try:
-            shown_tools = self._apply(conversation[:1], True, tools=[_hf_tool(ToolSpec(_PROBE_TOOL, "probe"))])
-            shown_call = self._apply(conversation, False)
+            shown_tools = self._apply(conversation[:1], True, tools=[_hf_tool(ToolSpec(_PROBE_TOOL, "probe"))],
+                                      **_PROBE_DATE)
+            shown_call = self._apply(conversation, False, **_PROBE_DATE)
+            asked = self._apply(conversation[:1], True, **_PROBE_DATE)  # the user's turn and the generation prompt
         except Exception:  # a template that cannot render the probe cannot be trusted with tools
             return
         # A template that cannot show its own call format is not trusted either: the grammar and the parser
-        # need to know it, so anything but <tool_call> falls back to the polyfill.
-        if _PROBE_TOOL in shown_tools and _PROBE_CALL in shown_call and HERMES.open in shown_call:
-            self.native = True
-            self.syntax = HERMES
+        # need to know it, so anything but these two formats falls back to the polyfill.
+        if _PROBE_TOOL not in shown_tools or _PROBE_CALL not in shown_call:
+            return
+        if HERMES.open in shown_call:
+            self.native, self.syntax = True, HERMES
+        elif shown_call.startswith(asked) and (key := _json_call_key(shown_call[len(asked):])) is not None:
+            vocab = tokenizer.get_vocab()
+            self.native, self.syntax = True, JsonCalls(key, vocab.get(PYTHON_TAG))
 
     def render(self, chat: ChatInput) -> str:
         """The prompt text of `chat`, ending with the generation prompt. ValueError: the template rejected the
@@ -89,6 +118,8 @@ class ChatTemplate:
         if self.native:
             tools = [_hf_tool(t) for t in chat.tools] if chat.calls_allowed else None
             messages = [_hf_message(m) for m in chat.messages]
+            if isinstance(self.syntax, JsonCalls):
+                messages = _one_call_a_turn(messages)
         else:
             tools = None
             messages = _polyfill_messages(chat)
@@ -114,6 +145,29 @@ class ChatTemplate:
         kwargs = {"tools": tools} if tools else {}
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                   **kwargs, **template_kwargs)
+
+
+def _json_call_key(turn: str) -> str | None:
+    """The arguments' key when `turn` (what the template wrote after the generation prompt) opens with the
+    probe's call as a bare JSON object: `{"name": probe, KEY: {}}`; None otherwise."""
+    try:
+        value, _ = json.JSONDecoder().raw_decode(turn)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or value.get("name") != _PROBE_CALL or len(value) != 2:
+        return None
+    key = next(k for k in value if k != "name")
+    return key if key in ("parameters", "arguments") and value[key] == {} else None
+
+
+def _one_call_a_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An assistant turn with several calls as consecutive turns of one call each: Llama 3.x's templates write
+    one call a turn and raise on more ("This model only supports single tool-calls at once!")."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") or []
+        out += [{**m, "tool_calls": [c]} for c in calls] if len(calls) > 1 else [m]
+    return out
 
 
 def tool_block(tools: tuple[ToolSpec, ...]) -> str:
