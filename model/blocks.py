@@ -275,15 +275,18 @@ class DecoderLayer(nn.Module):
         return (self.attn.compiled and self.ffn.compiled and fused(self.input_norm.weight.shape[0])
                 and self.attn_out_norm is None and self.ffn_out_norm is None and self.window is None)
 
-    def _attend(self, x, rope: Rope, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
-        # x [1, T, H] -> the attention's output [1, T, H], normed where the architecture norms it
+    def attention(self, x, rope: Rope, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
+        """x [1, T, H] (the layer's input, not normed) -> the attention's output [1, T, H], normed where the
+        architecture norms it, before the residual add; a sliding layer attends within its window."""
         if self.window is not None:
             rope = rope.for_layer(True)
             mask = window_mask(mask, rope.positions, start, x.shape[1], self.window)
         out = self.attn(self.input_norm(x), rope, cache, layer, start, mask)
         return out if self.attn_out_norm is None else self.attn_out_norm(out)
 
-    def _feed_forward(self, z: torch.Tensor) -> torch.Tensor:
+    def feed_forward(self, z: torch.Tensor) -> torch.Tensor:
+        """z [B, T, H] (the post-attention state) -> the FFN's output, normed where the architecture norms it,
+        before the residual add."""
         out = self.ffn(self.post_norm(z))
         return out if self.ffn_out_norm is None else self.ffn_out_norm(out)
 
@@ -296,8 +299,8 @@ class DecoderLayer(nn.Module):
                                            self.input_norm.eps, attn.qkv.kernel, attn.o.kernel,
                                            ffn.gate_up.kernel, ffn.down.kernel, attn.n_q, attn.n_kv, rope.cos,
                                            rope.sin, *cache.storage(layer), start, _heads_mask(mask))
-        x = x + self._attend(x, rope, cache, layer, start, mask)
-        return x + self._feed_forward(x)
+        x = x + self.attention(x, rope, cache, layer, start, mask)
+        return x + self.feed_forward(x)
 
     def rows(self, x: torch.Tensor, rope: Rope, seqs: Sequence[SeqRows], layer: int) -> torch.Tensor:
         """The layer over the rows of several sequences in one pass: x [M, H] holds each sequence's rows in
@@ -322,5 +325,5 @@ class DecoderLayer(nn.Module):
 
     def parts(self, x, rope, cache: KVCache, layer: int, start: int, mask) -> tuple[torch.Tensor, torch.Tensor]:
         """forward() in its two halves: Z, the post-attention state [B, T, H], and X, the layer's output."""
-        z = x + self._attend(x, rope, cache, layer, start, mask)
-        return z, z + self._feed_forward(z)
+        z = x + self.attention(x, rope, cache, layer, start, mask)
+        return z, z + self.feed_forward(z)

@@ -49,11 +49,15 @@ def acceptance(drifts: Sequence[torch.Tensor], epsilon: float) -> list[float]:
 def time_blocks(stack: LayerStack, context: int, reps: int = 5) -> dict[str, float]:
     """Milliseconds of one decoding token (after `context` cached ones) in each block of a layer: one KV group's
     attention with its share of the output projection, gathering the groups (sum and residual), and the FFN
-    with its norm and residual. Random weights of the real shapes: the cost depends on shapes only."""
+    with its norms and residual. Random weights of the real shapes: the cost depends on shapes only."""
     cfg, dtype = stack.cfg, stack.dtype
     group = pack_linears(AttentionBlock(cfg, [0], dtype, with_o_bias=cfg.o_bias))
     ffn = pack_linears(FFN(cfg, dtype))
-    norm = stack.layers[0].post_norm
+    layer = stack.layers[0]
+    norm = layer.post_norm
+    # the gathered sum and the FFN's output normed where the architecture norms them
+    attn_out = layer.attn_out_norm if layer.attn_out_norm is not None else torch.nn.Identity()
+    ffn_out = layer.ffn_out_norm if layer.ffn_out_norm is not None else torch.nn.Identity()
     cache = KVCache.alone(1, 1, cfg.head_dim, context + 1, stack.kv)
     if context:
         cache.write(0, 0, torch.randn(1, 1, context, cfg.head_dim, dtype=dtype),
@@ -63,8 +67,8 @@ def time_blocks(stack: LayerStack, context: int, reps: int = 5) -> dict[str, flo
     partials = [torch.randn(1, 1, cfg.hidden_size, dtype=dtype) for _ in range(cfg.n_kv_heads)]
     return {
         "group_ms": median_ms(lambda: group(x, rope, cache, 0, context, None), reps),
-        "proj_ms": median_ms(lambda: x + torch.stack(partials).sum(dim=0), reps),
-        "ffn_ms": median_ms(lambda: x + ffn(norm(x)), reps),
+        "proj_ms": median_ms(lambda: x + attn_out(torch.stack(partials).sum(dim=0)), reps),
+        "ffn_ms": median_ms(lambda: x + ffn_out(ffn(norm(x))), reps),
     }
 
 
@@ -89,6 +93,6 @@ def speculating_forward(stack: LayerStack, hidden: torch.Tensor, epsilon: float,
             kept.append(int(keep.sum()))
         else:
             kept.append(0)
-        z = x + layer.attn(layer.input_norm(attend), rope, cache, i, 0, mask)
-        x = z + layer.ffn(layer.post_norm(z))
+        z = x + layer.attention(attend, rope, cache, i, 0, mask)  # its window and output norm where it has them
+        x = z + layer.feed_forward(z)
     return x, kept

@@ -3,6 +3,11 @@ projection columns, the layer's input norm, and each session's cache of those gr
 post-attention norm and the FFN), each loaded alone from the checkpoint. Groups can move to another device
 with their caches (`export`, then `reshape` on both devices).
 
+The layer's norms of the attention's and the FFN's outputs (Gemma 3) are RMSNorms over the whole hidden vector,
+so no group device can apply the attention's to its share: the device that sums the groups' partials holds it
+(`attn_out_norms`, HeadSplitPipeline), and the FFN device the FFN's (FeedForward). A sliding layer's groups
+attend within its window, with its own rotary base, as DecoderLayer's do.
+
 Every KV group is a block of its own, and a device answers a layer with each group's partial output apart:
 the projection device adds them in group order (HeadSplitPipeline), so a token's bits do not depend on which
 groups share a device. Summed per device, they did: found when a re-placement after a lost worker (issue 20)
@@ -16,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from edgespec.model.blocks import FFN, AttentionBlock, RMSNorm, Rotary, causal_mask, norm
+from edgespec.model.blocks import FFN, AttentionBlock, RMSNorm, Rotary, causal_mask, norm, window_mask
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache
 from edgespec.model.kv_format import FLOAT32, KVFormat
@@ -28,12 +33,20 @@ from edgespec.model.weights import TensorSource, load_attention, load_ffn
 GroupKV = dict[str, dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]]  # session -> layer -> group -> (k, v)
 
 
-def refuse_unsplittable(cfg: ModelConfig) -> None:
-    """A ValueError for a model whose layers HeadSplit cannot split: the projection device adds the groups'
-    outputs to the residual as they are, and the blocks keep no sliding window (Gemma 3 has both)."""
-    if cfg.arch.output_norms or any(cfg.sliding_layers):
-        raise ValueError(f"HeadSplit does not run the {cfg.arch.name} architecture (norms of the attention's "
-                         "output, sliding-window layers)")
+def load_norm(src: TensorSource, cfg: ModelConfig, layer: int, place: str, dtype: torch.dtype) -> RMSNorm:
+    """Layer `layer`'s norm at `place` (a key of Architecture.norms), as DecoderLayer holds it."""
+    out = norm(cfg, cfg.hidden_size, dtype)
+    out.weight.copy_(src.get(f"model.layers.{layer}.{cfg.arch.norms[place]}.weight", out.weight.dtype))
+    return out
+
+
+def attn_out_norms(src: TensorSource, cfg: ModelConfig, dtype: WeightFormat | torch.dtype) -> dict[int, RMSNorm]:
+    """Every layer's norm of the attention's output by layer, where the architecture has one (Gemma 3), else
+    none: what the device that sums a layer's group partials applies to the sum before the residual add."""
+    if "attn_out" not in cfg.arch.norms:
+        return {}
+    act = as_format(dtype).act
+    return {layer: load_norm(src, cfg, layer, "attn_out", act) for layer in range(cfg.n_layers)}
 
 
 class Deferred:
@@ -64,6 +77,23 @@ class GroupBlocks(nn.Module):
         return torch.cat([block(x, rope, cache, i, start, mask) for i, block in enumerate(self.blocks)])
 
 
+class FeedForward(nn.Module):
+    """A layer's FFN as its device holds it: the FFN's input norm, the FFN, and the norm of the FFN's output
+    where the architecture has one (Gemma 3); z [B, T, H] -> the layer's output z + out_norm(ffn(in_norm(z))),
+    DecoderLayer's second half with the same ops in the same order."""
+
+    def __init__(self, src: TensorSource, cfg: ModelConfig, fmt: WeightFormat, layer: int):
+        super().__init__()
+        self.in_norm = load_norm(src, cfg, layer, "ffn_in", fmt.act)
+        self.ffn = FFN(cfg, fmt.act)
+        load_ffn(self.ffn, src, layer, fmt)
+        self.out_norm = load_norm(src, cfg, layer, "ffn_out", fmt.act) if "ffn_out" in cfg.arch.norms else None
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        out = self.ffn(self.in_norm(z))
+        return z + (out if self.out_norm is None else self.out_norm(out))
+
+
 class HeadBlocks:
     """The blocks one device holds, groups[l] of layer l's KV groups and the FFN of the layers in `ffns`, with
     each session's caches of those groups. The device interface HeadSplitPipeline drives (a worker's proxy makes
@@ -71,23 +101,17 @@ class HeadBlocks:
 
     def __init__(self, src: TensorSource, cfg: ModelConfig, dtype: WeightFormat | torch.dtype,
                  groups: dict[int, list[int]], ffns: list[int], kv: KVFormat = FLOAT32):
-        refuse_unsplittable(cfg)
         kv.check(cfg.head_dim)
         self.src, self.cfg, self.fmt, self.kv = src, cfg, as_format(dtype), kv
         self.dtype = dtype = self.fmt.act
         self.rotary = Rotary(cfg, dtype)
         self.attn: dict[int, tuple[RMSNorm, GroupBlocks]] = {}
-        self.ffn: dict[int, tuple[RMSNorm, FFN]] = {}
+        self.ffn: dict[int, FeedForward] = {}
         self.sessions: dict[str, dict[int, KVCache]] = {}  # session -> layer -> the cache of its groups here
         self.capacity: dict[str, int] = {}  # session -> its slots
         self.steps: dict[str, int] = {}  # session -> the step number of its last attend here
         self.kv_budget_bytes: int | None = None  # the bound of the caches here (limit_kv); None: none
         self.reshape(groups, ffns, {})
-
-    def _norm(self, name: str) -> RMSNorm:
-        out = norm(self.cfg, self.cfg.hidden_size, self.dtype)
-        out.weight.copy_(self.src.get(name, out.weight.dtype))
-        return out
 
     @torch.no_grad()
     def reshape(self, groups: dict[int, list[int]], ffns: list[int], incoming: GroupKV) -> None:
@@ -114,13 +138,11 @@ class HeadBlocks:
                 block = GroupBlocks(self.cfg, after, self.dtype)
                 for one in block.blocks:
                     load_attention(one, self.src, self.cfg, layer, self.fmt)
-                self.attn[layer] = (self._norm(f"model.layers.{layer}.{self.cfg.arch.norms['attn_in']}.weight"), block)
+                self.attn[layer] = (load_norm(self.src, self.cfg, layer, "attn_in", self.dtype), block)
         for layer in set(self.ffn) - set(ffns):
             del self.ffn[layer]
         for layer in sorted(set(ffns) - set(self.ffn)):
-            ffn = FFN(self.cfg, self.dtype)
-            load_ffn(ffn, self.src, layer, self.fmt)
-            self.ffn[layer] = (self._norm(f"model.layers.{layer}.{self.cfg.arch.norms['ffn_in']}.weight"), ffn)
+            self.ffn[layer] = FeedForward(self.src, self.cfg, self.fmt, layer)
 
     @staticmethod
     def _group_kv(cache: KVCache, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,7 +202,7 @@ class HeadBlocks:
 
     def memory_bytes(self) -> int:
         """Bytes of the blocks' weights and the caches."""
-        modules = [m for pair in [*self.attn.values(), *self.ffn.values()] for m in pair]
+        modules = [m for pair in self.attn.values() for m in pair] + list(self.ffn.values())
         return sum(linear_bytes(m) for m in modules) + self.kv_bytes()
 
     def _caches(self, session: str) -> dict[int, KVCache]:
@@ -193,7 +215,8 @@ class HeadBlocks:
                mask: torch.Tensor | None, step: int) -> torch.Tensor:
         """x [1, T, H] (the layer's input) at positions [1, T], its keys and values cached at slots start.. ->
         the partial attention output of each of the layer's groups here, in group order [n_groups, T, H].
-        mask [1, T, start+T] (None: causal).
+        mask [1, T, start+T] (None: causal). A sliding layer's groups see only its window (narrowing `mask`)
+        and rotate by its own base, as DecoderLayer's attention does.
 
         `step` numbers the session's forward passes (HeadSplitPipeline.forward): a call of a step older than
         the last one seen here is refused with StepError (a late or retried call from before a rollback would
@@ -210,12 +233,16 @@ class HeadBlocks:
         t = x.shape[1]
         cache.check_write(start, t)
         cache.ensure(start, start + t)
+        rope, window = self.rotary(positions), self.cfg.window(layer)
+        if window is not None:  # DecoderLayer's sliding layer: its rotary base, its window of the mask
+            rope = rope.for_layer(True)
+            mask = window_mask(mask, rope.positions, start, t, window)
         if mask is None and t > 1:
             mask = causal_mask(start, t)
         elif mask is not None and mask.dim() == 3:
             mask = mask.unsqueeze(1)  # broadcast over heads
         norm, block = self.attn[layer]
-        out = block(norm(x.to(self.dtype)), self.rotary(positions), cache, start, mask)
+        out = block(norm(x.to(self.dtype)), rope, cache, start, mask)
         cache.length = start + t
         return out
 
@@ -233,6 +260,4 @@ class HeadBlocks:
         """Z [B, T, H] -> the layer's output X [B, T, H]."""
         if layer not in self.ffn:
             raise ValueError(f"layer {layer}'s FFN is not here")
-        norm, ffn = self.ffn[layer]
-        z = z.to(self.dtype)
-        return z + ffn(norm(z))
+        return self.ffn[layer](z.to(self.dtype))

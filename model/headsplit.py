@@ -4,8 +4,9 @@ decoding step follows, with inter-layer speculation.
 Each device holds, for the layers the placement gives it, some KV groups (their q, k and v rows, their
 projection columns, the input norm, and their own KV cache) and some FFN blocks (post-attention norm, FFN),
 loaded alone from the checkpoint. A layer runs as: every group device computes its partial attention output
-from the layer's input; the projection device sums the partials and the residual into Z; the FFN device adds
-the FFN of Z into X, the layer's output.
+from the layer's input; the projection device sums the partials (and norms the sum where the architecture norms
+the attention's output: Gemma 3) and adds the residual into Z; the FFN device adds the FFN of Z into X, the
+layer's output.
 
 At a speculating layer l (decoding passes of one token), the group devices start from Z_(l-1) before
 X_(l-1) exists, writing their keys and values into the session's cache as staged entries. When X_(l-1) is
@@ -30,9 +31,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from edgespec.model.blocks import RMSNorm
 from edgespec.model.config import ModelConfig
 from edgespec.model.drift import relative_drift
-from edgespec.model.head_blocks import HeadBlocks, refuse_unsplittable
+from edgespec.model.head_blocks import HeadBlocks, attn_out_norms
 from edgespec.model.kv_format import FLOAT32, KVFormat
 from edgespec.model.stage import forward_each, segments_in_turn
 from edgespec.model.weights import TensorSource
@@ -54,7 +56,6 @@ def devices_named(layers: list[LayerPlace]) -> set[str]:
 
 def check_placement(layers: list[LayerPlace], cfg: ModelConfig) -> None:
     """A ValueError unless the placement covers every layer and each layer's KV groups exactly once."""
-    refuse_unsplittable(cfg)
     if len(layers) != cfg.n_layers:
         raise ValueError(f"the placement has {len(layers)} layers, the model {cfg.n_layers}")
     for i, lp in enumerate(layers):
@@ -110,11 +111,19 @@ class HeadSplitPipeline:
     `release`. With `gathered`, the devices are workers that run the schedule themselves (`run` at each layer's
     projection device, which calls its peers directly): the controller hands a step to the first layer's
     projection worker and gets the last layer's output back, with one more hop only where the projection device
-    changes. `close()` frees what reaching the devices holds."""
+    changes. `close()` frees what reaching the devices holds.
+
+    attn_out: every layer's norm of the attention's output (head_blocks.attn_out_norms) where the architecture
+    has them (Gemma 3): the sum of a layer's group partials is normed before the residual add. Needed wherever
+    this pipeline gathers layers itself (not `gathered`: the projection workers then hold their own)."""
 
     def __init__(self, devices: dict, layers: list[LayerPlace], cfg: ModelConfig, epsilon: float = 0.05,
-                 close=None, gathered: bool = False):
+                 close=None, gathered: bool = False, attn_out: dict[int, RMSNorm] | None = None):
         check_placement(layers, cfg)
+        self.attn_out = attn_out or {}
+        if "attn_out" in cfg.arch.norms and not gathered and sorted(self.attn_out) != list(range(cfg.n_layers)):
+            raise ValueError(f"the {cfg.arch.name} architecture norms the attention's output: the pipeline that "
+                             "gathers its layers needs every layer's norm (attn_out)")
         self.devices, self.layers, self.cfg, self.epsilon = devices, layers, cfg, epsilon
         self._close = close
         self.gathered = gathered
@@ -140,7 +149,7 @@ class HeadSplitPipeline:
         if kv_budget_bytes is not None:
             for device in devices.values():
                 device.limit_kv(kv_budget_bytes // len(devices))
-        return cls(devices, layers, cfg, epsilon)
+        return cls(devices, layers, cfg, epsilon, attn_out=attn_out_norms(src, cfg, dtype))
 
     def open(self, session: str, capacity: int, epsilon: float | None = None) -> None:
         for device in self.devices.values():
@@ -284,14 +293,16 @@ class HeadSplitPipeline:
                     for d, gs in self.layers[i].groups.items() if gs]
 
         def group_sum(i: int, partials: list[torch.Tensor]) -> torch.Tensor:
-            # the devices' partials -> [1, T, H]: added one group after another in group order, whichever
-            # device computed each, so that the bits do not depend on the placement
+            # the devices' partials -> layer i's attention output [1, T, H]: added one group after another in
+            # group order, whichever device computed each, so that the bits do not depend on the placement; then
+            # normed where the architecture norms it (DecoderLayer's attn_out_norm, on the whole sum)
             parts = {g: p[j] for gs, p in zip((gs for gs in self.layers[i].groups.values() if gs), partials,
                                               strict=True) for j, g in enumerate(sorted(gs))}
             out = parts[min(parts)]
             for g in sorted(parts)[1:]:
                 out = out + parts[g]
-            return out.unsqueeze(0)
+            out = out.unsqueeze(0)
+            return self.attn_out[i](out) if i in self.attn_out else out
 
         def ffn_call(i: int, z: torch.Tensor):
             return self.devices[self.layers[i].ffn].start_ffn(i, z)

@@ -144,27 +144,77 @@ def qwen3_gguf(tmp_path_factory) -> Path:
     return write_gguf(make_model("qwen3", tmp / "folder"), tmp / "qwen3.f32.gguf")
 
 
-@pytest.mark.parametrize("speculate", [False, True])
-def test_headsplit_blocks_equal_the_layer_stack(qwen3_gguf, speculate):
-    # each KV group's block carries its own copy of the per-head norms, so groups can be placed anywhere
+@pytest.fixture(scope="module", params=["qwen3", "gemma3"])
+def split_model(request, qwen3_gguf, tmp_path_factory) -> tuple[Path, Path]:
+    """(what edgespec loads, the Hugging Face folder of transformers' reference) for HeadSplit: Qwen3's GGUF (per-head
+    q/k norms); Gemma 3 from a folder (norms of the attention's and the FFN's outputs, (1 + w) norms folded at
+    load, a query_pre_attn_scalar other than head_dim, every other layer sliding with a window of 3 that the prompt
+    crosses in its prefill already)."""
+    if request.param == "qwen3":
+        return qwen3_gguf, qwen3_gguf.parent / "folder"
+    folder = make_model("gemma3", tmp_path_factory.mktemp("gemma3-split"), num_hidden_layers=4, sliding_window=3,
+                        sliding_window_pattern=2, query_pre_attn_scalar=48)
+    return folder, folder
+
+
+def _split_setup(split_model, speculate: bool):
+    # the layer stack, the ends, and the HeadSplit blocks of the same files: each layer's two KV groups on two
+    # devices, the FFN alternating between them, every layer after the first speculating where `speculate`
     from edgespec.model.headsplit import HeadSplitPipeline
     from edgespec.model.stack import LayerStack, TokenEnds
     from edgespec.model.weights import open_source
     from edgespec.planning.headsplit import LayerPlace
 
-    files = resolve_model(str(qwen3_gguf))
+    files = resolve_model(str(split_model[0]))
     cfg, src = ModelConfig.from_folder(files.folder), open_source(files)
     stack, ends = LayerStack.load(src, cfg, 0, cfg.n_layers, torch.float32), TokenEnds.load(src, cfg, torch.float32)
     places = [LayerPlace({"a": [0], "b": [1]}, "a", "ab"[i % 2], speculate and i > 0) for i in range(cfg.n_layers)]
-    pipe = HeadSplitPipeline.local(src, cfg, torch.float32, places)
-    ids = _ids(files.folder, PROMPTS[2])
-    cache = stack.new_cache(len(ids))
-    pipe.open("s", len(ids), epsilon=0.0)
+    return cfg, stack, ends, HeadSplitPipeline.local(src, cfg, torch.float32, places)
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_headsplit_blocks_equal_the_layer_stack(split_model, speculate):
+    # each KV group's block carries its own copy of the per-head norms, so groups can be placed anywhere; the
+    # sum of a layer's groups is normed where the architecture norms the attention's output, and a sliding
+    # layer's groups attend within its window. Speculating at epsilon 0 is the plain forward: the greedy tokens
+    # are transformers' own
+    cfg, stack, ends, pipe = _split_setup(split_model, speculate)
+    n = 8
+    prompt = _ids(split_model[1], PROMPTS[2])
+    ids, cache = list(prompt), stack.new_cache(len(prompt) + n)
+    pipe.open("s", len(prompt) + n, epsilon=0.0)
+
+    def step(a: int, p: int) -> torch.Tensor:  # tokens a..p through both -> HeadSplit's last-layer output
+        x, pos = ends.embed_tokens(torch.tensor([ids[a:p]])), torch.arange(a, p)[None]
+        got = pipe.forward("s", x, pos, a)
+        torch.testing.assert_close(got, stack(x, pos, cache, a), atol=1e-5, rtol=1e-5)
+        return got
+
+    with torch.inference_mode():  # the prompt: a prefill of 4, then a token at a time; then n greedy tokens
+        for a, p in [(0, 4), *((p - 1, p) for p in range(5, len(prompt) + 1))]:
+            out = step(a, p)
+        for _ in range(n):
+            ids.append(int(ends.logits(out[:, -1:])[0, -1].argmax()))
+            out = step(len(ids) - 1, len(ids))
+    assert ids[len(prompt):] == _reference_greedy(load_reference(split_model[1]), prompt, n)
+    stats = pipe.stats["s"]
+    assert sum(stats.kept) == 0 and sum(stats.discarded) == (len(prompt) - 4 + n) * (cfg.n_layers - 1) * speculate
+
+
+def test_headsplit_kept_speculation_is_the_speculating_pass(split_model):
+    # every speculation kept, a token at a time: what model/drift.py's whole-sequence pass computes (the drift
+    # and acceptance figures the planner reads rest on it), windows and output norms included
+    from edgespec.model.drift import speculating_forward
+
+    cfg, stack, ends, pipe = _split_setup(split_model, True)
+    ids = _ids(split_model[1], PROMPTS[2])
+    pipe.open("s", len(ids), epsilon=float("inf"))
     with torch.inference_mode():
-        for p in range(4, len(ids) + 1):  # a prefill of 4, then a token at a time
-            a = 0 if p == 4 else p - 1
-            x, pos = ends.embed_tokens(torch.tensor([ids[a:p]])), torch.arange(a, p)[None]
-            torch.testing.assert_close(pipe.forward("s", x, pos, a), stack(x, pos, cache, a), atol=1e-5, rtol=1e-5)
+        got = torch.cat([pipe.forward("s", ends.embed_tokens(torch.tensor([[t]])), torch.tensor([[p]]), p)
+                         for p, t in enumerate(ids)], dim=1)  # [1, T, H]
+    want, kept = speculating_forward(stack, ends.embed_tokens(torch.tensor([ids])), float("inf"), [True] * cfg.n_layers)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert pipe.stats["s"].kept == kept == [0] + [len(ids)] * (cfg.n_layers - 1)
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """HeadSplit blocks over real worker processes (workers/head_relay.py, workers/head_routes.py,
 workers/head_client.py): KV groups split across workers give exactly the in-process model's outputs (float32),
-with and without speculation at epsilon 0, gathered at a projection worker or by the controller, the per-step
+with and without speculation at epsilon 0, gathered at a projection worker or by the controller (Gemma 3's
+output norms and sliding layers too), the per-step
 calls on links; a worker past its memory threshold hands groups and their caches to another; the control
 routes want the cluster token, and routes and link calls refuse bad input without disturbing a session; a
 lost peer fails the step at once."""
@@ -15,7 +16,7 @@ import httpx
 import pytest
 import torch
 from links import TestLink
-from model_fixtures import smollm2_folder
+from model_fixtures import make_tiny_model, smollm2_folder
 from processes import start_worker
 from test_headsplit_exec import watch_for
 from websockets.asyncio.server import serve
@@ -182,6 +183,26 @@ def test_tiny_over_two_workers(workers, tiny):
         pipe.forward("s", ends.embed_tokens(torch.tensor([[IDS[2]]])), torch.tensor([[2]]), 2)
     assert time.monotonic() - t0 < 10
     pipe.close()
+
+
+@pytest.mark.parametrize("workers", [(2, "tiny")], indirect=True, ids=["gemma3-2w"])
+def test_gemma3_over_two_workers(workers, tmp_path):
+    # the norm of the attention's output is applied where a layer's groups are summed: at the controller, or at
+    # the projection worker; the FFN's by the FFN worker; the sliding layers' groups attend within the window
+    token, urls, _ = workers
+    folder = str(make_tiny_model(tmp_path / "gemma3", arch="gemma3", vocab_size=800, num_hidden_layers=4,
+                                 sliding_window=3, sliding_window_pattern=2, query_pre_attn_scalar=48))
+    cfg = ModelConfig.from_folder(folder)
+    assert any(cfg.sliding_layers) and not all(cfg.sliding_layers)
+    want = exact(folder, IDS, 5)
+    for gathered in (False, True):  # every speculation discarded at epsilon 0: the exact model
+        pipe = remote_headsplit(urls, token, spread(cfg, list(urls), True, one_proj=gathered), cfg, model=folder,
+                                gathered=gathered)
+        got, discarded = run(pipe, folder, IDS, 5, 0.0)
+        pipe.close()
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+        assert discarded == (len(IDS) - 5) * (cfg.n_layers - 1)
 
 
 def test_a_peer_link_closing_fails_the_calls_waiting_on_it(tiny):

@@ -11,7 +11,8 @@ export, reshape, placement.
 The controller hands each step to the first layer's projection worker, which gathers the groups' partial
 outputs from its peers, sends Z to the FFN device and goes on to the next layer, calling the controller back
 only at the end or where the projection device changes (`gathered`). With `gathered=False` the controller
-plays every projection device itself: two round trips per layer (the comparison's "star" variant).
+plays every projection device itself: two round trips per layer (the comparison's "star" variant), and so holds
+the norms of the attention's output where the architecture has them (Gemma 3), read from the model's files.
 """
 
 from __future__ import annotations
@@ -27,9 +28,13 @@ import httpx
 import torch
 
 from edgespec.model.config import ModelConfig
+from edgespec.model.head_blocks import attn_out_norms
 from edgespec.model.headsplit import HeadSplitPipeline, SpeculationStats, blocks_of
 from edgespec.model.kv_pool import CapacityError
+from edgespec.model.linear import weight_format
+from edgespec.model.source import resolve_model
 from edgespec.model.stage import StageFailure
+from edgespec.model.weights import open_source
 from edgespec.planning.headsplit import LayerPlace
 from edgespec.workers.client import WorkerRef, _message
 from edgespec.workers.frames import pack
@@ -156,7 +161,12 @@ def remote_headsplit(workers: dict[str, str], token: str, layers: list[LayerPlac
                      dtype: str = "float32", model: str | None = None, epsilon: float = 0.05,
                      timeout_s: float = 60.0, gathered: bool = True, kv_format: str = "float32") -> HeadSplitPipeline:
     """Assign each worker (name -> URL) its blocks of the placement, and with `gathered` the placement and its
-    peers' URLs, and return the pipeline over them (its per-step calls on links, one per worker)."""
+    peers' URLs, and return the pipeline over them (its per-step calls on links, one per worker). Without
+    `gathered`, the norms of the attention's output (where the architecture has them) are read here from
+    `model` (None: the default model, as a worker without --model resolves it)."""
+    attn_out = None
+    if not gathered and "attn_out" in cfg.arch.norms:
+        attn_out = attn_out_norms(open_source(resolve_model(model)), cfg, weight_format(dtype))
     http = httpx.Client(headers={"authorization": f"Bearer {token}"}, timeout=timeout_s,
                         transport=httpx.HTTPTransport(retries=1))
     links = Uplinks(token, timeout_s)
@@ -174,7 +184,7 @@ def remote_headsplit(workers: dict[str, str], token: str, layers: list[LayerPlac
     except Exception:
         close()
         raise
-    return HeadSplitPipeline(devices, layers, cfg, epsilon, close, gathered)
+    return HeadSplitPipeline(devices, layers, cfg, epsilon, close, gathered, attn_out)
 
 
 def call_ms(url: str, token: str, nbytes: int, n: int = 50) -> float:

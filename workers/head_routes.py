@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from edgespec.model.config import ModelConfig
-from edgespec.model.head_blocks import HeadBlocks
+from edgespec.model.head_blocks import HeadBlocks, attn_out_norms
 from edgespec.model.headsplit import HeadSplitPipeline, SpeculationStats, blocks_of, check_placement, devices_named
 from edgespec.model.kv_format import KVFormatName, kv_format
 from edgespec.model.linear import weight_format
@@ -100,13 +100,15 @@ class HeadHost:
             for url in (peers or {}).values():
                 ws_url(url)  # a ValueError now rather than at the first step
         self.close()  # free the old blocks first
-        self.blocks = HeadBlocks(open_source(files), cfg, fmt, groups, ffns, kv_format(kv))
+        src = open_source(files)
+        self.blocks = HeadBlocks(src, cfg, fmt, groups, ffns, kv_format(kv))
         if self.memory_budget_bytes is not None:  # the caches get what the blocks' weights leave
             self.blocks.limit_kv(self.memory_budget_bytes - self.blocks.memory_bytes())
         self.name = name
         if layers is not None:  # the peer links are the worker's own, kept across assignments
             devices = {peer: self.peer(peer, url) for peer, url in (peers or {}).items() if peer != name}
-            self.pipeline = HeadSplitPipeline({**devices, name: self.blocks}, layers, cfg)
+            self.pipeline = HeadSplitPipeline({**devices, name: self.blocks}, layers, cfg,
+                                              attn_out=attn_out_norms(src, cfg, fmt))
         return {"groups": {str(k): v for k, v in groups.items()}, "ffns": ffns}
 
     @staticmethod
