@@ -1,10 +1,12 @@
 """Tiny random models of each architecture, written the way their own tools write them: a Hugging Face folder
 by transformers' own class (`tiny_model`, with SmolLM2's tokenizer, so the vocabulary and chat template are
 real), and a GGUF file the way llama.cpp's converter writes it (`write_gguf`, `convert_hf_to_gguf.py --outtype
-f32`; checked against it, see the README's "Models"): its `TextModel.set_gguf_parameters` keys, its
-`_set_vocab_gpt2` tokenizer, its tensor names (gguf's own TensorNameMap, which the converter maps through), q
-and k rows reordered as its `LlamaModel.permute` does for the architectures it writes through LlamaModel, and
-Gemma 3's norm weights shifted by 1 with its own keys (`Gemma3Model`: norm_shift, set_gguf_parameters).
+f32`; checked against it, see the README's "Models"): its `TextModel.set_gguf_parameters` keys (the rope
+fields of transformers 5 and of 4.x configs read as its `TextModel.__init__` reads them), its `_set_vocab_gpt2`
+tokenizer, its tensor names (gguf's own TensorNameMap, which the converter maps through), q and k rows reordered
+as its `LlamaModel.permute` does for the architectures it writes through LlamaModel, with LlamaModel's rope_freqs
+under Llama 3's rope scaling, and Gemma 3's norm weights shifted by 1 with its own keys (`Gemma3Model`:
+norm_shift, set_gguf_parameters; not its cut of token_embd to the tokenizer's size).
 Nothing here is taken from edgespec's own description of an architecture (model/arch.py), so a wrong name or
 ordering there fails the tests (tests/test_architectures.py) and shows in bench/gguf_types.py.
 """
@@ -12,6 +14,7 @@ ordering there fails the tests (tests/test_architectures.py) and shows in bench/
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +72,42 @@ def _tokenizer(writer, folder: Path, vocab_size: int) -> None:
     gguf.SpecialVocab(folder, load_merges=True).add_to_gguf(writer)
 
 
+def _rope_parameters(hp: dict) -> dict:
+    # TextModel.__init__: a config's rope_parameters (transformers 5) or rope_scaling (4.x), with the 4.x fields
+    # for the base and the sliding layers' base (Gemma 3's rope_local_base_freq) mirrored into it
+    rope = dict(hp.get("rope_parameters", hp.get("rope_scaling")) or {})
+    if "full_attention" not in rope and "sliding_attention" not in rope:
+        if (local := hp.get("rope_local_base_freq")) is not None:
+            rope["sliding_attention"] = {"rope_theta": local}
+        if "rope_theta" not in rope and hp.get("rope_theta") is not None:
+            rope["rope_theta"] = hp["rope_theta"]
+        if "rope_type" not in rope and rope.get("type") is not None:
+            rope["rope_type"] = rope["type"]
+    return rope
+
+
+def _llama3_rope_factors(hp: dict, rope: dict) -> np.ndarray | None:
+    # LlamaModel.generate_extra_tensors: what llama.cpp divides each rotary frequency by, under Llama 3's scaling
+    if rope.get("rope_type", "").lower() != "llama3":
+        return None
+    base = rope.get("rope_theta", 10000.0)
+    dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope.get("original_max_position_embeddings", 8192)
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
+
+
 def write_gguf(folder: Path | str, out: Path | str, kinds: dict[str, str] | None = None) -> Path:
     """The model in `folder` as the GGUF file `out` (float32 tensors, norms included; `kinds`: GGUF tensor name ->
     GGML type name for tensors to quantize, e.g. {'token_embd.weight': 'Q4_0'}). Returns `out`."""
@@ -89,9 +128,14 @@ def write_gguf(folder: Path | str, out: Path | str, kinds: dict[str, str] | None
     w.add_feed_forward_length(hp["intermediate_size"])
     w.add_head_count(hp["num_attention_heads"])
     w.add_head_count_kv(hp["num_key_value_heads"])
-    rope = hp.get("rope_parameters") or {}
-    # TextModel: the global layers' rope (Gemma 3 keeps one dict per layer type) and the sliding ones' base
-    w.add_rope_freq_base(rope.get("full_attention", rope).get("rope_theta", hp.get("rope_theta", 10000.0)))
+    rope = _rope_parameters(hp)
+    # TextModel: the global layers' rope (Gemma 3 keeps one dict per layer type): linear scaling's keys (Llama 3's
+    # goes into rope_freqs), the base; and the sliding ones' base
+    full = rope.get("full_attention", rope)
+    if full.get("rope_type") == "linear" and full.get("factor") is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    w.add_rope_freq_base(full.get("rope_theta", 10000.0))
     if (local := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
         w.add_rope_freq_base_swa(local)
     w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
@@ -110,6 +154,8 @@ def write_gguf(folder: Path | str, out: Path | str, kinds: dict[str, str] | None
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     _tokenizer(w, folder, hp["vocab_size"])
 
+    if through_llama and (factors := _llama3_rope_factors(hp, full)) is not None:
+        w.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors)
     with safe_open(folder / "model.safetensors", framework="pt") as f:
         for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
             if name == "lm_head.weight" and hp.get("tie_word_embeddings"):

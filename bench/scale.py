@@ -48,6 +48,10 @@ class Setup:
     prefill: tuple[int, ...] = (128, 512, 1024)
     decode_tokens: int = 64
     reps: int = 3
+    kv_format: str | None = None  # serve's and profile's --kv-format (None: no flag, their default)
+
+    def kv_args(self) -> list[str]:
+        return ["--kv-format", self.kv_format] if self.kv_format else []
 
 
 SETUPS = {
@@ -56,6 +60,11 @@ SETUPS = {
     # Llama-2-7B in Q4_1: 4.5 GiB of layers; each worker may hold 1.5 GiB
     "llama-2-7b-4w": Setup("llama-2-7b", "q4_1", 4, 1.5, context=1024, prefill=(128, 512), decode_tokens=16,
                            reps=2),
+    # Qwen3-4B in Q4_1 (q/k norms, heads of 128 wider than hidden / heads): its GGUF is 2,684,896,832 bytes (2.50
+    # GiB; 2.54 GiB of layers in the workers' Q4 layout); each worker may hold 1.2 GiB, under half the file, so no
+    # two workers hold it; the KV cache in Q8_0
+    "qwen3-4b-3w": Setup("qwen3-4b", "q4_1", 3, 1.2, context=1024, prefill=(128, 512), decode_tokens=16, reps=2,
+                         kv_format="q8_0"),
 }
 DERIVED = Setup("llama-3.2-1b", "q4_1", 0, None)
 
@@ -131,7 +140,7 @@ def serve_args(setup: Setup, model: Path) -> list[str]:
         args += ["--local-workers", str(setup.workers)]
     if setup.budget_gib:
         args += ["--worker-memory-budget-gib", str(setup.budget_gib)]
-    return args
+    return args + setup.kv_args()
 
 
 def distributed(name: str, setup: Setup, out: Path) -> dict:
@@ -144,7 +153,8 @@ def distributed(name: str, setup: Setup, out: Path) -> dict:
     profile_path = out / f"profile-{name}.json"
     t0 = time.monotonic()
     run(edgespec("profile", "--local-workers", str(setup.workers), "--worker-memory-budget-gib",
-                 str(setup.budget_gib), "--model", str(model), "--out", str(profile_path)), out / f"profile-{name}.log")
+                 str(setup.budget_gib), "--model", str(model), "--out", str(profile_path), *setup.kv_args()),
+        out / f"profile-{name}.log")
     profile_s = time.monotonic() - t0
     profile = ClusterProfile.load(profile_path)
     plan = make_plan(profile, PlanOptions(context=setup.context, concurrency=setup.concurrency))

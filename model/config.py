@@ -88,6 +88,8 @@ class ModelConfig:
         # 'full_attention' and 'sliding_attention'); 4.x had them apart.
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         local = rope.pop("sliding_attention", None)
+        if local is None and d.get("rope_local_base_freq") is not None:  # 4.x Gemma 3 configs (the Hub's files)
+            local = {"rope_type": "default", "rope_theta": d["rope_local_base_freq"]}
         rope = dict(rope.pop("full_attention", None) or rope)
         theta = rope.pop("rope_theta", None) or d.get("rope_theta", 10000.0)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -97,6 +99,10 @@ class ModelConfig:
         if local and local.get("rope_type", "default") != "default":
             raise ValueError(f"a scaled rope on sliding layers ({local['rope_type']!r}) is not supported")
         layer_types = d.get("layer_types") or ()
+        if not layer_types and (pattern := d.get("sliding_window_pattern")):
+            # 4.x Gemma 3 configs: every pattern-th layer global, the others sliding (transformers' reading of it)
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                           for i in range(d["num_hidden_layers"])]
         kinds = set(layer_types) - {"sliding_attention", "full_attention"}
         if kinds:
             raise ValueError(f"layer types {sorted(kinds)} are not supported")

@@ -4,18 +4,22 @@ weights, for measuring speed, memory and placement on models bigger than the emb
 Their text is noise: the weights are random. What a pass costs depends on shapes and formats, not on values,
 so such a model measures the split honestly where no real weights of that size are available offline.
 
-A folder holds config.json (the shape's Hugging Face fields, config/models/<shape>.json "hf"), the embedded
-model's tokenizer cut to the shape's vocabulary (its BPE vocabulary and merges kept below the shape's size; a
-larger shape's ids past the tokenizer are never produced by it), and the weights:
+A folder holds config.json (the shape's fields and its card's Hugging Face fields, config/models/<shape>.json
+"hf": the architecture is its model_type, Llama where a card names none), the embedded model's tokenizer cut to
+the shape's vocabulary (its BPE vocabulary and merges kept below the shape's size; a larger shape's ids past the
+tokenizer are never produced by it), and the weights, the tensors the architecture has (model/arch.py: its
+layer's tensors, its norms):
 - float32 / bfloat16 / float16: safetensors in that dtype (shards of at most 2 GiB, with an index);
-- q4_1 / q8_0: a GGUF file of those blocks (layers in that format, the embedding and the head in Q8_0, norms in
-  F32; q and k rows in llama.cpp's rotary order, as a converted GGUF has them), pointed at as a converted GGUF
-  folder points at its file, so it is served as a GGUF is (`--weights auto` runs its own blocks).
+- q4_1 / q8_0: a GGUF file of those blocks written as llama.cpp's converter writes that architecture
+  (model/synth_gguf.py), pointed at as a converted GGUF folder points at its file, so it is served as a GGUF is
+  (`--weights auto` runs its own blocks).
 
 Values: every tensor from its own generator, seeded by (seed, tensor name), so a tensor is the same whatever
 else is written; matrices N(0, 0.02^2) (about 1/sqrt(hidden) at 2048, as trained Llama matrices are), the output
 projections of attention and FFN divided by sqrt(2 layers) so that the residual stream grows as in a trained
-model (GPT-2's scaling), norms 1. Hidden states stay finite through every layer (tests/test_synth.py).
+model (GPT-2's scaling), norms multiplying by 1 (stored as 0 where the architecture multiplies by 1 + w, Gemma 3's
+folders; its GGUF holds 1, shifted as the converter shifts it). Hidden states stay finite through every layer
+(tests/test_synth.py, tests/test_synth_archs.py).
 """
 
 from __future__ import annotations
@@ -29,17 +33,19 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from edgespec.model.arch import LLAMA
+from edgespec.model.config import ModelConfig
 from edgespec.model.source import GGUF_POINTER, cache_root, resolve_model
+from edgespec.model.synth_gguf import write_gguf
 
 SHAPES_DIR = Path(__file__).resolve().parents[1] / "config" / "models"
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GGUF_FORMATS = ("q4_1", "q8_0")
 FORMATS = (*GGUF_FORMATS, *FLOAT_FORMATS)
-VERSION = 1  # of the generator: a folder written by another version is written again
+# of the generator: a folder written by another version is written again. 2: GGUFs with the converter's keys
+# (key and rope lengths, file type, name) and Llama 3's rope_freqs; every architecture's own tensors
+VERSION = 2
 STD = 0.02
 SHARD_BYTES = 2 * 2**30
 GGUF_FILE = "weights.gguf"
@@ -47,16 +53,18 @@ GGUF_FILE = "weights.gguf"
 
 @dataclass(frozen=True)
 class Tensor:
-    """One tensor to write: Hugging Face name, shape, and the std of its values (None: ones, a norm)."""
+    """One tensor to write: Hugging Face name, shape, and the std of its values (None: a norm, `fill` everywhere:
+    the stored value of a norm that multiplies by 1)."""
 
     name: str
     shape: tuple[int, ...]
     std: float | None
+    fill: float = 1.0
 
     def values(self, seed: int) -> torch.Tensor:
         """The tensor's float32 values: the same for the same seed and name, whatever else is written."""
         if self.std is None:
-            return torch.ones(self.shape)
+            return torch.full(self.shape, self.fill)
         key = int.from_bytes(hashlib.sha256(f"{seed}:{self.name}".encode()).digest()[:8], "little") >> 1
         return torch.randn(self.shape, generator=torch.Generator().manual_seed(key)).mul_(self.std)
 
@@ -82,44 +90,59 @@ def load_shape(shape: str) -> dict:
     return card
 
 
+# what the first cards (all Llama) leave out of their Hugging Face fields
+LLAMA_FIELDS = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+                "attention_bias": False, "mlp_bias": False}
+
+
 def hf_config(card: dict, bos: int, eos: int) -> dict:
-    """config.json of a shape (Llama architecture; token ids are the embedded tokenizer's)."""
-    hf = card["hf"]
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+    """config.json of a shape: its shape fields, then its card's Hugging Face fields (a card without a model_type
+    is a Llama); token ids are the embedded tokenizer's."""
+    hf = dict(card["hf"]) if "model_type" in card["hf"] else {**LLAMA_FIELDS, **card["hf"]}
+    return {
+        "architectures": hf.pop("architectures"), "model_type": hf.pop("model_type"),
         "hidden_size": card["hidden_size"], "num_hidden_layers": card["n_layers"],
         "num_attention_heads": card["n_heads"], "num_key_value_heads": card["n_kv_heads"],
-        "head_dim": card["head_dim"], "intermediate_size": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
-        "rms_norm_eps": hf["rms_norm_eps"], "rope_theta": hf["rope_theta"],
-        "max_position_embeddings": hf["max_position_embeddings"], "tie_word_embeddings": hf["tie_word_embeddings"],
-        "attention_bias": False, "mlp_bias": False, "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos,
+        "head_dim": card["head_dim"], **hf, "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos,
         "_name_or_path": f"synthetic {card['name']} (random weights: its text is noise)",
     }
-    if "rope_scaling" in hf:
-        config["rope_scaling"] = hf["rope_scaling"]
-    return config
 
 
-def tensors(config: dict) -> list[Tensor]:
-    """Every tensor of a Llama model with this config, in file order."""
+def layer_tensors(config: dict) -> dict[str, tuple[tuple[int, ...], float | None]]:
+    """Shape [out, in] and std of each layer matrix and per-head norm (std None), by its GGUF name (llama.cpp's
+    names are the same in every architecture; model/arch.py's Architecture.layer maps them to Hugging Face names)."""
     h, n_layers, hd = config["hidden_size"], config["num_hidden_layers"], config["head_dim"]
     q, kv, inter = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd, config["intermediate_size"]
     out_std = STD / math.sqrt(2 * n_layers)
-    out = [Tensor("model.embed_tokens.weight", (config["vocab_size"], h), STD)]
-    for i in range(n_layers):
-        p = f"model.layers.{i}."
-        out += [Tensor(p + "input_layernorm.weight", (h,), None),
-                Tensor(p + "self_attn.q_proj.weight", (q, h), STD),
-                Tensor(p + "self_attn.k_proj.weight", (kv, h), STD),
-                Tensor(p + "self_attn.v_proj.weight", (kv, h), STD),
-                Tensor(p + "self_attn.o_proj.weight", (h, q), out_std),
-                Tensor(p + "post_attention_layernorm.weight", (h,), None),
-                Tensor(p + "mlp.gate_proj.weight", (inter, h), STD),
-                Tensor(p + "mlp.up_proj.weight", (inter, h), STD),
-                Tensor(p + "mlp.down_proj.weight", (h, inter), out_std)]
-    out.append(Tensor("model.norm.weight", (h,), None))
-    if not config["tie_word_embeddings"]:
-        out.append(Tensor("lm_head.weight", (config["vocab_size"], h), STD))
+    return {"attn_q": ((q, h), STD), "attn_k": ((kv, h), STD), "attn_v": ((kv, h), STD),
+            "attn_output": ((h, q), out_std), "ffn_gate": ((inter, h), STD), "ffn_up": ((inter, h), STD),
+            "ffn_down": ((h, inter), out_std), "attn_q_norm": ((hd,), None), "attn_k_norm": ((hd,), None)}
+
+
+def tensors(config: dict) -> list[Tensor]:
+    """Every tensor of a model with this config, in file order, as its Hugging Face checkpoint holds them: its
+    architecture's layer tensors (model/arch.py: its norms over the hidden state by place, the rest from
+    layer_tensors), norms stored so that they multiply by 1 (1 - the architecture's norm_offset)."""
+    cfg = ModelConfig.from_hf_dict(config)
+    arch, h, vocab = cfg.arch, cfg.hidden_size, cfg.vocab_size
+    if cfg.attention_bias or cfg.o_bias or cfg.mlp_bias:  # Qwen2's, for one: refused rather than left out
+        raise ValueError(f"synth-model writes no biases ({arch.name} with this config has them)")
+    shapes = layer_tensors(config)
+    hidden_norms = set(arch.norms.values())
+    norm = 1.0 - arch.norm_offset
+    out = [Tensor("model.embed_tokens.weight", (vocab, h), STD)]
+    for i in range(cfg.n_layers):
+        for gguf_name, hf_name in arch.layer.items():
+            if hf_name in hidden_norms:
+                shape, std = (h,), None
+            elif gguf_name in shapes:
+                shape, std = shapes[gguf_name]
+            else:
+                raise ValueError(f"synth-model has no shape for {arch.name}'s {gguf_name} ({hf_name})")
+            out.append(Tensor(f"model.layers.{i}.{hf_name}.weight", shape, std, norm if std is None else 1.0))
+    out.append(Tensor("model.norm.weight", (h,), None, norm))
+    if not cfg.tie_word_embeddings:
+        out.append(Tensor("lm_head.weight", (vocab, h), STD))
     return out
 
 
@@ -143,27 +166,34 @@ def synthesize(shape: str, out: Path | None = None, weights: str = "q4_1", seed:
         return out
     if out.exists() and not done.exists() and any(out.iterdir()):  # never replace a folder of something else
         raise ValueError(f"{out} exists and is not a scale model's folder (no synth.json): choose another --out")
-    tokenizer = resolve_model(None).folder
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tok_config = json.loads((tokenizer / "config.json").read_text())
-    config = hf_config(card, tok_config["bos_token_id"], tok_config["eos_token_id"])
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    write_tokenizer(tokenizer, tmp, config["vocab_size"])
+    config = write_config(card, tmp)
     plan = tensors(config)
     with _progress(progress, f"{card['name']} ({weights}, seed {seed})",
                    sum(math.prod(t.shape) for t in plan)) as advance:
         if weights in FLOAT_FORMATS:
             write_safetensors(plan, tmp, FLOAT_FORMATS[weights], seed, advance)
         else:
-            write_gguf(plan, tmp / GGUF_FILE, config, weights, seed, advance)
+            write_gguf(plan, tmp / GGUF_FILE, config, card["name"], weights, seed, advance)
             (tmp / GGUF_POINTER).write_text(GGUF_FILE + "\n")  # relative: the folder can move
     (tmp / "synth.json").write_text(json.dumps(record, indent=1) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp.rename(out)
     return out
+
+
+def write_config(card: dict, out: Path) -> dict:
+    """config.json of the card and the embedded tokenizer cut to its vocabulary, into the folder `out`; returns
+    the config."""
+    tokenizer = resolve_model(None).folder
+    tok_config = json.loads((tokenizer / "config.json").read_text())
+    config = hf_config(card, tok_config["bos_token_id"], tok_config["eos_token_id"])
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_tokenizer(tokenizer, out, config["vocab_size"])
+    return config
 
 
 class _progress:
@@ -231,49 +261,6 @@ def write_safetensors(plan: list[Tensor], out: Path, dtype: torch.dtype, seed: i
         save_file(shard, out / name, metadata={"format": "pt"})
     weight_map = {k: name for name, shard in zip(names, shards, strict=True) for k in shard}
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-
-
-def write_gguf(plan: list[Tensor], path: Path, config: dict, weights: str, seed: int,
-               advance: Callable[[int], None]) -> None:
-    """The tensors as one GGUF file: layer matrices in `weights` blocks, the embedding and head in Q8_0, norms
-    F32. Tensor infos go first in a GGUF, so sizes are worked out before any values are drawn."""
-    from gguf import GGMLQuantizationType, GGUFWriter
-    from gguf.quants import quant_shape_to_byte_shape, quantize
-
-    layer_kind = GGMLQuantizationType[weights.upper()]
-    writer = GGUFWriter(path, "llama")
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config["rope_theta"])
-    writer.add_vocab_size(config["vocab_size"])
-
-    def kind(t: Tensor):
-        if len(t.shape) == 1:
-            return None
-        return layer_kind if ".layers." in t.name else GGMLQuantizationType.Q8_0
-
-    for t in plan:
-        k = kind(t)
-        if k is None:
-            writer.add_tensor_info(LLAMA.gguf_name(t.name), t.shape, np.dtype(np.float32), 4 * math.prod(t.shape))
-        else:
-            shape = quant_shape_to_byte_shape(t.shape, k)
-            writer.add_tensor_info(LLAMA.gguf_name(t.name), shape, np.dtype(np.uint8), math.prod(shape), raw_dtype=k)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    heads = config["num_attention_heads"], config["num_key_value_heads"]
-    for t in plan:
-        w = t.values(seed).numpy()
-        k = kind(t)
-        writer.write_tensor_data(w if k is None else quantize(LLAMA.to_gguf(t.name, w, *heads), k))
-        advance(w.size)
-    writer.close()
 
 
 def weight_files(folder: Path) -> Iterator[Path]:

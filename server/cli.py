@@ -259,7 +259,7 @@ def _synth_parser(sub) -> None:
     p = sub.add_parser("synth-model", help="write a scale model: a real model's shape with seeded random weights "
                        "(its text is noise: it is for speed, memory and placement)")
     p.add_argument("--shape", required=True, help="a card of config/models (tinyllama-1.1b, llama-3.2-1b, "
-                   "llama-2-7b, llama-2-13b) or a card JSON's path")
+                   "llama-3.2-3b, llama-2-7b, llama-2-13b, qwen3-4b, gemma3-1b, gemma3-4b) or a card JSON's path")
     p.add_argument("--out", type=Path, help="the folder to write (default: in the cache, by shape, format and seed)")
     p.add_argument("--weights", default="q4_1", choices=FORMATS[1:],
                    help="q4_1 / q8_0: a GGUF of those blocks; float32 / bfloat16 / float16: safetensors (default q4_1)")

@@ -1,0 +1,117 @@
+"""A scale model's GGUF file (model/synth.py), written as llama.cpp's converter writes the model's architecture
+(`convert_hf_to_gguf.py` and its `conversion/*.py`, from the `llama-cpp-python` source distribution):
+
+- metadata: `general.architecture` the architecture's GGUF name, and the keys `TextModel.set_gguf_parameters`
+  writes for the config (block count, lengths, heads, rope base and linear scaling, the sliding layers' rope
+  base, norm epsilon, key and value lengths, file type), with `LlamaModel`'s (vocabulary size, rope dimensions)
+  for the architectures it writes through LlamaModel and `Gemma3Model`'s (the sliding window) for sliding-window
+  models; no tokenizer (the folder's config.json and tokenizer are what edgespec reads);
+- tensors: GGUF names from model/arch.py, q and k rows reordered where the architecture's rotary is permuted
+  (`LlamaModel.permute`), norms shifted by the architecture's norm_offset (`Gemma3Model.norm_shift`: its norms
+  multiply by 1 + w), and `LlamaModel.generate_extra_tensors`' rope_freqs for Llama 3's rope scaling;
+- formats: layer matrices in the file's blocks, the embedding and head in Q8_0, norms F32.
+
+tests/test_synth_archs.py checks this against bench/gguf_writer.py, which mirrors the converter without reading
+model/arch.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from edgespec.model.config import ModelConfig, rope_inv_freq
+
+if TYPE_CHECKING:
+    from edgespec.model.synth import Tensor
+
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def write_metadata(writer, cfg: ModelConfig, name: str, weights: str) -> None:
+    """The converter's keys for a model of `cfg` whose layers are in `weights` blocks (q4_1 / q8_0)."""
+    import gguf
+
+    writer.add_type("model")
+    writer.add_name(name)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_block_count(cfg.n_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.n_heads)
+    writer.add_head_count_kv(cfg.n_kv_heads)
+    if cfg.rope_scaling["rope_type"] == "linear":  # llama3's scaling goes into rope_freqs instead
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(cfg.rope_scaling["factor"])
+    writer.add_rope_freq_base(cfg.rope_theta)
+    if cfg.rope_local_theta is not None:
+        writer.add_rope_freq_base_swa(cfg.rope_local_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_key_length(cfg.head_dim)  # the config names head_dim (hf_config writes it)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{weights.upper()}"])
+    if cfg.arch.rotary_permuted:  # written through LlamaModel, which adds these
+        writer.add_vocab_size(cfg.vocab_size)
+        writer.add_rope_dimension_count(cfg.head_dim)
+    if cfg.sliding_window is not None:  # Gemma3Model's (the layer pattern is llama.cpp's own: not written)
+        writer.add_sliding_window(cfg.sliding_window)
+
+
+def extra_tensors(cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Tensors the converter adds that no checkpoint holds: LlamaModel's rope_freqs under Llama 3's rope scaling,
+    per rotary frequency what llama.cpp divides it by [head_dim / 2] (edgespec reads none of them)."""
+    if not cfg.arch.rotary_permuted or cfg.rope_scaling["rope_type"] != "llama3":
+        return {}
+    plain = rope_inv_freq(dataclasses.replace(cfg, rope_scaling={"rope_type": "default"}))
+    return {ROPE_FREQS: (plain / rope_inv_freq(cfg)).numpy()}
+
+
+def write_gguf(plan: Sequence[Tensor], path: Path, config: dict, name: str, weights: str, seed: int,
+               advance: Callable[[int], None]) -> None:
+    """The tensors of `plan` (Hugging Face names and values) as one GGUF file, layer matrices in `weights` blocks.
+    Tensor infos go first in a GGUF, so sizes are worked out before any values are drawn."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quant_shape_to_byte_shape, quantize
+
+    cfg = ModelConfig.from_hf_dict(config)
+    arch = cfg.arch
+    layer_kind = GGMLQuantizationType[weights.upper()]
+    writer = GGUFWriter(path, arch.gguf)
+    write_metadata(writer, cfg, f"synthetic {name}", weights)
+    extra = extra_tensors(cfg)
+
+    def kind(t: Tensor) -> GGMLQuantizationType | None:  # None: F32 (the norms)
+        if t.std is None:
+            return None
+        return layer_kind if ".layers." in t.name else GGMLQuantizationType.Q8_0
+
+    for gguf_name, values in extra.items():
+        writer.add_tensor_info(gguf_name, values.shape, np.dtype(np.float32), values.nbytes)
+    for t in plan:
+        k = kind(t)
+        if k is None:
+            writer.add_tensor_info(arch.gguf_name(t.name), t.shape, np.dtype(np.float32), 4 * math.prod(t.shape))
+        else:
+            shape = quant_shape_to_byte_shape(t.shape, k)
+            writer.add_tensor_info(arch.gguf_name(t.name), shape, np.dtype(np.uint8), math.prod(shape), raw_dtype=k)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for values in extra.values():
+        writer.write_tensor_data(values)
+    heads = cfg.n_heads, cfg.n_kv_heads
+    for t in plan:
+        w = t.values(seed).numpy()
+        k = kind(t)
+        if k is None:  # a norm: the converter writes norm_offset + w, what the norm multiplies by
+            writer.write_tensor_data(w + np.float32(arch.norm_offset))
+        else:
+            writer.write_tensor_data(quantize(arch.to_gguf(t.name, w, *heads), k))
+        advance(w.size)
+    writer.close()
