@@ -117,7 +117,7 @@ class HeadBlocks:
             del self.ffn[layer]
         for layer in sorted(set(ffns) - set(self.ffn)):
             ffn = FFN(self.cfg, self.dtype)
-            load_ffn(ffn, self.src, layer, self.fmt)
+            load_ffn(ffn, self.src, self.cfg, layer, self.fmt)
             self.ffn[layer] = (self._norm(f"model.layers.{layer}.{self.cfg.arch.norms['ffn_in']}.weight"), ffn)
 
     @staticmethod
