@@ -5,8 +5,10 @@ f32`; checked against it, see the README's "Models"): its `TextModel.set_gguf_pa
 fields of transformers 5 and of 4.x configs read as its `TextModel.__init__` reads them), its `_set_vocab_gpt2`
 tokenizer, its tensor names (gguf's own TensorNameMap, which the converter maps through), q and k rows reordered
 as its `LlamaModel.permute` does for the architectures it writes through LlamaModel, with LlamaModel's rope_freqs
-under Llama 3's rope scaling, and Gemma 3's norm weights shifted by 1 with its own keys (`Gemma3Model`:
-norm_shift, set_gguf_parameters; not its cut of token_embd to the tokenizer's size).
+under Llama 3's rope scaling, Gemma 3's norm weights shifted by 1 with its own keys (`Gemma3Model`: norm_shift,
+set_gguf_parameters; not its cut of token_embd to the tokenizer's size), Phi-3's keys and rope factors written
+as `Phi3MiniModel` writes them (its set_gguf_parameters, generate_extra_tensors; its fused qkv_proj and
+gate_up_proj kept whole as attn_qkv and ffn_up).
 Nothing here is taken from edgespec's own description of an architecture (model/arch.py), so a wrong name or
 ordering there fails the tests (tests/test_architectures.py) and shows in bench/gguf_types.py.
 """
@@ -36,12 +38,19 @@ ARCH_CLASSES = {
                 "tie_word_embeddings": True, "rope_parameters": {
                     "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
                     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}}),
+    # Phi-4-mini's rope: longrope (its factors drawn for the shape, see tiny_config) over the first 3/4 of each
+    # head, the original context the whole context, so that transformers and llama.cpp both turn by the short
+    # factors; its sliding_window past the context (Phi-4-mini: 262144 of 131072), so it narrows nothing.
+    # Phi3Config's pad_token_id, 32000, is past a tiny vocabulary.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             {"partial_rotary_factor": 0.75, "rope_parameters": {"rope_type": "longrope", "rope_theta": 10_000.0},
+              "sliding_window": 262144, "pad_token_id": None}),
 }
 
 
 # Hugging Face model_type -> (the converter's GGUF architecture, whether it writes it through LlamaModel)
 CONVERTER = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "qwen2": ("QWEN2", False),
-             "qwen3": ("QWEN3", False), "gemma3_text": ("GEMMA3", False)}
+             "qwen3": ("QWEN3", False), "gemma3_text": ("GEMMA3", False), "phi3": ("PHI3", False)}
 
 
 def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -122,40 +131,13 @@ def write_gguf(folder: Path | str, out: Path | str, kinds: dict[str, str] | None
     w = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch])
     w.add_name(folder.name)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_block_count(hp["num_hidden_layers"])
-    w.add_context_length(hp["max_position_embeddings"])
-    w.add_embedding_length(hp["hidden_size"])
-    w.add_feed_forward_length(hp["intermediate_size"])
-    w.add_head_count(hp["num_attention_heads"])
-    w.add_head_count_kv(hp["num_key_value_heads"])
-    rope = _rope_parameters(hp)
-    # TextModel: the global layers' rope (Gemma 3 keeps one dict per layer type): linear scaling's keys (Llama 3's
-    # goes into rope_freqs), the base; and the sliding ones' base
-    full = rope.get("full_attention", rope)
-    if full.get("rope_type") == "linear" and full.get("factor") is not None:
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(full["factor"])
-    w.add_rope_freq_base(full.get("rope_theta", 10000.0))
-    if (local := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
-        w.add_rope_freq_base_swa(local)
-    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
-    if hp.get("head_dim"):
-        w.add_key_length(hp["head_dim"])
-        w.add_value_length(hp["head_dim"])
-    if through_llama:  # LlamaModel's own keys
-        w.add_vocab_size(hp["vocab_size"])
-        w.add_rope_dimension_count(hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"])
-    gemma3 = hp["model_type"] == "gemma3_text"
-    if gemma3:  # Gemma3Model.set_gguf_parameters' own keys (no query_pre_attn_scalar, no layer types)
-        if hp.get("final_logit_softcapping"):
-            w.add_final_logit_softcapping(hp["final_logit_softcapping"])
-        if hp.get("sliding_window_pattern") != 1:
-            w.add_sliding_window(hp["sliding_window"])
+    extra = _phi3_parameters(w, hp) if hp["model_type"] == "phi3" else _text_parameters(w, hp, through_llama)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     _tokenizer(w, folder, hp["vocab_size"])
+    for gname, data in extra:  # the converter's generate_extra_tensors come before the checkpoint's
+        w.add_tensor(gname, data)
 
-    if through_llama and (factors := _llama3_rope_factors(hp, full)) is not None:
-        w.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors)
+    gemma3 = hp["model_type"] == "gemma3_text"
     with safe_open(folder / "model.safetensors", framework="pt") as f:
         for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
             if name == "lm_head.weight" and hp.get("tie_word_embeddings"):
@@ -181,6 +163,95 @@ def write_gguf(folder: Path | str, out: Path | str, kinds: dict[str, str] | None
     return out
 
 
+def _text_parameters(w, hp: dict, through_llama: bool) -> list:
+    """TextModel.set_gguf_parameters' keys (and LlamaModel's, Gemma3Model's own); LlamaModel's rope_freqs under
+    Llama 3's rope scaling, its generate_extra_tensors. -> [(GGUF name, float32 data)]"""
+    import gguf
+
+    w.add_block_count(hp["num_hidden_layers"])
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_embedding_length(hp["hidden_size"])
+    w.add_feed_forward_length(hp["intermediate_size"])
+    w.add_head_count(hp["num_attention_heads"])
+    w.add_head_count_kv(hp["num_key_value_heads"])
+    rope = _rope_parameters(hp)
+    # TextModel: the global layers' rope (Gemma 3 keeps one dict per layer type): linear scaling's keys (Llama 3's
+    # goes into rope_freqs), the base; and the sliding ones' base
+    full = rope.get("full_attention", rope)
+    if full.get("rope_type") == "linear" and full.get("factor") is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    w.add_rope_freq_base(full.get("rope_theta", 10000.0))
+    if (local := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
+        w.add_rope_freq_base_swa(local)
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    if hp.get("head_dim"):
+        w.add_key_length(hp["head_dim"])
+        w.add_value_length(hp["head_dim"])
+    if through_llama:  # LlamaModel's own keys
+        w.add_vocab_size(hp["vocab_size"])
+        w.add_rope_dimension_count(hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"])
+    if hp["model_type"] == "gemma3_text":  # Gemma3Model's own keys (no query_pre_attn_scalar, no layer types)
+        if hp.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(hp["final_logit_softcapping"])
+        if hp.get("sliding_window_pattern") != 1:
+            w.add_sliding_window(hp["sliding_window"])
+    if through_llama and (factors := _llama3_rope_factors(hp, full)) is not None:
+        return [(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors)]
+    return []
+
+
+def _phi3_parameters(w, hp: dict) -> list:
+    """Phi3MiniModel.set_gguf_parameters' keys (it writes no TextModel ones: no key_length, no vocab_size) and its
+    generate_extra_tensors: the longrope factors as rope_factors_long / _short, with the attention factor from
+    the context's ratio to the original one. -> [(GGUF name, float32 data)]"""
+    import math
+
+    import gguf
+
+    rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
+    n_embd, n_head = hp["hidden_size"], hp["num_attention_heads"]
+    max_pos = hp["max_position_embeddings"]
+    orig = rope.get("original_max_position_embeddings", hp.get("original_max_position_embeddings"))
+    rope_dims = int(rope.get("partial_rotary_factor", hp.get("partial_rotary_factor", 1.0)) * n_embd) // n_head
+    w.add_context_length(max_pos)
+    w.add_rope_scaling_orig_ctx_len(orig)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(hp["intermediate_size"])
+    w.add_block_count(hp["num_hidden_layers"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(hp["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    w.add_rope_dimension_count(rope_dims)
+    w.add_rope_freq_base(rope.get("rope_theta", hp.get("rope_theta", 10000.0)))
+    w.add_sliding_window(hp.get("sliding_window") or 0)  # 0: none (Phi-4's)
+    if not rope.get("long_factor"):
+        return []
+    scale = max_pos / orig
+    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0)
+    return [(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FACTORS_LONG] + ".weight",
+             np.asarray(rope["long_factor"], dtype=np.float32)),
+            (gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT] + ".weight",
+             np.asarray(rope["short_factor"], dtype=np.float32))]
+
+
+def tiny_config(kind: str, base: dict, overrides: dict):
+    """transformers' config of a tiny `kind` model: `base` (shape), then the architecture's own settings, then
+    `overrides`. A longrope scaling given without factors gets them, one per rotated frequency of the shape
+    (short ones 1 + 0.25 i, long ones 2 + i), with the original context the whole context unless given."""
+    import transformers
+
+    config_cls, _, extra = ARCH_CLASSES[kind]
+    args = {**base, **extra, **overrides}
+    rope = dict(args.get("rope_parameters") or {})
+    if rope.get("rope_type") == "longrope" and "short_factor" not in rope:
+        head = args.get("head_dim") or args["hidden_size"] // args["num_attention_heads"]
+        n = int(head * rope.get("partial_rotary_factor", args.get("partial_rotary_factor", 1.0))) // 2
+        rope.update(short_factor=[1.0 + 0.25 * i for i in range(n)], long_factor=[2.0 + i for i in range(n)])
+        args = {"original_max_position_embeddings": args["max_position_embeddings"], **args, "rope_parameters": rope}
+    return getattr(transformers, config_cls)(**args)
+
+
 def tiny_model(kind: str, folder: Path | str, seed: int = 0, shape: dict | None = None, std: float = 0.2,
                **overrides) -> Path:
     """A tiny random `kind` model (an ARCH_CLASSES key) from transformers' own class with SmolLM2's tokenizer,
@@ -191,13 +262,11 @@ def tiny_model(kind: str, folder: Path | str, seed: int = 0, shape: dict | None 
     from edgespec.model.source import resolve_model
 
     folder = Path(folder)
-    config_cls, model_cls, extra = ARCH_CLASSES[kind]
     tok = transformers.AutoTokenizer.from_pretrained(resolve_model(None).folder)
-    config = getattr(transformers, config_cls)(**{"vocab_size": len(tok), "bos_token_id": tok.bos_token_id,
-                                                  "eos_token_id": tok.eos_token_id, **(shape or {}), **extra,
-                                                  **overrides})
+    config = tiny_config(kind, {"vocab_size": len(tok), "bos_token_id": tok.bos_token_id,
+                                "eos_token_id": tok.eos_token_id, **(shape or {})}, overrides)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config)
+    model = getattr(transformers, ARCH_CLASSES[kind][1])(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias") or "norm" in name:

@@ -32,6 +32,12 @@ LLAMA_NORMS = {"attn_in": "input_layernorm", "ffn_in": "post_attention_layernorm
 GEMMA3_NORMS = {"attn_in": "input_layernorm", "attn_out": "post_attention_layernorm",
                 "ffn_in": "pre_feedforward_layernorm", "ffn_out": "post_feedforward_layernorm"}
 TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Phi-3's fused projections: llama.cpp's converter writes them as they are (no q/k permute: NEOX rotary), qkv_proj as
+# attn_qkv and gate_up_proj as ffn_up (gguf's TensorNameMap), both halves in the one tensor
+PHI3_LAYER = {"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj", "ffn_up": "mlp.gate_up_proj",
+              "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+PHI3_STACKED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,11 @@ class Architecture:
     embed_scaled: token embeddings are multiplied by sqrt(hidden_size) (Gemma: the tied head's are not).
     gguf_attn_scalar: the GGUF holds no query_pre_attn_scalar, and llama.cpp scales attention by
       key_length**-0.5, or (n_embd / n_head)**-0.5 for a 62-layer model (Gemma 3 27B); see `gguf_config`.
+    stacked: checkpoint tensors that hold several projections' rows one after another -> those projections in
+      row order (Phi-3: qkv_proj holds [q; k; v], gate_up_proj [gate; up]); the loader reads each projection's
+      rows from where `stored` says, so the blocks see the same projections in every architecture.
+    window_all_layers: the config's `sliding_window`, where set, narrows every layer (transformers' Phi3Model
+      masks every layer with it; the layer_types of Gemma 3's configs say which layers instead).
     """
 
     name: str
@@ -66,6 +77,8 @@ class Architecture:
     norm_offset: float = 0.0
     embed_scaled: bool = False
     gguf_attn_scalar: bool = False
+    stacked: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    window_all_layers: bool = False
 
     @property
     def output_norms(self) -> bool:
@@ -86,6 +99,14 @@ class Architecture:
             return {}
         key_length = meta.get(f"{self.gguf}.attention.key_length") or hidden // n_heads
         return {"query_pre_attn_scalar": hidden // n_heads if n_layers == 62 else int(key_length)}
+
+    def stored(self, part: str) -> tuple[str, tuple[str, ...]]:
+        """Where a layer's projection `part` ('self_attn.k_proj') is held: (the checkpoint tensor, the projections
+        stacked above it in that tensor), or (part, ()) where it is a tensor of its own."""
+        for tensor, parts in self.stacked.items():
+            if part in parts:
+                return tensor, parts[:parts.index(part)]
+        return part, ()
 
     def hf_name(self, gguf_name: str) -> str | None:
         """The Hugging Face name of a GGUF tensor ('blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'),
@@ -142,6 +163,9 @@ ARCHITECTURES = (
     # Gemma 3's text model (the text half of Gemma3ForConditionalGeneration has the same layers)
     Architecture("gemma3", ("gemma3_text",), "gemma3", qk_norm=True, layer=GEMMA3_LAYER, norms=GEMMA3_NORMS,
                  norm_offset=1.0, embed_scaled=True, gguf_attn_scalar=True),
+    # Phi-3, Phi-3.5 and Phi-4-mini: a Llama layer with fused projections; their longrope scaling and partial
+    # rotary (Phi-4-mini) are config fields (model/config.py)
+    Architecture("phi3", ("phi3",), "phi3", layer=PHI3_LAYER, stacked=PHI3_STACKED, window_all_layers=True),
 )
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgespec.model.config import ModelConfig, rope_inv_freq
+from edgespec.model.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from edgespec.model.kv_cache import KVCache
 from edgespec.model.linear import Kernel, compiled
 
@@ -70,15 +70,25 @@ class Rotary(nn.Module):
     size uses the same elementwise ops, so a position's rotated q and k are bitwise the same alone or in a
     pass of many tokens (a matrix form for single tokens was faster in bf16 but rounded differently from the
     elementwise form, which broke the exact policies in the served format).
+
+    With partial rotary (Phi-4-mini) the q and k rows are held in ModelConfig.qk_head_order, so the rotated pairs
+    are (i, i + hd/2) for i < rotary_dim/2 as for a full head, and the dims that pass through get cos 1 and sin 0.
+    longrope's attention factor multiplies the rotated dims' cos and sin (transformers' attention_scaling).
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, local: bool = False):
         super().__init__()
         t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(t, rope_inv_freq(cfg, local))  # [P, hd/2]
+        inv = rope_inv_freq(cfg, local)  # [r/2]
+        still = cfg.head_dim // 2 - len(inv)  # dims per half that pass through
+        freqs = torch.outer(t, torch.cat([inv, torch.zeros(still)]))  # [P, hd/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, hd]
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        turns = torch.cat([torch.ones(len(inv), dtype=torch.bool), torch.zeros(still, dtype=torch.bool)]).repeat(2)
+        scale = 1.0 if local else rope_attention_factor(cfg)  # x * 1.0 is x: full rotary keeps its bits
+        cos = torch.where(turns, emb.cos() * scale, 1.0)  # exactly 1 and 0 where dims pass through
+        sin = torch.where(turns, emb.sin() * scale, 0.0)
+        self.register_buffer("cos", cos.to(dtype), persistent=False)
+        self.register_buffer("sin", sin.to(dtype), persistent=False)
         self.local = Rotary(cfg, dtype, local=True) if cfg.rope_local_theta is not None and not local else None
 
     def forward(self, positions: torch.Tensor) -> Rope:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -13,7 +13,8 @@ import torch
 from edgespec.model.arch import LLAMA, Architecture, architecture
 from edgespec.model.kv_format import FLOAT32, KVFormat
 
-SUPPORTED_ROPE = ("default", "linear", "llama3")
+SUPPORTED_ROPE = ("default", "linear", "llama3", "longrope")
+ROPE_ALIASES = {"su": "longrope"}  # the name of longrope in older Phi-3 configs (transformers and llama.cpp agree)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # what some configs set that no block here computes: refused by name rather than served wrong
 UNSUPPORTED_IF_SET = ("attn_logit_softcapping", "final_logit_softcapping")
@@ -21,7 +22,8 @@ UNSUPPORTED_IF_SET = ("attn_logit_softcapping", "final_logit_softcapping")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shapes of a decoder of one of the architectures in model/arch.py (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2)."""
+    """Shapes of a decoder of one of the architectures in model/arch.py (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3,
+    Phi-3), with its rope: scaled (linear, llama3, longrope), partial (Phi-4-mini), windowed where the config says."""
 
     hidden_size: int
     n_layers: int
@@ -46,6 +48,7 @@ class ModelConfig:
     sliding_window: int | None = None  # what a sliding layer's queries see: the last `sliding_window` positions
     sliding_layers: tuple[bool, ...] = ()  # per layer: sliding (config.layer_types); empty: none
     rope_local_theta: float | None = None  # the sliding layers' rotary base (unscaled); None: rope_theta's
+    partial_rotary_factor: float = 1.0  # the share of each head's dims the rotary embedding turns (Phi-4-mini: 0.75)
 
     @property
     def queries_per_group(self) -> int:
@@ -55,6 +58,24 @@ class ModelConfig:
         """Bytes of K and V one token occupies over `n_layers` layers (all layers by default) in KV format fmt."""
         layers = self.n_layers if n_layers is None else n_layers
         return 2 * layers * self.n_kv_heads * fmt.row(self.head_dim) * fmt.dtype.itemsize
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of a head's dims are rotated: the first rotary_dim of the model's own order (transformers'
+        int(head_dim * partial_rotary_factor)); the rest pass through."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def qk_head_order(self) -> list[tuple[int, int]]:
+        """The order in which each head's q and k dims are held, as ranges of the model's own dims: the kernels
+        rotate pairs (i, i + head_dim/2), the model pairs (i, i + rotary_dim/2) among its first rotary_dim dims,
+        so with partial rotary the rotated halves are moved to [0, r/2) and [hd/2, hd/2 + r/2) and the dims that
+        pass through fill the rest (the rotary tables give those cos 1 and sin 0: x * 1 + y * 0 is x exactly).
+        The same order in q and k leaves every q.k, so attention, as it is; v keeps its order. [(0, hd)]: none."""
+        hd, r = self.head_dim, self.rotary_dim
+        if r == hd:
+            return [(0, hd)]
+        rest = (hd - r) // 2
+        return [(0, r // 2), (r, r + rest), (r // 2, r), (r + rest, hd)]
 
     @property
     def attn_scale(self) -> float | None:
@@ -84,6 +105,7 @@ class ModelConfig:
                 raise ValueError(f"{key} = {d[key]} is not supported")
         n_heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
+        head_dim = d.get("head_dim") or hidden // n_heads
         # transformers 5 keeps theta and scaling together in rope_parameters (Gemma 3: one dict per layer type,
         # 'full_attention' and 'sliding_attention'); 4.x had them apart.
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
@@ -92,7 +114,13 @@ class ModelConfig:
             local = {"rope_type": "default", "rope_theta": d["rope_local_base_freq"]}
         rope = dict(rope.pop("full_attention", None) or rope)
         theta = rope.pop("rope_theta", None) or d.get("rope_theta", 10000.0)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_type = rope.pop("rope_type", None) or rope.pop("type", "default")
+        rope_type = ROPE_ALIASES.get(rope_type, rope_type)
+        partial = float(rope.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0)
+        if not 2 <= int(head_dim * partial) <= head_dim or int(head_dim * partial) % 2:
+            raise ValueError(f"partial_rotary_factor {partial} of a head of {head_dim} rotates no whole pairs of dims")
+        if rope_type == "longrope":
+            rope = longrope_parameters(rope, d)
         for kind in (rope_type, (local or {}).get("rope_type", "default")):
             if kind not in SUPPORTED_ROPE:
                 raise ValueError(f"rope type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)})")
@@ -103,6 +131,9 @@ class ModelConfig:
             # 4.x Gemma 3 configs: every pattern-th layer global, the others sliding (transformers' reading of it)
             layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
                            for i in range(d["num_hidden_layers"])]
+        window = d.get("sliding_window")
+        if arch.window_all_layers and not layer_types and window and window < d.get("max_position_embeddings", 2048):
+            layer_types = ["sliding_attention"] * d["num_hidden_layers"]  # a window past the context narrows nothing
         kinds = set(layer_types) - {"sliding_attention", "full_attention"}
         if kinds:
             raise ValueError(f"layer types {sorted(kinds)} are not supported")
@@ -113,7 +144,7 @@ class ModelConfig:
             n_layers=d["num_hidden_layers"],
             n_heads=n_heads,
             n_kv_heads=d.get("num_key_value_heads") or n_heads,
-            head_dim=d.get("head_dim") or hidden // n_heads,
+            head_dim=head_dim,
             intermediate_size=d["intermediate_size"],
             vocab_size=d["vocab_size"],
             rms_norm_eps=d.get("rms_norm_eps", 1e-5),
@@ -129,25 +160,68 @@ class ModelConfig:
             arch=arch,
             hidden_act=act,
             query_pre_attn_scalar=d.get("query_pre_attn_scalar"),
-            sliding_window=d.get("sliding_window") if "sliding_attention" in layer_types else None,
+            sliding_window=window if "sliding_attention" in layer_types else None,
             sliding_layers=tuple(t == "sliding_attention" for t in layer_types),
             rope_local_theta=float(local["rope_theta"]) if local and "rope_theta" in local else None,
+            partial_rotary_factor=partial,
         )
 
     @classmethod
     def from_folder(cls, folder: Path) -> ModelConfig:
-        return cls.from_hf_dict(json.loads((Path(folder) / "config.json").read_text()))
+        """The config of a Hugging Face folder; its end ids those of config.json and of generation_config.json,
+        which transformers' generate stops on too (Phi-3's and Phi-4-mini's end of turn, <|end|>, is only
+        there: their config.json names <|endoftext|>)."""
+        cfg = cls.from_hf_dict(json.loads((Path(folder) / "config.json").read_text()))
+        generation = Path(folder) / "generation_config.json"
+        eos = json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
+        more = [i for i in (eos if isinstance(eos, list) else [] if eos is None else [eos])
+                if i not in cfg.eos_token_ids]
+        return replace(cfg, eos_token_ids=cfg.eos_token_ids + tuple(more)) if more else cfg
+
+
+def longrope_parameters(rope: dict, d: dict) -> dict:
+    """A longrope config's scaling as rope_inv_freq and rope_attention_factor read it: its short and long factors
+    (one per rotated frequency), original_max_position_embeddings (in rope_parameters, or the config's own field in
+    Phi-3's configs) and the attention factor, transformers' rule where the config gives none: from `factor`, else
+    from max_position_embeddings / original_max_position_embeddings (what llama.cpp's converter writes, too)."""
+    original = rope.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+    if original is None or not rope.get("short_factor") or not rope.get("long_factor"):
+        raise ValueError("a longrope config needs short_factor, long_factor and original_max_position_embeddings")
+    factor = rope.get("factor") or d.get("max_position_embeddings", 2048) / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"short_factor": [float(f) for f in rope["short_factor"]],
+            "long_factor": [float(f) for f in rope["long_factor"]],
+            "original_max_position_embeddings": int(original), "attention_factor": float(attention)}
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What the rotary embedding's cos and sin are multiplied by (longrope's attention factor), else 1."""
+    return cfg.rope_scaling.get("attention_factor", 1.0) if cfg.rope_scaling.get("rope_type") == "longrope" else 1.0
 
 
 def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] of the rotary embedding, with the config's scaling applied; local: the
-    sliding layers' (their own base, unscaled: Gemma 3's rope_local_base_freq)."""
-    hd = cfg.head_dim
+    """Inverse frequencies [rotary_dim // 2] of the rotary embedding, with the config's scaling applied; local: the
+    sliding layers' (their own base, unscaled: Gemma 3's rope_local_base_freq).
+
+    longrope divides each frequency by its own factor, the long ones where the served context
+    (max_position_embeddings: the positions the rotary tables hold) exceeds original_max_position_embeddings,
+    else the short ones: llama.cpp's rule (`get_rope_factors`), chosen once at load. transformers instead switches
+    per pass on the pass's last position, so the same position would rotate differently in passes of other
+    lengths; here a position's rotation never depends on the pass it is in (model/blocks.py: Rotary)."""
+    r = cfg.rotary_dim
     theta = cfg.rope_local_theta if local else cfg.rope_theta
-    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    inv = 1.0 / (theta ** (torch.arange(0, r, 2, dtype=torch.float64) / r))
     scaling = {} if local else cfg.rope_scaling
     kind = scaling.get("rope_type", "default")
-    if kind == "linear":
+    if kind == "longrope":
+        longer = cfg.max_position_embeddings > scaling["original_max_position_embeddings"]
+        factors = torch.tensor(scaling["long_factor" if longer else "short_factor"], dtype=torch.float64)
+        if factors.shape != inv.shape:
+            raise ValueError(f"longrope has {len(factors)} factors for {len(inv)} rotary frequencies")
+        inv = inv / factors
+    elif kind == "linear":
         inv = inv / scaling["factor"]
     elif kind == "llama3":
         # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between blended.

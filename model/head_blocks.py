@@ -86,7 +86,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.in_norm = load_norm(src, cfg, layer, "ffn_in", fmt.act)
         self.ffn = FFN(cfg, fmt.act)
-        load_ffn(self.ffn, src, layer, fmt)
+        load_ffn(self.ffn, src, cfg, layer, fmt)
         self.out_norm = load_norm(src, cfg, layer, "ffn_out", fmt.act) if "ffn_out" in cfg.arch.norms else None
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:

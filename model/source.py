@@ -90,15 +90,21 @@ def convert_gguf(gguf: Path) -> Path:
     return out
 
 
-def _gguf_fields(meta: dict, config: dict) -> dict:
-    """Config fields a GGUF holds (or implies) that transformers' GGUF loader leaves at its defaults."""
+def _gguf_fields(gguf: Path, index, config: dict) -> dict:
+    """Config fields a GGUF (its GGUFIndex `index`) holds or implies that transformers' GGUF loader leaves at its
+    defaults."""
     from edgespec.model.arch import architecture
 
+    meta = index.meta
     arch = meta.get("general.architecture")
     out = {}
     # transformers maps no head size for some architectures (qwen3): Qwen3's heads are wider than hidden / heads
     if (head_dim := meta.get(f"{arch}.attention.key_length")) is not None:
         out["head_dim"] = int(head_dim)
+    out.update(_gguf_rope(gguf, index, config, out.get("head_dim")))
+    # Phi-3's window (0: none), which the loader drops for phi3; ModelConfig says which layers it narrows
+    if config.get("sliding_window") is None and meta.get(f"{arch}.attention.sliding_window"):
+        out["sliding_window"] = int(meta[f"{arch}.attention.sliding_window"])
     # one rope dict per layer type (Gemma 3): the sliding layers' base (rope.freq_base_swa) and the global layers'
     # linear scaling, which the loader drops
     rope = config.get("rope_parameters") or {}
@@ -115,6 +121,36 @@ def _gguf_fields(meta: dict, config: dict) -> dict:
     return out
 
 
+def _gguf_rope(gguf: Path, index, config: dict, head_dim: int | None) -> dict:
+    """The rope fields of a GGUF that transformers' loader drops (it maps no rope.dimension_count or longrope):
+    partial rotary from rope.dimension_count (Phi-4-mini: 96 of 128), and longrope where the file holds the
+    factors as tensors (llama.cpp's converter: rope_factors_long / _short, with rope.scaling.attn_factor and
+    rope.scaling.original_context_length). -> {} or {'rope_parameters': ..., 'original_max_position_embeddings'}"""
+    import numpy as np
+
+    meta, arch = index.meta, index.meta.get("general.architecture")
+    rope = dict(config.get("rope_parameters") or {})
+    head = head_dim or config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if (dims := meta.get(f"{arch}.rope.dimension_count")) is not None and dims != head:
+        rope["partial_rotary_factor"] = dims / head
+    factors = {}
+    for kind in ("long", "short"):
+        if (t := index.tensors.get(f"rope_factors_{kind}.weight")) is not None:
+            if t.kind != "F32":
+                raise ValueError(f"{gguf.name}: rope_factors_{kind} is {t.kind}, not F32")
+            values = np.fromfile(gguf, dtype=np.float32, count=t.nbytes // 4, offset=t.offset)
+            factors[f"{kind}_factor"] = [float(v) for v in values]
+    if not factors and rope == (config.get("rope_parameters") or {}):
+        return {}
+    out = {"rope_parameters": rope}
+    if factors:
+        original = int(meta[f"{arch}.rope.scaling.original_context_length"])
+        rope.update(rope_type="longrope", original_max_position_embeddings=original, **factors,
+                    attention_factor=float(meta.get(f"{arch}.rope.scaling.attn_factor", 1.0)))
+        out["original_max_position_embeddings"] = original
+    return out
+
+
 def _write_converted(gguf: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
@@ -123,7 +159,7 @@ def _write_converted(gguf: Path, out: Path) -> None:
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
     config.pop("quantization_config", None)
-    config.update(_gguf_fields(read_index(gguf).meta, config))
+    config.update(_gguf_fields(gguf, read_index(gguf), config))
     config["_name_or_path"] = gguf.stem
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / GGUF_POINTER).write_text(f"{gguf.resolve()}\n")

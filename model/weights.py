@@ -86,6 +86,42 @@ def _group_ranges(cfg: ModelConfig, groups: Sequence[int]) -> tuple[list, list]:
     return q, kv
 
 
+def _in_head_order(cfg: ModelConfig, ranges: list) -> list:
+    """Whole heads' row ranges with each head's rows in ModelConfig.qk_head_order (q and k with partial rotary),
+    adjacent ranges merged. -> row ranges"""
+    hd, order = cfg.head_dim, cfg.qk_head_order()
+    out: list[tuple[int, int]] = []
+    for lo, hi in ranges:
+        for head in range(lo, hi, hd):
+            for a, b in order:
+                if out and out[-1][1] == head + a:
+                    out[-1] = (out[-1][0], head + b)
+                else:
+                    out.append((head + a, head + b))
+    return out
+
+
+def _part_sizes(cfg: ModelConfig) -> dict[str, int]:
+    # the rows of each projection of a layer, by its Hugging Face name (Architecture.stored stacks them)
+    q, kv, inter = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size
+    return {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv, "mlp.gate_proj": inter,
+            "mlp.up_proj": inter}
+
+
+def _part(src, cfg: ModelConfig, layer: int, part: str, rows=None, kind: str = "weight"):
+    """Rows `rows` (row ranges; None: all) of projection `part` of layer `layer` ('self_attn.k_proj'), read from
+    the tensor that holds it (Architecture.stored: its own, or the rows of a stacked one, Phi-3's qkv_proj): its
+    matrix for kind 'weight', its float32 bias or None for 'bias'."""
+    tensor, above = cfg.arch.stored(part)
+    sizes = _part_sizes(cfg)
+    offset = sum(sizes[p] for p in above)
+    name = f"model.layers.{layer}.{tensor}.{kind}"
+    ranges = [(lo + offset, hi + offset) for lo, hi in (rows or [(0, sizes[part])])]
+    if kind == "weight":
+        return src.matrix(name, rows=ranges)
+    return src.rows(name, ranges, torch.float32) if src.has(name) else None
+
+
 def _bias(src, name: str, ranges=None) -> torch.Tensor | None:
     if not src.has(name):
         return None
@@ -93,22 +129,23 @@ def _bias(src, name: str, ranges=None) -> torch.Tensor | None:
 
 
 def load_attention(block, src, cfg: ModelConfig, layer: int, fmt: WeightFormat | torch.dtype) -> None:
-    """Fill an AttentionBlock from `model.layers.{layer}.self_attn.*`, reading only its groups' rows."""
+    """Fill an AttentionBlock from `model.layers.{layer}.self_attn.*`, reading only its groups' rows; q and k
+    rows in ModelConfig.qk_head_order (the order the rotary tables turn them in), v's and o's as they are."""
     fmt = as_format(fmt)
     p = f"model.layers.{layer}.self_attn."
     q, kv = _group_ranges(cfg, block.groups)
-    qkv = cat_rows([src.matrix(p + "q_proj.weight", rows=q), src.matrix(p + "k_proj.weight", rows=kv),
-                    src.matrix(p + "v_proj.weight", rows=kv)])
+    rows = {"q_proj": _in_head_order(cfg, q), "k_proj": _in_head_order(cfg, kv), "v_proj": kv}
+    qkv = cat_rows([_part(src, cfg, layer, "self_attn." + n, r) for n, r in rows.items()])
     bias = None
     if block.qkv.bias is not None:
-        bias = torch.cat([_bias(src, p + "q_proj.bias", q), _bias(src, p + "k_proj.bias", kv),
-                          _bias(src, p + "v_proj.bias", kv)])
+        bias = torch.cat([_part(src, cfg, layer, "self_attn." + n, r, "bias") for n, r in rows.items()])
     block.qkv = make_linear(qkv, bias, fmt)
     o_bias = _bias(src, p + "o_proj.bias") if block.o.bias is not None else None
     block.o = make_linear(src.matrix(p + "o_proj.weight", cols=q), o_bias, fmt)
     if block.q_norm is not None:  # one weight [head_dim] for every head: each block holds its own copy
-        block.q_norm.weight.copy_(src.get(p + "q_norm.weight", block.q_norm.weight.dtype))
-        block.k_norm.weight.copy_(src.get(p + "k_norm.weight", block.k_norm.weight.dtype))
+        order = torch.cat([torch.arange(a, b) for a, b in cfg.qk_head_order()])  # [hd], as the rows are held
+        block.q_norm.weight.copy_(src.get(p + "q_norm.weight", block.q_norm.weight.dtype)[order])
+        block.k_norm.weight.copy_(src.get(p + "k_norm.weight", block.k_norm.weight.dtype)[order])
 
 
 def load_layer(layer_mod, src, cfg: ModelConfig, layer: int, fmt: WeightFormat | torch.dtype) -> None:
@@ -119,16 +156,18 @@ def load_layer(layer_mod, src, cfg: ModelConfig, layer: int, fmt: WeightFormat |
     for place, norm in layer_mod.norms().items():
         norm.weight.copy_(src.get(f"{p}{cfg.arch.norms[place]}.weight", norm.weight.dtype))
     load_attention(layer_mod.attn, src, cfg, layer, fmt)
-    load_ffn(layer_mod.ffn, src, layer, fmt)
+    load_ffn(layer_mod.ffn, src, cfg, layer, fmt)
 
 
-def load_ffn(ffn, src, layer: int, fmt: WeightFormat | torch.dtype) -> None:
-    """Fill an FFN block from `model.layers.{layer}.mlp.*`."""
+def load_ffn(ffn, src, cfg: ModelConfig, layer: int, fmt: WeightFormat | torch.dtype) -> None:
+    """Fill an FFN block from `model.layers.{layer}.mlp.*` (gate and up from their own tensors or Phi-3's
+    gate_up_proj, as Architecture.stored says)."""
     fmt = as_format(fmt)
     p = f"model.layers.{layer}.mlp."
     biased = ffn.down.bias is not None
-    gate_up = cat_rows([src.matrix(p + "gate_proj.weight"), src.matrix(p + "up_proj.weight")])
-    bias = torch.cat([_bias(src, p + "gate_proj.bias"), _bias(src, p + "up_proj.bias")]) if biased else None
+    parts = ("mlp.gate_proj", "mlp.up_proj")
+    gate_up = cat_rows([_part(src, cfg, layer, n) for n in parts])
+    bias = torch.cat([_part(src, cfg, layer, n, kind="bias") for n in parts]) if biased else None
     ffn.gate_up = make_linear(gate_up, bias, fmt)
     ffn.down = make_linear(src.matrix(p + "down_proj.weight"), _bias(src, p + "down_proj.bias") if biased else None,
                            fmt)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from edgespec.bench.gguf_writer import ARCH_CLASSES
+from edgespec.bench.gguf_writer import ARCH_CLASSES, tiny_config
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache
 from edgespec.model.stack import LayerStack, TokenEnds
@@ -49,11 +49,10 @@ def make_tiny_model(folder: Path | str, seed: int = 0, arch: str = "llama", **ov
     """
     import transformers
 
-    config_cls, model_cls, extra = ARCH_CLASSES[arch]
     folder = Path(folder)
     torch.manual_seed(seed)
-    config = getattr(transformers, config_cls)(**{**TINY_CONFIG, **extra, **overrides})
-    model = getattr(transformers, model_cls)(config)
+    config = tiny_config(arch, TINY_CONFIG, overrides)
+    model = getattr(transformers, ARCH_CLASSES[arch][1])(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(".bias"):

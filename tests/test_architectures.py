@@ -3,10 +3,12 @@ transformers' class (SmolLM2's tokenizer, so the vocabulary and chat template ar
 its folder and from a GGUF written the way llama.cpp's converter writes it (bench/gguf_writer.py). Float32
 logits agree to 1e-4 relative to the largest logit, greedy continuations are identical, and the GGUF serves a
 chat completion through the HTTP API. A 4-bit token embedding (what llama.cpp's quantizer writes for Q4_0, Q4_1
-and Q4_K_M files) is looked up exactly."""
+and Q4_K_M files) is looked up exactly. Phi-3's rope as Phi-3-mini-4k (plain, a sliding window), Phi-3.5 and
+Phi-4-mini (longrope, partial rotary) have it, its short and its long factors."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -79,8 +81,10 @@ def test_logits_and_greedy_equal_transformers(model, source):
 def test_the_gguf_config_has_the_folders_shapes(model):
     _, folder, gguf, _ = model
     ours, theirs = ModelConfig.from_folder(resolve_model(str(gguf)).folder), ModelConfig.from_folder(folder)
-    assert (ours.arch.gguf, ours.head_dim, ours.n_heads, ours.n_kv_heads, ours.attention_bias, ours.o_bias) == \
-        (theirs.arch.gguf, theirs.head_dim, theirs.n_heads, theirs.n_kv_heads, theirs.attention_bias, theirs.o_bias)
+    assert (ours.arch.gguf, ours.head_dim, ours.n_heads, ours.n_kv_heads, ours.attention_bias, ours.o_bias,
+            ours.rotary_dim, ours.sliding_layers) == \
+        (theirs.arch.gguf, theirs.head_dim, theirs.n_heads, theirs.n_kv_heads, theirs.attention_bias, theirs.o_bias,
+         theirs.rotary_dim, theirs.sliding_layers)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
@@ -137,6 +141,87 @@ def test_gemma3_scale_and_window_from_a_folder(extra, tmp_path):
         assert blocks.greedy(prompt, 16)[0] == _reference_greedy(ref, prompt, 16), (extra, text)
 
 
+LONG_PROMPT = " ".join(PROMPTS * 8)  # 80 tokens of SmolLM2's tokenizer
+
+
+# Phi-3's rope in its three forms: Phi-3-mini-4k's (no scaling, a sliding window: here shorter than the prompts),
+# and longrope past its original context (Phi-3.5's and Phi-4-mini's as served at their whole context: the long
+# factors and the attention factor, sqrt(1 + ln 4 / ln 64) here), with and without partial rotary; the fixture's
+# phi3 has the short ones
+PHI3_ROPES = {
+    "window": {"rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0}, "partial_rotary_factor": 1.0,
+               "sliding_window": 8},
+    "long": {"original_max_position_embeddings": 64},
+    "long-full": {"original_max_position_embeddings": 64, "partial_rotary_factor": 1.0},
+}
+
+
+@pytest.mark.parametrize("rope", sorted(PHI3_ROPES))
+def test_phi3_ropes_equal_transformers(rope, tmp_path):
+    folder = make_model("phi3", tmp_path / "phi3", **PHI3_ROPES[rope])
+    gguf = write_gguf(folder, tmp_path / "phi3.f32.gguf")
+    ref = load_reference(folder)
+    prompt = _ids(folder, LONG_PROMPT)
+    assert len(prompt) > 64
+    with torch.inference_mode():
+        theirs = ref(torch.tensor([prompt])).logits[0].float()
+    expected = ModelConfig.from_folder(folder)
+    for source in (folder, resolve_model(str(gguf)).folder):
+        blocks = load_blocks(source)
+        assert blocks.cfg.rope_scaling == pytest.approx(expected.rope_scaling)
+        assert (blocks.cfg.rotary_dim, blocks.cfg.sliding_layers) == (expected.rotary_dim, expected.sliding_layers)
+        rel = ((blocks.logits_from_scratch(prompt) - theirs).abs().max() / theirs.abs().max()).item()
+        assert rel < REL_TOL, (rope, source, rel)
+        assert blocks.greedy(prompt, 16)[0] == _reference_greedy(ref, prompt, 16), (rope, source)
+    if rope != "window":
+        assert expected.rope_scaling["attention_factor"] == pytest.approx((1 + np.log(4) / np.log(64)) ** 0.5)
+
+
+def test_longrope_factors_follow_the_served_context_not_the_pass(tmp_path):
+    # llama.cpp's rule: the long factors where the served context (the rotary tables' positions) exceeds the
+    # original one; a pass of a few tokens at the start of such a context turns by them too (transformers would
+    # switch to the short ones for it), so a position's rotation is the same in every pass
+    from edgespec.model.config import rope_inv_freq
+
+    folder = make_model("phi3", tmp_path / "phi3", original_max_position_embeddings=64)
+    cfg = ModelConfig.from_folder(folder)
+    r = cfg.rotary_dim
+    plain = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float64) / r))
+    long = torch.tensor(cfg.rope_scaling["long_factor"], dtype=torch.float64)
+    torch.testing.assert_close(rope_inv_freq(cfg), (plain / long).float())
+    short = dataclasses.replace(cfg, max_position_embeddings=64)
+    torch.testing.assert_close(rope_inv_freq(short), (plain / torch.tensor(cfg.rope_scaling["short_factor"],
+                                                                            dtype=torch.float64)).float())
+
+
+def test_partial_rotary_leaves_the_other_dims_as_they_are(tmp_path):
+    # Phi-4-mini's heads: each head's q and k rows are held with the rotated halves at [0, r/2) and
+    # [hd/2, hd/2 + r/2), and the tables leave the others exactly as they are
+    from edgespec.model.blocks import Rotary
+
+    cfg = ModelConfig.from_folder(make_model("phi3", tmp_path / "phi3"))
+    hd, r = cfg.head_dim, cfg.rotary_dim
+    assert (hd, r) == (16, 12)
+    assert cfg.qk_head_order() == [(0, 6), (12, 14), (6, 12), (14, 16)]
+    rope = Rotary(cfg, torch.float32)(torch.arange(40)[None])
+    x = torch.randn(1, 2, 40, hd)
+    out = rope(x)
+    still = [6, 7, 14, 15]
+    assert torch.equal(out[..., still], x[..., still]) and not torch.equal(out[..., :6], x[..., :6])
+
+
+def test_a_folders_generation_config_adds_its_end_ids(tmp_path):
+    # Phi-3's and Phi-4-mini's end of turn, <|end|>, is named only by generation_config.json (config.json names
+    # <|endoftext|>); transformers' generate stops on both
+    import json
+
+    folder = make_model("phi3", tmp_path / "phi3")
+    gen = json.loads((folder / "generation_config.json").read_text())
+    eos = gen["eos_token_id"]
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [7, eos]}))
+    assert ModelConfig.from_folder(folder).eos_token_ids == (eos, 7)
+
+
 @pytest.fixture(scope="module")
 def qwen3_gguf(tmp_path_factory) -> Path:
     """A Qwen3 GGUF (per-head q/k norms, heads wider than hidden / heads), for the other paths."""
@@ -144,14 +229,22 @@ def qwen3_gguf(tmp_path_factory) -> Path:
     return write_gguf(make_model("qwen3", tmp / "folder"), tmp / "qwen3.f32.gguf")
 
 
-@pytest.fixture(scope="module", params=["qwen3", "gemma3"])
-def split_model(request, qwen3_gguf, tmp_path_factory) -> tuple[Path, Path]:
+@pytest.fixture(scope="module")
+def phi3_gguf(tmp_path_factory) -> Path:
+    """A Phi-3 GGUF (fused projections, partial rotary, longrope), for the other paths."""
+    tmp = tmp_path_factory.mktemp("phi3-paths")
+    return write_gguf(make_model("phi3", tmp / "folder"), tmp / "phi3.f32.gguf")
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma3", "phi3"])
+def split_model(request, tmp_path_factory) -> tuple[Path, Path]:
     """(what edgespec loads, the Hugging Face folder of transformers' reference) for HeadSplit: Qwen3's GGUF (per-head
-    q/k norms); Gemma 3 from a folder (norms of the attention's and the FFN's outputs, (1 + w) norms folded at
-    load, a query_pre_attn_scalar other than head_dim, every other layer sliding with a window of 3 that the prompt
-    crosses in its prefill already)."""
-    if request.param == "qwen3":
-        return qwen3_gguf, qwen3_gguf.parent / "folder"
+    q/k norms); Phi-3's GGUF (each group's own rows of a fused qkv); Gemma 3 from a folder (norms of the
+    attention's and the FFN's outputs, (1 + w) norms folded at load, a query_pre_attn_scalar other than head_dim,
+    every other layer sliding with a window of 3 that the prompt crosses in its prefill already)."""
+    if request.param != "gemma3":
+        gguf = request.getfixturevalue(f"{request.param}_gguf")
+        return gguf, gguf.parent / "folder"
     folder = make_model("gemma3", tmp_path_factory.mktemp("gemma3-split"), num_hidden_layers=4, sliding_window=3,
                         sliding_window_pattern=2, query_pre_attn_scalar=48)
     return folder, folder
@@ -218,13 +311,15 @@ def test_headsplit_kept_speculation_is_the_speculating_pass(split_model):
 
 
 @pytest.mark.slow
-def test_layer_workers_serve_what_in_process_serves(qwen3_gguf, tmp_path):
+@pytest.mark.parametrize("kind", ["qwen3", "phi3"])
+def test_layer_workers_serve_what_in_process_serves(kind, tmp_path, request):
     from processes import greedy, start_server
 
+    gguf = request.getfixturevalue(f"{kind}_gguf")
     env = {"EDGESPEC_CACHE": str(tmp_path / "cache")}
     answers = []
     for name, extra in (("inproc", ()), ("workers2", ("--local-workers", "2", "--placement", "even"))):
-        proc, url = start_server(tmp_path, name, "--model", str(qwen3_gguf), *extra, env=env)
+        proc, url = start_server(tmp_path, name, "--model", str(gguf), *extra, env=env)
         try:
             answers.append([greedy(url, p, 12) for p in PROMPTS])
         finally:

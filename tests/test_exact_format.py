@@ -98,11 +98,12 @@ def test_a_layer_in_one_call_gives_the_bits_of_its_blocks(tiny_folder):
     assert torch.equal(whole, z + normed(layer.ffn_out_norm, layer.ffn(layer.post_norm(z))))
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3", "phi3"])
 def tiny_folder(request, tmp_path_factory):
     # dims in whole 32-element blocks, so the layers really run as Q4 / Q8 blocks and heads of 32 hold a q8_0
     # cache's block; every architecture whose layer differs (Qwen2's q/k/v biases, Qwen3's q/k norms: its blocks
-    # run the kernels one by one; Gemma 3's output norms, GELU FFN and sliding windows shorter than the sequences)
+    # run the kernels one by one; Gemma 3's output norms, GELU FFN and sliding windows shorter than the sequences;
+    # Phi-3's fused projections, longrope and partial rotary, whose unrotated dims pass through the rotary tables)
     return make_tiny_model(tmp_path_factory.mktemp(f"tiny-q-{request.param}"), arch=request.param, hidden_size=128,
                            intermediate_size=128, vocab_size=320)
 
