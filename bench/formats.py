@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from edgespec.model.config import ModelConfig
+from edgespec.model.kv_format import kv_format
 from edgespec.model.linear import linear_bytes, weight_format
 from edgespec.model.source import resolve_model
 from edgespec.model.stack import LayerStack, TokenEnds
@@ -42,11 +43,12 @@ def held_out(tokenizer, data: Path, tasks: int) -> list[tuple[list[int], int]]:
 
 
 @torch.inference_mode()
-def answer_logprobs(files, fmt: str, texts) -> tuple[list[torch.Tensor], int]:
-    # per text: log-probabilities [answer tokens, V] of the tokens after each answer position's predecessor
+def answer_logprobs(files, fmt: str, texts, kv: str = "float32") -> tuple[list[torch.Tensor], int]:
+    # per text: log-probabilities [answer tokens, V] of the tokens after each answer position's predecessor, the
+    # KV cache in format `kv` (each position attends over the stored keys and values, its own included)
     cfg = ModelConfig.from_folder(files.folder)
     src = open_source(files)
-    stack = LayerStack.load(src, cfg, 0, cfg.n_layers, weight_format(fmt))
+    stack = LayerStack.load(src, cfg, 0, cfg.n_layers, weight_format(fmt), kv_format(kv))
     ends = TokenEnds.load(src, cfg, weight_format(fmt))
     out = []
     for ids, start in texts:

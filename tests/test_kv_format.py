@@ -101,3 +101,27 @@ def test_q8_0_needs_whole_blocks_in_a_head(tmp_path):
         LayerStack.load(open_source(folder), cfg, 0, 1, weight_format("float32"), kv_format("q8_0"))
     with pytest.raises(ValueError, match="unknown KV format 'q4_0'; valid: float32, float16, q8_0"):
         kv_format("q4_0")
+
+
+@pytest.mark.parametrize("kv", ["float16", "q8_0"])
+def test_headsplit_devices_keep_their_groups_in_the_format(kv, tmp_path):
+    """HeadSplit devices' group caches in the served format give what the layer stack gives in it."""
+    from edgespec.model.headsplit import HeadSplitPipeline
+    from edgespec.model.stack import TokenEnds
+    from edgespec.planning.headsplit import LayerPlace
+
+    folder = make_tiny_model(tmp_path, hidden_size=128, num_attention_heads=4)  # head_dim 32, 2 KV groups
+    cfg, src, fmt = ModelConfig.from_folder(folder), open_source(folder), kv_format(kv)
+    stack = LayerStack.load(src, cfg, 0, cfg.n_layers, weight_format("float32"), fmt)
+    ends = TokenEnds.load(src, cfg, weight_format("float32"))
+    places = [LayerPlace({"a": [0], "b": [1]}, "a", "ab"[i % 2]) for i in range(cfg.n_layers)]
+    pipe = HeadSplitPipeline.local(src, cfg, torch.float32, places, kv=fmt)
+    ids = [(i * 7) % cfg.vocab_size for i in range(12)]
+    cache = stack.new_cache(len(ids))
+    pipe.open("s", len(ids), epsilon=0.0)
+    with torch.inference_mode():
+        for a, p in [(0, 6), *((p - 1, p) for p in range(7, len(ids) + 1))]:
+            x, pos = ends.embed_tokens(torch.tensor([ids[a:p]])), torch.arange(a, p)[None]
+            torch.testing.assert_close(pipe.forward("s", x, pos, a), stack(x, pos, cache, a), atol=1e-5, rtol=1e-5)
+    held = pipe.devices["a"].sessions["s"][0]
+    assert held.pool.fmt == fmt and held.pool.k[0].dtype == fmt.dtype
