@@ -99,6 +99,7 @@ def _profile_parser(sub) -> None:
     p.add_argument("--worker-cpus", help="CPU sets of the local workers, e.g. '0;1'")
     p.add_argument("--worker-threads", type=int, default=0)
     p.add_argument("--worker-memory-budget-gib", type=float, help="each local worker's memory budget (as serve's)")
+    p.add_argument("--kv-format", default="float32", help="the KV cache format the card counts (as serve's)")
     p.add_argument("--tokens", help="comma-separated tokens-per-pass points (default 1,2,4,...,512)")
     p.add_argument("--contexts", help="comma-separated context lengths (default 0,512,2048)")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per point (median)")

@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from edgespec.model.config import ModelConfig
+from edgespec.model.kv_format import kv_format
 from edgespec.model.source import resolve_model
 from edgespec.planning.profile import ClusterProfile
 from edgespec.workers.cluster import ClusterConfig, launch_local_workers, wait_healthy
@@ -43,6 +44,7 @@ def summary(profile: ClusterProfile) -> Table:
 def run_profile(args: argparse.Namespace) -> None:
     console = Console(stderr=True)
     files = resolve_model(args.model)
+    kv_bytes = kv_format(args.kv_format).bytes_per_value()  # a bad name refused before any worker starts
     options = ProfileOptions(tokens=_ints(args.tokens, ProfileOptions.tokens),
                              contexts=_ints(args.contexts, ProfileOptions.contexts), reps=args.reps,
                              margin=args.margin)
@@ -62,6 +64,7 @@ def run_profile(args: argparse.Namespace) -> None:
                                       step=lambda what: progress.update(task, advance=1, description=what))
     finally:
         config.stop()
+    profile = profile.with_kv_bytes(kv_bytes)  # the card counts the cache in that format
     profile.save(Path(args.out))
     console.print(summary(profile))
     console.print(f"wrote {args.out}")
