@@ -31,6 +31,15 @@ def content_or_none(text: str) -> str | None:
     return None if text.strip() == "" else text
 
 
+def finish_reason(cut: bool, made_call: bool, legacy: bool, reason: str) -> str:
+    """An answer's finish reason: "length" for a call cut off, the call's reason after a call, else `reason`."""
+    if cut:
+        return "length"
+    if made_call:
+        return "function_call" if legacy else "tool_calls"
+    return reason
+
+
 class CallExtractor:
     """Splits one generation's text into content and calls.
 
@@ -96,13 +105,7 @@ class CallExtractor:
         self._call, self._pending, self._blank = None, "", ""
         # The held trailing whitespace ends the text when no call was made; next to a call it is dropped.
         content = tail if not (self.made_call or cut) else tail.rstrip()
-        if cut:
-            finish = "length"
-        elif self.made_call:
-            finish = "function_call" if self.legacy else "tool_calls"
-        else:
-            finish = reason
-        return ChatDelta(content=content, finish_reason=finish)
+        return ChatDelta(content=content, finish_reason=finish_reason(cut, self.made_call, self.legacy, reason))
 
     def _visible(self, text: str) -> str:
         """`text` as content to show now: its trailing whitespace waits for what follows it, so that none is
@@ -190,13 +193,8 @@ class JsonCallExtractor:
         self._held, self._state = "", "content"
         cut = state == "call"
         content = held if state == "start" and reason != "length" and not self.made_call else ""
-        if cut:
-            finish = "length"
-        elif self.made_call:
-            finish = "function_call" if self.legacy else "tool_calls"
-        else:
-            finish = reason
-        return ChatDelta(content="" if not content.strip() else content, finish_reason=finish)
+        return ChatDelta(content="" if not content.strip() else content,
+                         finish_reason=finish_reason(cut, self.made_call, self.legacy, reason))
 
 
 def _json_opening(text: str) -> bool | None:

@@ -97,6 +97,20 @@ class LoopClient:
         self.loop.close()
 
 
+def serves_a_chat_completion(model: str, name: str, tokens: int = 6, **settings) -> None:
+    """`model` served in-process answers a greedy chat completion of `tokens` tokens (no request fails on it)."""
+    app, service = controller_app(model, served_model_name=name, **settings)
+    client = LoopClient(app)
+    try:
+        r = client.post("/v1/chat/completions", json={"model": name, "max_tokens": tokens, "temperature": 0,
+                                                      "messages": [{"role": "user", "content": "Hello"}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == tokens
+    finally:
+        client.close()
+        service.loaded.runner.close()
+
+
 def assert_error_object(response, where: str = "") -> dict:
     """The response (httpx's or schemathesis') is a JSON OpenAI error object {"error": {"message", "type",
     "param", "code"}}; returns it."""

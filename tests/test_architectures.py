@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from inprocess import LoopClient, controller_app
+from inprocess import serves_a_chat_completion
 from model_fixtures import load_blocks, load_reference
 
 from edgespec.bench.gguf_writer import ARCH_CLASSES, tiny_model, write_gguf
@@ -111,16 +111,7 @@ def test_a_4bit_token_embedding_is_looked_up_exactly(kind, tmp_path):
 
 def test_the_gguf_serves_a_chat_completion(model):
     kind, _, gguf, _ = model
-    app, service = controller_app(str(gguf), served_model_name=kind)
-    client = LoopClient(app)
-    try:
-        r = client.post("/v1/chat/completions", json={"model": kind, "max_tokens": 6, "temperature": 0,
-                                                      "messages": [{"role": "user", "content": "Hello"}]})
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 6
-    finally:
-        client.close()
-        service.loaded.runner.close()
+    serves_a_chat_completion(str(gguf), kind)
 
 
 @pytest.mark.parametrize("extra", [{"query_pre_attn_scalar": 16, "sliding_window_pattern": 2},

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from inprocess import LoopClient, controller_app
+from inprocess import serves_a_chat_completion
 from model_fixtures import load_blocks, load_reference
 
 from edgespec.bench.gguf_writer import write_gguf as converter_gguf
@@ -202,13 +202,4 @@ def test_the_gguf_serves_and_keeps_its_hidden_states_finite(small):
     reference = exact.logits_from_scratch(IDS)  # the same values before Q8_0
     assert ((logits - reference).abs().max() / reference.abs().max()).item() < 0.05, shape
 
-    app, service = controller_app(str(q8), dtype="auto", served_model_name=shape)
-    client = LoopClient(app)
-    try:
-        r = client.post("/v1/chat/completions", json={"model": shape, "max_tokens": 6, "temperature": 0,
-                                                      "messages": [{"role": "user", "content": "Hello"}]})
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 6
-    finally:
-        client.close()
-        service.loaded.runner.close()
+    serves_a_chat_completion(str(q8), shape, dtype="auto")
