@@ -41,6 +41,31 @@ PHI3_STACKED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "
 
 
 @dataclass(frozen=True)
+class GGUFKeys:
+    """Which of the metadata keys that not every architecture gets llama.cpp's converter writes for this one (its
+    model class's set_gguf_parameters; model/synth_gguf.py writes a GGUF by them). The rest follow from the config:
+    linear rope scaling's keys, the sliding layers' base, longrope's original context and attention factor.
+
+    head_lengths: attention.key_length / value_length (TextModel's, from the config's head_dim).
+    vocab_size: the vocabulary's size (LlamaModel's).
+    rope_dimension_count: how many of a head's dims are rotated (LlamaModel: head_dim; Phi3MiniModel: the partial
+      rotary's share).
+    window_always: attention.sliding_window is the config's even where it narrows no layer, 0 where it has none
+      (Phi3MiniModel); otherwise it is written where the window narrows layers (Gemma3Model).
+    """
+
+    head_lengths: bool = True
+    vocab_size: bool = False
+    rope_dimension_count: bool = False
+    window_always: bool = False
+
+
+# LlamaModel's keys; Phi3MiniModel writes its own set, without TextModel's key and value lengths
+LLAMA_KEYS = GGUFKeys(vocab_size=True, rope_dimension_count=True)
+PHI3_KEYS = GGUFKeys(head_lengths=False, rope_dimension_count=True, window_always=True)
+
+
+@dataclass(frozen=True)
 class Architecture:
     """One decoder architecture.
 
@@ -64,6 +89,7 @@ class Architecture:
       rows from where `stored` says, so the blocks see the same projections in every architecture.
     window_all_layers: the config's `sliding_window`, where set, narrows every layer (transformers' Phi3Model
       masks every layer with it; the layer_types of Gemma 3's configs say which layers instead).
+    gguf_keys: the metadata keys llama.cpp's converter writes for it beyond every architecture's (GGUFKeys).
     """
 
     name: str
@@ -79,6 +105,7 @@ class Architecture:
     gguf_attn_scalar: bool = False
     stacked: dict[str, tuple[str, ...]] = field(default_factory=dict)
     window_all_layers: bool = False
+    gguf_keys: GGUFKeys = field(default_factory=GGUFKeys)
 
     @property
     def output_norms(self) -> bool:
@@ -153,11 +180,11 @@ class Architecture:
         return rows[np.arange(n).reshape(h, n // h // 2, 2).swapaxes(1, 2).reshape(n)]
 
 
-LLAMA = Architecture("llama", ("llama",), "llama", rotary_permuted=True)
+LLAMA = Architecture("llama", ("llama",), "llama", rotary_permuted=True, gguf_keys=LLAMA_KEYS)
 ARCHITECTURES = (
     LLAMA,
     # llama.cpp's converter writes Mistral's dense models through LlamaModel, as the llama architecture
-    Architecture("mistral", ("mistral",), "llama", rotary_permuted=True),
+    Architecture("mistral", ("mistral",), "llama", rotary_permuted=True, gguf_keys=LLAMA_KEYS),
     Architecture("qwen2", ("qwen2",), "qwen2", bias=(True, False)),
     Architecture("qwen3", ("qwen3",), "qwen3", qk_norm=True, layer={**LLAMA_LAYER, **QK_NORM_LAYER}),
     # Gemma 3's text model (the text half of Gemma3ForConditionalGeneration has the same layers)
@@ -165,7 +192,8 @@ ARCHITECTURES = (
                  norm_offset=1.0, embed_scaled=True, gguf_attn_scalar=True),
     # Phi-3, Phi-3.5 and Phi-4-mini: a Llama layer with fused projections; their longrope scaling and partial
     # rotary (Phi-4-mini) are config fields (model/config.py)
-    Architecture("phi3", ("phi3",), "phi3", layer=PHI3_LAYER, stacked=PHI3_STACKED, window_all_layers=True),
+    Architecture("phi3", ("phi3",), "phi3", layer=PHI3_LAYER, stacked=PHI3_STACKED, window_all_layers=True,
+                 gguf_keys=PHI3_KEYS),
 )
 
 

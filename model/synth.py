@@ -8,7 +8,8 @@ A folder holds config.json (the shape's fields and its card's Hugging Face field
 "hf": the architecture is its model_type, Llama where a card names none), the embedded model's tokenizer cut to
 the shape's vocabulary (its BPE vocabulary and merges kept below the shape's size; a larger shape's ids past the
 tokenizer are never produced by it), and the weights, the tensors the architecture has (model/arch.py: its
-layer's tensors, its norms):
+layer's tensors, fused ones such as Phi-3's qkv_proj and gate_up_proj whole, as its checkpoints hold them; its
+norms):
 - float32 / bfloat16 / float16: safetensors in that dtype (shards of at most 2 GiB, with an index);
 - q4_1 / q8_0: a GGUF file of those blocks written as llama.cpp's converter writes that architecture
   (model/synth_gguf.py), pointed at as a converted GGUF folder points at its file, so it is served as a GGUF is
@@ -109,20 +110,37 @@ def hf_config(card: dict, bos: int, eos: int) -> dict:
 
 
 def layer_tensors(config: dict) -> dict[str, tuple[tuple[int, ...], float | None]]:
-    """Shape [out, in] and std of each layer matrix and per-head norm (std None), by its GGUF name (llama.cpp's
-    names are the same in every architecture; model/arch.py's Architecture.layer maps them to Hugging Face names)."""
+    """Shape [out, in] and std of each layer projection and per-head norm (std None), by its Hugging Face name (the
+    same in every architecture here; model/arch.py's Architecture.layer says which of them a layer has, and
+    Architecture.stacked which are held fused in one tensor)."""
     h, n_layers, hd = config["hidden_size"], config["num_hidden_layers"], config["head_dim"]
     q, kv, inter = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd, config["intermediate_size"]
     out_std = STD / math.sqrt(2 * n_layers)
-    return {"attn_q": ((q, h), STD), "attn_k": ((kv, h), STD), "attn_v": ((kv, h), STD),
-            "attn_output": ((h, q), out_std), "ffn_gate": ((inter, h), STD), "ffn_up": ((inter, h), STD),
-            "ffn_down": ((h, inter), out_std), "attn_q_norm": ((hd,), None), "attn_k_norm": ((hd,), None)}
+    return {"self_attn.q_proj": ((q, h), STD), "self_attn.k_proj": ((kv, h), STD), "self_attn.v_proj": ((kv, h), STD),
+            "self_attn.o_proj": ((h, q), out_std), "mlp.gate_proj": ((inter, h), STD),
+            "mlp.up_proj": ((inter, h), STD), "mlp.down_proj": ((h, inter), out_std),
+            "self_attn.q_norm": ((hd,), None), "self_attn.k_norm": ((hd,), None)}
+
+
+def stacked_shape(shapes: dict[str, tuple[tuple[int, ...], float | None]], parts: tuple[str, ...],
+                  what: str) -> tuple[tuple[int, ...], float | None]:
+    """Shape and std of a layer tensor holding the rows of `parts` (layer_tensors' names) one after another (one
+    part: that part's): their rows together, the same columns and std (a fused tensor is drawn as one)."""
+    missing = [p for p in parts if p not in shapes]
+    if missing:
+        raise ValueError(f"synth-model has no shape for {what}'s {', '.join(missing)}")
+    found = [shapes[p] for p in parts]
+    columns, stds = {shape[1:] for shape, _ in found}, {std for _, std in found}
+    if len(columns) != 1 or len(stds) != 1:  # rows stack only over the same columns; one tensor, one std
+        raise ValueError(f"synth-model cannot stack {what}: its parts {parts} differ in columns or std")
+    return (sum(shape[0] for shape, _ in found), *columns.pop()), stds.pop()
 
 
 def tensors(config: dict) -> list[Tensor]:
     """Every tensor of a model with this config, in file order, as its Hugging Face checkpoint holds them: its
     architecture's layer tensors (model/arch.py: its norms over the hidden state by place, the rest from
-    layer_tensors), norms stored so that they multiply by 1 (1 - the architecture's norm_offset)."""
+    layer_tensors, a fused one (Architecture.stacked) with its parts' rows in the order it lists them), norms
+    stored so that they multiply by 1 (1 - the architecture's norm_offset)."""
     cfg = ModelConfig.from_hf_dict(config)
     arch, h, vocab = cfg.arch, cfg.hidden_size, cfg.vocab_size
     if cfg.attention_bias or cfg.o_bias or cfg.mlp_bias:  # Qwen2's, for one: refused rather than left out
@@ -135,10 +153,9 @@ def tensors(config: dict) -> list[Tensor]:
         for gguf_name, hf_name in arch.layer.items():
             if hf_name in hidden_norms:
                 shape, std = (h,), None
-            elif gguf_name in shapes:
-                shape, std = shapes[gguf_name]
             else:
-                raise ValueError(f"synth-model has no shape for {arch.name}'s {gguf_name} ({hf_name})")
+                parts = arch.stacked.get(hf_name, (hf_name,))
+                shape, std = stacked_shape(shapes, parts, f"{arch.name}'s {gguf_name} ({hf_name})")
             out.append(Tensor(f"model.layers.{i}.{hf_name}.weight", shape, std, norm if std is None else 1.0))
     out.append(Tensor("model.norm.weight", (h,), None, norm))
     if not cfg.tie_word_embeddings:

@@ -3,12 +3,16 @@
 
 - metadata: `general.architecture` the architecture's GGUF name, and the keys `TextModel.set_gguf_parameters`
   writes for the config (block count, lengths, heads, rope base and linear scaling, the sliding layers' rope
-  base, norm epsilon, key and value lengths, file type), with `LlamaModel`'s (vocabulary size, rope dimensions)
-  for the architectures it writes through LlamaModel and `Gemma3Model`'s (the sliding window) for sliding-window
-  models; no tokenizer (the folder's config.json and tokenizer are what edgespec reads);
-- tensors: GGUF names from model/arch.py, q and k rows reordered where the architecture's rotary is permuted
-  (`LlamaModel.permute`), norms shifted by the architecture's norm_offset (`Gemma3Model.norm_shift`: its norms
-  multiply by 1 + w), and `LlamaModel.generate_extra_tensors`' rope_freqs for Llama 3's rope scaling;
+  base, norm epsilon, key and value lengths, file type), with those model/arch.py's GGUFKeys say its converter
+  class adds or leaves out (`LlamaModel`'s vocabulary size and rope dimensions, `Gemma3Model`'s sliding window,
+  `Phi3MiniModel`'s set: no key lengths, the partial rotary's dimensions, its window always) and longrope's
+  original context and attention factor (`Phi3MiniModel`); no tokenizer (the folder's config.json and tokenizer
+  are what edgespec reads);
+- tensors: GGUF names from model/arch.py (fused projections, Phi-3's qkv_proj and gate_up_proj, whole as
+  attn_qkv and ffn_up), q and k rows reordered where the architecture's rotary is permuted (`LlamaModel.permute`),
+  norms shifted by the architecture's norm_offset (`Gemma3Model.norm_shift`: its norms multiply by 1 + w), and
+  the tensors the converter's generate_extra_tensors adds: `LlamaModel`'s rope_freqs for Llama 3's rope scaling,
+  `Phi3MiniModel`'s rope_factors_long / _short for longrope;
 - formats: layer matrices in the file's blocks, the embedding and head in Q8_0, norms F32.
 
 tests/test_synth_archs.py checks this against bench/gguf_writer.py, which mirrors the converter without reading
@@ -31,12 +35,15 @@ if TYPE_CHECKING:
     from edgespec.model.synth import Tensor
 
 ROPE_FREQS = "rope_freqs.weight"
+ROPE_FACTORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
 
 
-def write_metadata(writer, cfg: ModelConfig, name: str, weights: str) -> None:
-    """The converter's keys for a model of `cfg` whose layers are in `weights` blocks (q4_1 / q8_0)."""
+def write_metadata(writer, cfg: ModelConfig, window: int | None, name: str, weights: str) -> None:
+    """The converter's keys for a model of `cfg` whose layers are in `weights` blocks (q4_1 / q8_0); `window`:
+    its config's sliding_window as written there (cfg keeps it only where it narrows layers)."""
     import gguf
 
+    keys = cfg.arch.gguf_keys
     writer.add_type("model")
     writer.add_name(name)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -46,27 +53,39 @@ def write_metadata(writer, cfg: ModelConfig, name: str, weights: str) -> None:
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.n_heads)
     writer.add_head_count_kv(cfg.n_kv_heads)
-    if cfg.rope_scaling["rope_type"] == "linear":  # llama3's scaling goes into rope_freqs instead
+    rope = cfg.rope_scaling
+    if rope["rope_type"] == "linear":  # llama3's scaling goes into rope_freqs instead
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(cfg.rope_scaling["factor"])
+        writer.add_rope_scaling_factor(rope["factor"])
+    if rope["rope_type"] == "longrope":  # Phi3MiniModel's; its factors go into rope_factors_long / _short
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_attn_factors(rope["attention_factor"])
     writer.add_rope_freq_base(cfg.rope_theta)
     if cfg.rope_local_theta is not None:
         writer.add_rope_freq_base_swa(cfg.rope_local_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_key_length(cfg.head_dim)  # the config names head_dim (hf_config writes it)
-    writer.add_value_length(cfg.head_dim)
+    if keys.head_lengths:
+        writer.add_key_length(cfg.head_dim)  # the config names head_dim (hf_config writes it)
+        writer.add_value_length(cfg.head_dim)
     writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{weights.upper()}"])
-    if cfg.arch.rotary_permuted:  # written through LlamaModel, which adds these
+    if keys.vocab_size:
         writer.add_vocab_size(cfg.vocab_size)
-        writer.add_rope_dimension_count(cfg.head_dim)
-    if cfg.sliding_window is not None:  # Gemma3Model's (the layer pattern is llama.cpp's own: not written)
+    if keys.rope_dimension_count:
+        writer.add_rope_dimension_count(cfg.rotary_dim)
+    if keys.window_always:
+        writer.add_sliding_window(window or 0)
+    elif cfg.sliding_window is not None:  # Gemma3Model's (the layer pattern is llama.cpp's own: not written)
         writer.add_sliding_window(cfg.sliding_window)
 
 
 def extra_tensors(cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Tensors the converter adds that no checkpoint holds: LlamaModel's rope_freqs under Llama 3's rope scaling,
-    per rotary frequency what llama.cpp divides it by [head_dim / 2] (edgespec reads none of them)."""
-    if not cfg.arch.rotary_permuted or cfg.rope_scaling["rope_type"] != "llama3":
+    """Tensors the converter adds that no checkpoint holds (edgespec reads the second kind only): LlamaModel's
+    rope_freqs under Llama 3's rope scaling, per rotary frequency what llama.cpp divides it by [head_dim / 2];
+    Phi3MiniModel's longrope factors, long then short [rotary_dim / 2]."""
+    rope = cfg.rope_scaling
+    if rope["rope_type"] == "longrope":
+        return {name: np.asarray(rope[key], dtype=np.float32) for key, name in ROPE_FACTORS.items()}
+    if not cfg.arch.rotary_permuted or rope["rope_type"] != "llama3":
         return {}
     plain = rope_inv_freq(dataclasses.replace(cfg, rope_scaling={"rope_type": "default"}))
     return {ROPE_FREQS: (plain / rope_inv_freq(cfg)).numpy()}
@@ -83,7 +102,7 @@ def write_gguf(plan: Sequence[Tensor], path: Path, config: dict, name: str, weig
     arch = cfg.arch
     layer_kind = GGMLQuantizationType[weights.upper()]
     writer = GGUFWriter(path, arch.gguf)
-    write_metadata(writer, cfg, f"synthetic {name}", weights)
+    write_metadata(writer, cfg, config.get("sliding_window"), f"synthetic {name}", weights)
     extra = extra_tensors(cfg)
 
     def kind(t: Tensor) -> GGMLQuantizationType | None:  # None: F32 (the norms)

@@ -1,10 +1,11 @@
 """Scale models of the architectures past Llama (model/synth.py, model/synth_gguf.py) against references no one
 here wrote: the cards of config/models load in transformers as the model they name (its config class, its
-rotary frequencies, its layer pattern, its parameter count) and in edgespec alike; a small version of each shape
-(its architecture's own fields kept, its sizes tiny) written in float32 runs as transformers runs it, its norms
-multiply by 1 in transformers' own modules, and written as a Q8_0 GGUF it holds what llama.cpp's converter writes
-from the float32 folder (bench/gguf_writer.py mirrors the converter without model/arch.py), serves, and keeps its
-hidden states finite."""
+rotary frequencies and their attention factor, its layer pattern, its parameter count) and in edgespec alike; a
+small version of each shape (its architecture's own fields kept, its sizes tiny) written in float32 runs as
+transformers runs it, its norms multiply by 1 in transformers' own modules, and written as a Q8_0 GGUF it holds
+what llama.cpp's converter writes from the float32 folder (bench/gguf_writer.py mirrors the converter without
+model/arch.py; Phi-3's fused tensors whole, as the converter keeps them), serves, and keeps its hidden states
+finite."""
 
 from __future__ import annotations
 
@@ -18,20 +19,23 @@ from inprocess import serves_a_chat_completion
 from model_fixtures import load_blocks, load_reference
 
 from edgespec.bench.gguf_writer import write_gguf as converter_gguf
-from edgespec.model.config import ModelConfig, rope_inv_freq
+from edgespec.model.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from edgespec.model.source import resolve_model
 from edgespec.model.synth import GGUF_FILE, hf_config, load_shape, synthesize, write_config
 from edgespec.planning.testbeds import MODELS_DIR, load_card
 
 # the shapes of the architectures past Llama 2 / TinyLlama, and transformers' config class for each
 SHAPES = {"qwen3-4b": "Qwen3Config", "llama-3.2-3b": "LlamaConfig", "gemma3-1b": "Gemma3TextConfig",
-          "gemma3-4b": "Gemma3TextConfig"}
+          "gemma3-4b": "Gemma3TextConfig", "phi-4-mini": "Phi3Config"}
 VOCAB = 512
 # tiny sizes per shape (layers, hidden, heads, KV heads, head_dim): Qwen3's heads wider than hidden / heads as in
-# the real model, Gemma 3 with six layers (five sliding, one global) and a window shorter than the prompt
+# the real model, Gemma 3 with six layers (five sliding, one global) and a window shorter than the prompt,
+# Phi-4-mini with an original context shorter than the prompt: transformers turns by the long factors on a pass
+# past it, edgespec where the served context is past it, both with the attention factor of their ratio
 SMALL = {"qwen3-4b": (2, 64, 4, 2, 32, {"max_window_layers": 2}), "llama-3.2-3b": (2, 64, 4, 2, 16, {}),
          "gemma3-1b": (6, 64, 4, 1, 32, {"sliding_window": 8}),
-         "gemma3-4b": (6, 64, 4, 2, 32, {"sliding_window": 8})}
+         "gemma3-4b": (6, 64, 4, 2, 32, {"sliding_window": 8}),
+         "phi-4-mini": (2, 128, 4, 2, 32, {"original_max_position_embeddings": 32})}
 IDS = [1, 17, 100, 255, 300, 450, VOCAB - 1, *range(20, 60)]  # 47 tokens: past the small Gemmas' window
 
 
@@ -49,9 +53,19 @@ def _their_model(folder: Path):
 
 
 def _their_inv_freq(rotary, layer_type: str) -> torch.Tensor:
-    # Gemma 3 keeps one set of frequencies per layer type, the others one
+    # Gemma 3 keeps one set of frequencies per layer type, the others one (see _their_served_rotary)
     buffers = dict(rotary.named_buffers())
     return buffers.get(f"{layer_type}_inv_freq", buffers.get("inv_freq"))
+
+
+def _their_served_rotary(theirs, rotary_class):
+    # transformers' rotary embedding after a pass reaching the last position of the served context: longrope turns
+    # by its long factors on a pass past the original context (transformers chooses per pass), what edgespec
+    # chooses at load where the served context is past it; other rope types are the same on every pass
+    rotary = rotary_class(theirs)
+    if getattr(rotary, "rope_type", None) == "longrope":
+        rotary(torch.zeros(1), torch.tensor([[theirs.max_position_embeddings - 1]]))
+    return rotary
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -76,9 +90,12 @@ def test_a_shape_loads_in_transformers_and_edgespec_alike(shape, tmp_path):
     sliding = [t == "sliding_attention" for t in getattr(theirs, "layer_types", None) or [None] * ours.n_layers]
     assert list(ours.sliding_layers or [False] * ours.n_layers) == sliding
     assert ours.sliding_window == (theirs.sliding_window if any(sliding) else None)
-    # rotary frequencies with their scaling (Llama 3's, Gemma 3 4B's linear) and the sliding layers' own base
-    rotary = type(model.model.rotary_emb)(theirs)
+    # rotary frequencies with their scaling (Llama 3's, Gemma 3 4B's linear, Phi-4-mini's longrope over the first
+    # 3/4 of a head) and attention factor, and the sliding layers' own base
+    rotary = _their_served_rotary(theirs, type(model.model.rotary_emb))
     torch.testing.assert_close(rope_inv_freq(ours), _their_inv_freq(rotary, "full_attention"), rtol=1e-6, atol=0)
+    assert rope_attention_factor(ours) == pytest.approx(getattr(rotary, "attention_scaling", 1.0), rel=1e-12)
+    assert ours.rotary_dim == int(theirs.head_dim * theirs.rope_parameters.get("partial_rotary_factor", 1.0))
     if any(sliding):
         torch.testing.assert_close(rope_inv_freq(ours, local=True), _their_inv_freq(rotary, "sliding_attention"),
                                    rtol=1e-6, atol=0)
@@ -99,16 +116,26 @@ def test_a_cards_parameters_are_transformers_own(shape, tmp_path):
 # -- small versions of the shapes -------------------------------------------------------------------------------
 
 
+def _spread(factors: list[float], n: int) -> list[float]:
+    # n of a rope's per-frequency factors, evenly spaced over them, the first and the last kept
+    return [factors[round(i * (len(factors) - 1) / (n - 1))] for i in range(n)]
+
+
 def small_card(shape: str) -> dict:
     """The card of `shape` at a tiny size: its architecture's own fields (model type, activation, norms, rope and
-    its scaling, attention scale, layer pattern, tied head) kept, its sizes and window made small; the attention
-    scale stays head_dim's, as in the real models."""
+    its scaling, partial rotary, attention scale, layer pattern, tied head) kept, its sizes and window made small;
+    the attention scale stays head_dim's, as in the real models, and longrope keeps one factor per rotated
+    frequency of the small head (spread over the card's)."""
     card = load_shape(shape)
     n_layers, hidden, heads, kv, head_dim, extra = SMALL[shape]
     hf = {**card["hf"], "intermediate_size": 2 * hidden, "vocab_size": VOCAB, "max_position_embeddings": 256,
           **extra}
     if "query_pre_attn_scalar" in hf:
         hf["query_pre_attn_scalar"] = head_dim
+    if "long_factor" in (rope := hf.get("rope_scaling") or {}):
+        n = int(head_dim * hf.get("partial_rotary_factor", 1.0)) // 2
+        hf["rope_scaling"] = {**rope, "short_factor": _spread(rope["short_factor"], n),
+                              "long_factor": _spread(rope["long_factor"], n)}
     small = {**card, "name": f"small {card['name']}", "n_layers": n_layers, "hidden_size": hidden, "n_heads": heads,
              "n_kv_heads": kv, "head_dim": head_dim, "context": 256, "hf": hf}
     cfg = ModelConfig.from_hf_dict(hf_config(small, 0, 0))
@@ -160,8 +187,9 @@ def _fields(reader, arch: str) -> dict:
 
 def test_the_gguf_holds_what_the_converter_writes(small, tmp_path):
     """Architecture, keys, tensor names and shapes as the converter writes them from the float32 folder; norms
-    (shifted for Gemma 3) and Llama 3's rope_freqs exactly, matrices within Q8_0's rounding (q and k rows in the
-    converter's order: permuted they would be far off)."""
+    (shifted for Gemma 3), Llama 3's rope_freqs and Phi-4-mini's rope factors exactly, matrices within Q8_0's
+    rounding (q and k rows in the converter's order: permuted they would be far off; Phi-3's fused qkv and
+    gate/up rows in theirs)."""
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
 
@@ -174,6 +202,7 @@ def test_the_gguf_holds_what_the_converter_writes(small, tmp_path):
     ref = {t.name: t for t in theirs.tensors}
     assert sorted(mine) == sorted(ref)
     assert ("rope_freqs.weight" in ref) == (shape == "llama-3.2-3b")
+    assert ("rope_factors_long.weight" in ref) == ("blk.0.attn_qkv.weight" in ref) == (shape == "phi-4-mini")
     for name, t in ref.items():
         want = np.asarray(t.data, dtype=np.float32)
         got = mine[name]
