@@ -253,16 +253,20 @@ def tiny_config(kind: str, base: dict, overrides: dict):
 
 
 def tiny_model(kind: str, folder: Path | str, seed: int = 0, shape: dict | None = None, std: float = 0.2,
-               **overrides) -> Path:
+               special_tokens: tuple[str, ...] = (), **overrides) -> Path:
     """A tiny random `kind` model (an ARCH_CLASSES key) from transformers' own class with SmolLM2's tokenizer,
     saved into `folder`: config `shape`, then the architecture's own settings, then `overrides`. Matrices drawn
-    N(0, std^2), biases and norms U(0.5, 1.5) (transformers sets them to constants), so a misplaced one shows."""
+    N(0, std^2), biases and norms U(0.5, 1.5) (transformers sets them to constants), so a misplaced one shows.
+    `special_tokens` are added to the tokenizer as special tokens (another model's end of turn: <|end|>), after
+    SmolLM2's vocabulary."""
     import transformers
 
     from edgespec.model.source import resolve_model
 
     folder = Path(folder)
     tok = transformers.AutoTokenizer.from_pretrained(resolve_model(None).folder)
+    if special_tokens:
+        tok.add_special_tokens({"additional_special_tokens": list(special_tokens)})
     config = tiny_config(kind, {"vocab_size": len(tok), "bos_token_id": tok.bos_token_id,
                                 "eos_token_id": tok.eos_token_id, **(shape or {})}, overrides)
     torch.manual_seed(seed)

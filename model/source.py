@@ -71,7 +71,7 @@ def convert_gguf(gguf: Path) -> Path:
     """Write a GGUF file's config and tokenizer (not its weights: they are read from the GGUF) into a cache
     folder, once; returns the folder."""
     stat = gguf.stat()
-    key = hashlib.sha256(f"v4:{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"v5:{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     out = cache_root() / "models" / f"{gguf.stem}-{key}"
     if (out / "done").exists():
         return out
@@ -91,9 +91,10 @@ def convert_gguf(gguf: Path) -> Path:
 
 
 def _gguf_fields(gguf: Path, index, config: dict) -> dict:
-    """Config fields a GGUF (its GGUFIndex `index`) holds or implies that transformers' GGUF loader leaves at its
-    defaults."""
+    """Config fields a GGUF (its GGUFIndex `index`, with tokenizer.ggml.tokens read) holds or implies that
+    transformers' GGUF loader leaves at its defaults."""
     from edgespec.model.arch import architecture
+    from edgespec.model.gguf_eog import end_of_generation_ids
 
     meta = index.meta
     arch = meta.get("general.architecture")
@@ -115,6 +116,10 @@ def _gguf_fields(gguf: Path, index, config: dict) -> dict:
     # so that a model this code would serve wrong is refused (ModelConfig.from_hf_dict) rather than served
     if (cap := meta.get(f"{arch}.final_logit_softcapping")) is not None:
         out["final_logit_softcapping"] = float(cap)
+    # every id llama.cpp ends generation on (the file names only its eos: Phi-3's <|end|>, Gemma 3's <end_of_turn>
+    # are found by their text), the eos first; a list only where there is more than the eos
+    if (tokens := meta.get("tokenizer.ggml.tokens")) is not None and (ends := end_of_generation_ids(meta, tokens)):
+        out["eos_token_id"] = ends if len(ends) > 1 else ends[0]
     # an unknown model_type is refused here by name, as at load
     out.update(architecture(config["model_type"]).gguf_config(meta, config["num_hidden_layers"], config["hidden_size"],
                                                               config["num_attention_heads"]))
@@ -159,7 +164,7 @@ def _write_converted(gguf: Path, out: Path) -> None:
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
     config.pop("quantization_config", None)
-    config.update(_gguf_fields(gguf, read_index(gguf), config))
+    config.update(_gguf_fields(gguf, read_index(gguf, arrays={"tokenizer.ggml.tokens"}), config))
     config["_name_or_path"] = gguf.stem
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / GGUF_POINTER).write_text(f"{gguf.resolve()}\n")

@@ -96,15 +96,16 @@ LLAMA_FIELDS = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "h
                 "attention_bias": False, "mlp_bias": False}
 
 
-def hf_config(card: dict, bos: int, eos: int) -> dict:
+def hf_config(card: dict, bos: int, eos: int | list[int]) -> dict:
     """config.json of a shape: its shape fields, then its card's Hugging Face fields (a card without a model_type
-    is a Llama); token ids are the embedded tokenizer's."""
+    is a Llama); token ids are the embedded tokenizer's (`eos`: its end id, or its end ids, its eos first)."""
     hf = dict(card["hf"]) if "model_type" in card["hf"] else {**LLAMA_FIELDS, **card["hf"]}
+    pad = eos[0] if isinstance(eos, list) else eos  # one id, where a GGUF's config lists every end id
     return {
         "architectures": hf.pop("architectures"), "model_type": hf.pop("model_type"),
         "hidden_size": card["hidden_size"], "num_hidden_layers": card["n_layers"],
         "num_attention_heads": card["n_heads"], "num_key_value_heads": card["n_kv_heads"],
-        "head_dim": card["head_dim"], **hf, "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos,
+        "head_dim": card["head_dim"], **hf, "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad,
         "_name_or_path": f"synthetic {card['name']} (random weights: its text is noise)",
     }
 

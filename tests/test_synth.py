@@ -177,7 +177,8 @@ def test_the_tokenizer_stays_below_the_vocabulary(folders):
     config = json.loads((folder / "config.json").read_text())
     assert config["vocab_size"] == VOCAB and config["num_hidden_layers"] == 2 and config["head_dim"] == 16
     assert tok.convert_tokens_to_ids("<|im_start|>") == config["bos_token_id"]
-    assert tok.convert_tokens_to_ids("<|im_end|>") == config["eos_token_id"]
+    # the embedded GGUF's end ids by llama.cpp's rule, its eos first
+    assert tok.convert_ids_to_tokens(config["eos_token_id"]) == ["<|im_end|>", "<|endoftext|>", "<reponame>"]
     messages = [{"role": "user", "content": "Héllo! Write f(x) = x**2 in Python, with 日本語 comments 🙂"}]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tok(text, add_special_tokens=False)["input_ids"]
