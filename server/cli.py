@@ -30,8 +30,8 @@ def _serve_parser(sub) -> None:
                    help="weight format (default auto: a GGUF's own quantization, float32 for a folder)")
     p.add_argument("--threads", type=int)
     p.add_argument("--kv-cache-gib", type=float, help="memory bound of all sessions' KV caches (default 2)")
-    p.add_argument("--kv-format", help="how the KV cache stores keys and values, here and on the workers: float32 "
-                   "(the default), float16 or q8_0 (README, 'KV cache formats')")
+    p.add_argument("--kv-format", help="how the KV cache stores keys and values, here and on the workers: float16 "
+                   "(the default), float32 or q8_0 (README, 'KV cache formats')")
     p.add_argument("--kv-prefault", action="store_true", default=None, help="commit the KV caches' memory at load "
                    "(here and on local workers), so that RSS holds still while serving")
     p.add_argument("--max-waiting", type=int, help="requests that may wait for KV cache room (default 64; more: 503)")
@@ -99,7 +99,7 @@ def _profile_parser(sub) -> None:
     p.add_argument("--worker-cpus", help="CPU sets of the local workers, e.g. '0;1'")
     p.add_argument("--worker-threads", type=int, default=0)
     p.add_argument("--worker-memory-budget-gib", type=float, help="each local worker's memory budget (as serve's)")
-    p.add_argument("--kv-format", default="float32", help="the KV cache format the card counts (as serve's)")
+    p.add_argument("--kv-format", default="float16", help="the KV cache format the card counts (as serve's)")
     p.add_argument("--tokens", help="comma-separated tokens-per-pass points (default 1,2,4,...,512)")
     p.add_argument("--contexts", help="comma-separated context lengths (default 0,512,2048)")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per point (median)")

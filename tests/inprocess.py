@@ -33,7 +33,7 @@ def controller_app(model: str, **settings):
               "medusa": "off", "kv_cache_gib": 0.25, **settings}
     config = ServeSettings(**values)
     loaded = load_local(resolve_model(model), config.dtype, config.kv_cache_gib, ModelThread(1),
-                        runner_options(config, None))
+                        runner_options(config, None), kv=config.kv_format)
     policies = build_policies(default=config.policy)
     service = CompletionService(loaded, policies, config, Metrics())
     # no on_shutdown: several clients may enter the app's lifespan in turn; the caller closes service.loaded.runner
