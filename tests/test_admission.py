@@ -94,7 +94,7 @@ def test_the_api_answers_a_full_queue_with_503_and_retry_after(tiny, tmp_path):
 
     slot = ModelConfig.from_folder(tiny).kv_bytes_per_token()
     proc, url = start_server(tmp_path, "busy", "--model", tiny, "--kv-cache-gib", str(300 * slot / 2**30),
-                             "--max-waiting", "0", "--prefix-cache-mib", "0")
+                             "--kv-format", "float32", "--max-waiting", "0", "--prefix-cache-mib", "0")
     try:
         body = {"model": model_id(url), "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
                 "max_tokens": 200, "min_tokens": 200}  # over 150 slots reserved: one such cache fits, two do not

@@ -10,6 +10,7 @@ import torch
 from model_fixtures import smollm2_folder
 
 from edgespec.model.config import ModelConfig
+from edgespec.model.kv_format import kv_format
 from edgespec.model.timing import model_card
 from edgespec.planning.plan import InfeasibleError, PlanOptions, even_plan, make_plan
 from edgespec.planning.profile import IDLE_MS, ClusterProfile, Curve, DeviceProfile, LinkProfile, ModelCard
@@ -63,7 +64,7 @@ def test_profile_round_trips_through_json(tmp_path):
 
 def test_model_card_of_smollm2_counts_its_parameters():
     cfg = ModelConfig.from_folder(smollm2_folder())
-    card = model_card(cfg, "smollm2", torch.bfloat16)
+    card = model_card(cfg, "smollm2", torch.bfloat16, kv=kv_format("float16"))
     total = card.n_layers * card.layer_params + card.ends_params
     assert 134e6 < total < 136e6  # "135M"; the head is tied to the embedding, so counted once
     assert card.kv_bytes_per_token() == 2 * 3 * 64 * 2

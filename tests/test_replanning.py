@@ -25,10 +25,13 @@ from edgespec.planning.profile import ClusterProfile, Curve, DeviceProfile, Link
 PROMPT = "Tell me a long story about a lighthouse keeper."
 KIB = 1024
 
+# the workers' budgets below are sized in float32 caches (512 B a slot of the tiny model's layers)
+FLOAT32_KV = ("--kv-format", "float32")
+
 
 @pytest.fixture(scope="module")
 def reference(tiny, tmp_path_factory):
-    proc, url = start_server(tmp_path_factory.mktemp("ref"), "inproc", "--model", tiny)
+    proc, url = start_server(tmp_path_factory.mktemp("ref"), "inproc", "--model", tiny, *FLOAT32_KV)
     try:
         body = {"model": model_id(url), "messages": [{"role": "user", "content": PROMPT}], "temperature": 0,
                 "max_tokens": 440}
@@ -94,7 +97,8 @@ def test_memory_threshold_replans_mid_generation(tiny, reference, tmp_path):
     profile = write_profile(tmp_path / "profile.json", tiny, {"w0": budget, "w1": 2**30})
     server, url = start_server(tmp_path, "serve", "--model", tiny, "--cluster",
                                str(cluster_file(tmp_path / "c.toml", token, urls)), "--profile", str(profile),
-                               "--plan-context", "256", "--plan-concurrency", "1", "--monitor-interval-s", "0.2")
+                               "--plan-context", "256", "--plan-concurrency", "1", "--monitor-interval-s", "0.2",
+                               *FLOAT32_KV)
     try:
         assert layers(url) == {"w0": [0, 2], "w1": [2, 4]}
         body = {"model": model_id(url), "messages": [{"role": "user", "content": PROMPT}], "temperature": 0,
@@ -125,7 +129,7 @@ def test_killed_worker_replans_and_joined_worker_is_used(tiny, reference, tmp_pa
     server, url = start_server(tmp_path, "serve", "--model", tiny, "--cluster",
                                str(cluster_file(tmp_path / "c.toml", token, urls)), "--profile", str(profile),
                                "--plan-context", "256", "--plan-concurrency", "1", "--monitor-interval-s", "0.3",
-                               "--memory-threshold", "0.99")
+                               "--memory-threshold", "0.99", *FLOAT32_KV)
     try:
         assert greedy(url, PROMPT, 24) == reference["short"]
         victim = next(iter(layers(url)))
