@@ -2,16 +2,16 @@
 `python -m edgespec.bench.gguf_types --prompts ../shared/data/prompts/vicuna80.jsonl --out DIR`.
 
 Two models, each written to a float32 GGUF as llama.cpp's converter writes it (bench/gguf_writer.py), then
-quantized by llama.cpp's own quantizer (`llama_model_quantize` of llama-cpp-python, `make peer-env`) to each
-type: `smollm2`, the served model's own weights (its Q4_1 file's values, exactly: a trained model, whose rows
-of 576 take llama.cpp's fallbacks for the K-quants), and `tiny-256`, a random model from transformers' class
-(hidden 256, so every K-quant applies; matrices N(0, 0.02^2) as trained models' are: at 0.2 the activations
-were so wide that llama.cpp and edgespec each stood 13% of the largest logit from the file's exact float
-forward, and their top-1 agreed on 0.925 of the positions of a Q8_0 file). For each file:
-teacher-forced logits over held-out text (vicuna80's prompts in SmolLM2's chat template) from edgespec (its
-served format, `auto`: the file's own blocks) and from llama.cpp (`Llama(logits_all=True)`), top-1 agreement
-and the largest logit difference relative to the largest logit; and one chat completion through `edgespec serve`
-on the file (none may fail); and each side's distance from the file's exact float forward. Writes
+quantized by llama.cpp's own quantizer (`llama_model_quantize` of llama-cpp-python, `make peer-env`) to each type:
+`smollm2`, the served model's own weights (its Q4_1 file's values, exactly: a trained model, whose rows of 576
+take llama.cpp's fallbacks for the K-quants), and `tiny-256`, a random model from transformers' class (hidden 256,
+so every K-quant applies; `tiny-256-qwen3` and the like: another architecture's; matrices N(0, 0.02^2) as trained
+models' are: at 0.2 the activations were so wide that llama.cpp and edgespec each stood 13% of the largest logit
+from the file's exact float forward, and their top-1 agreed on 0.925 of the positions of a Q8_0 file). For each
+file: teacher-forced logits over held-out text (vicuna80's prompts in SmolLM2's chat template) from edgespec (its
+served format, `auto`: the file's own blocks) and from llama.cpp (`Llama(logits_all=True)`), top-1 agreement and
+the largest logit difference relative to the largest logit; and one chat completion through `edgespec serve` on
+the file (none may fail); and each side's distance from the file's exact float forward. Writes
 DIR/gguf_types.json and DIR/gguf_types.png.
 """
 
@@ -135,7 +135,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompts", type=Path, required=True, help="a prompt set with `turns` (vicuna80.jsonl)")
     p.add_argument("--n-prompts", type=int, default=8)
     p.add_argument("--types", default=",".join(TYPES))
-    p.add_argument("--models", default="smollm2,tiny-256")
+    p.add_argument("--models", default="smollm2,tiny-256",
+                   help="smollm2 and random models of hidden 256: tiny-256 (llama) or tiny-256-KIND, KIND an "
+                        "architecture of bench/gguf_writer.py (qwen2, qwen3, gemma3, phi3)")
     p.add_argument("--llama-python", default=None)
     args = p.parse_args(argv)
     python = llama_python(args.llama_python)
@@ -145,12 +147,17 @@ def main(argv: list[str] | None = None) -> None:
         tmp = Path(tmp)
         for model in args.models.split(","):
             folder = (served_model_folder(tmp / model) if model == "smollm2"
-                      else tiny_model("llama", tmp / model, shape=TINY, std=0.02))
+                      else tiny_model(tiny_kind(model), tmp / model, shape=TINY, std=0.02))
             rows += compare_types(python, folder, write_gguf(folder, tmp / f"{model}.F32.gguf"), args, tmp)
     result = {"llama_cpp_python": llamacpp_version(python), "tiny_shape": TINY, "prompts": str(args.prompts),
               "n_prompts": args.n_prompts, "types": rows}
     (args.out / "gguf_types.json").write_text(json.dumps(result, indent=2))
     plot(rows, args.out / "gguf_types.png")
+
+
+def tiny_kind(model: str) -> str:
+    """The architecture of a random model named 'tiny-256' (llama) or 'tiny-256-KIND' (qwen2, qwen3, gemma3, phi3)."""
+    return model.removeprefix("tiny-256").removeprefix("-") or "llama"
 
 
 def compare_types(python: str, folder: Path, f32: Path, args, tmp: Path) -> list[dict]:
