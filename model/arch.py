@@ -107,11 +107,6 @@ class Architecture:
     window_all_layers: bool = False
     gguf_keys: GGUFKeys = field(default_factory=GGUFKeys)
 
-    @property
-    def output_norms(self) -> bool:
-        """Whether the layer norms its attention's and FFN's outputs (what the fused layer.cpp does not)."""
-        return "attn_out" in self.norms or "ffn_out" in self.norms
-
     def from_hf(self, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor of a Hugging Face checkpoint as the blocks use it: a norm's w as float32 norm_offset + w
         (transformers' `1.0 + weight.float()`, the same float op, so the same bits), others as they are."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,9 +97,7 @@ def _plan(chat: ChatInput, syntax: Syntax) -> GrammarPlan | None:
         return _json_calls_plan(tools, syntax, max_calls, forcing, json_rules)
     call_rules = _call_rules(tools, syntax, max_calls)
     forced = f"start: OPEN calls\n{call_rules}"
-    # which tool a call opens with is decided before decoding (decoding/decide.py): one grammar per tool
-    routes = tuple((t.name, f"start: OPEN calls\n{_call_rules(tools, syntax, max_calls, first=i)}")
-                   for i, t in enumerate(tools)) if len(tools) > 1 else ()
+    routes = _routes(tools, "start: OPEN calls", lambda first: _call_rules(tools, syntax, max_calls, first))
     if forcing:
         return GrammarPlan(forced, routes=routes)
     trigger = syntax.open + ("[" if syntax.array else "")
@@ -112,8 +111,7 @@ def _json_calls_plan(tools: tuple[ToolSpec, ...], syntax: JsonCalls, max_calls: 
     """_plan for bare JSON calls, which are the whole answer: its free text is text that does not open as one."""
     call_rules = _json_call_rules(tools, syntax, max_calls)
     forced = f"start: calls\n{call_rules}"
-    routes = tuple((t.name, f"start: calls\n{_json_call_rules(tools, syntax, max_calls, first=i)}")
-                   for i, t in enumerate(tools)) if len(tools) > 1 else ()
+    routes = _routes(tools, "start: calls", lambda first: _json_call_rules(tools, syntax, max_calls, first))
     if forcing:
         return GrammarPlan(forced, routes=routes)
     if json_rules is not None:
@@ -121,6 +119,12 @@ def _json_calls_plan(tools: tuple[ToolSpec, ...], syntax: JsonCalls, max_calls: 
         return GrammarPlan(f"start: json | calls\n{json_rules}\n{objects}", forced, syntax.head, routes)
     text = _JSON_TEXT.format(head=json.dumps(syntax.head))
     return GrammarPlan(f"start: TEXT | calls\n{text}\n{call_rules}", forced, syntax.head, routes)
+
+
+def _routes(tools: tuple[ToolSpec, ...], start: str, rules: Callable[[int], str]) -> tuple[tuple[str, str], ...]:
+    """With several tools, a grammar of calls per tool the first call must be (`start` then rules(i)): which
+    tool a call opens with is decided before decoding (decoding/decide.py)."""
+    return tuple((t.name, f"{start}\n{rules(i)}") for i, t in enumerate(tools)) if len(tools) > 1 else ()
 
 
 def _chosen_tools(chat: ChatInput) -> tuple[ToolSpec, ...]:
