@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from edgespec.model.config import ModelConfig
-from edgespec.model.quant import Matrix, dequantized, q4_from_gguf, q4_from_q4k, q8_from_gguf, quantize_q8, take_cols
+from edgespec.model.gguf_blocks import exact_kinds, read_blocks
+from edgespec.model.quant import Matrix, dequantized, quantize_q8, take_cols
 
 
 @dataclass(frozen=True)
@@ -138,17 +139,14 @@ class GGUFSource:
     def matrix(self, name: str, rows: Sequence[tuple[int, int]] | None = None,
                cols: Sequence[tuple[int, int]] | None = None) -> Matrix:
         """The matrix `name` [N, K] in the file's own blocks (Q4, Q8) or as float32, optionally only some rows
-        or whole-block columns. Q6_K / Q5_x come back as Q8 (their values need more than 4 bits)."""
+        or whole-block columns. The types of model/gguf_blocks.py come back holding the file's values exactly;
+        the others (Q5_1, Q5_K, Q2_K and the IQ types below 4 bits) as Q8_0 blocks of their values."""
         raw = self._raw_rows(name)
         if rows is not None:
             raw = np.concatenate([raw[lo:hi] for lo, hi in rows])
         kind = self.kind(name)
-        if kind in ("Q4_0", "Q4_1"):
-            w = q4_from_gguf(raw, kind)
-        elif kind == "Q4_K":
-            w = q4_from_q4k(raw)
-        elif kind == "Q8_0":
-            w = q8_from_gguf(raw)
+        if kind in exact_kinds():
+            w = read_blocks(raw, kind)
         else:
             w = self._dequantized(raw, kind)
             if kind not in ("F32", "F16", "BF16"):

@@ -4,7 +4,9 @@ Both kinds keep a matrix [N, K] in blocks of 32 consecutive elements of a row:
 - Q4: 4-bit q in 0..15 with w = d q + m (Q4_1 as is; Q4_0 is m = -8 d; Q4_K's sub-blocks map the same way).
   qs [N, K/2] uint8: in each block's 16 bytes, element i is the low nibble of byte i, element i + 16 the high
   nibble (GGUF's own Q4_0/Q4_1 order). d, m [N, K/32] float32 (GGUF stores fp16: widening is exact).
-- Q8: int8 q with w = d q (Q8_0). qs [N, K] int8, d [N, K/32] float32.
+- Q8: int8 q with w = d q. qs [N, K] int8, d [N, K/32] float32, one scale per block (Q8_0, Q5_0, IQ4_NL, IQ4_XS),
+  or d [N, K/16], one per half block (Q6_K, Q3_K: their sub-blocks of 16 each have a scale).
+model/gguf_blocks.py reads each GGUF type into one of these, exactly: the same values as the file's.
 Rows can be taken and concatenated (a stage's KV groups), and columns in whole blocks (a group's share of the
 output projection), without dequantizing.
 """
@@ -14,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 QK = 32  # elements per block
@@ -50,23 +51,31 @@ class Q4:
 @dataclass(frozen=True)
 class Q8:
     qs: torch.Tensor  # [N, K] int8
-    d: torch.Tensor  # [N, K/32] float32
+    d: torch.Tensor  # [N, K/32] or [N, K/16] float32: a scale per block or per half block
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.qs.shape)
 
+    @property
+    def sub(self) -> int:
+        """Elements per scale: 32 or 16."""
+        return self.qs.shape[1] // self.d.shape[1]
+
     def nbytes(self) -> int:
         return self.qs.nbytes + self.d.nbytes
 
+    def halves(self) -> Q8:
+        """The same values with a scale per half block (each block's scale twice)."""
+        return self if self.sub == QK // 2 else Q8(self.qs, self.d.repeat_interleave(2, dim=1))
+
     def dequantize(self) -> torch.Tensor:
-        n, k = self.shape
-        return (self.qs.view(n, k // QK, QK).float() * self.d[..., None]).reshape(n, k)
+        return self.dequantize_rows(torch.arange(self.qs.shape[0]))
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         # ids [...] -> [..., K] float32 (an embedding lookup: exact, d q in float32)
-        k = self.qs.shape[1]
-        q = self.qs[ids].float().view(*ids.shape, k // QK, QK)
+        k, sub = self.qs.shape[1], self.sub
+        q = self.qs[ids].float().view(*ids.shape, k // sub, sub)
         return (q * self.d[ids][..., None]).reshape(*ids.shape, k)
 
 
@@ -80,7 +89,7 @@ class Interleaved:
     32-byte load holds 4 elements of 8 rows. The bytes are the plain matrix's, moved, not re-encoded."""
 
     words: torch.Tensor  # [G, K/32, W, 8] int32: W = 4 for Q4 (nibbles), 8 for Q8
-    d: torch.Tensor  # [G, K/32, 8] float32
+    d: torch.Tensor  # [G, K/32, 8] float32 ([G, K/16, 8] for a Q8 with a scale per half block)
     m: torch.Tensor | None  # [G, K/32, 8] float32 for Q4, None for Q8
     n: int  # rows of the matrix (the last group may hold fewer)
 
@@ -99,7 +108,7 @@ class Interleaved:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.n, self.d.shape[1] * QK
+        return self.n, self.words.shape[1] * QK
 
     def plain(self) -> Q4 | Q8:
         """The matrix as Q4 / Q8 in rows (analysis, row selection; not the serving path)."""
@@ -145,7 +154,7 @@ def take_cols(w: Matrix, ranges: Sequence[tuple[int, int]]) -> Matrix:
         return torch.cat([w[:, lo:hi] for lo, hi in ranges], dim=1)
     if any(lo % QK or hi % QK for lo, hi in ranges):
         raise ValueError(f"columns of a block-quantized matrix must be cut at multiples of {QK}, got {ranges}")
-    per = {"qs": 16 if isinstance(w, Q4) else QK, "d": 1, "m": 1}
+    per = {"qs": 16 if isinstance(w, Q4) else QK, "d": QK // w.sub if isinstance(w, Q8) else 1, "m": 1}
     return type(w)(**{k: torch.cat([v[:, lo // QK * per[k]:hi // QK * per[k]] for lo, hi in ranges], dim=1).contiguous()
                       for k, v in _fields(w).items()})
 
@@ -160,6 +169,9 @@ def cat_rows(ws: Sequence[Matrix]) -> Matrix:
     first = ws[0]
     if isinstance(first, torch.Tensor):
         return torch.cat(list(ws))
+    if isinstance(first, Q8) and len({w.sub for w in ws}) > 1:  # a scale per half block for all: the same values
+        ws = [w.halves() for w in ws]
+        first = ws[0]
     return type(first)(**{k: torch.cat([_fields(w)[k] for w in ws]) for k in _fields(first)})
 
 
@@ -191,47 +203,3 @@ def as_q8(w: Matrix) -> Q8:
     if isinstance(w, Q8):
         return w
     return quantize_q8(w.dequantize() if isinstance(w, Q4) else w)
-
-
-# --- GGUF blocks -----------------------------------------------------------------------------------------
-
-def _f16(raw: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16).astype(np.float32))
-
-
-def q4_from_gguf(raw: np.ndarray, kind: str) -> Q4:
-    """GGUF rows of Q4_0 (18 bytes per block: d, qs) or Q4_1 (20: d, m, qs), raw [N, bytes] -> Q4."""
-    n = raw.shape[0]
-    size = 18 if kind == "Q4_0" else 20
-    blocks = raw.reshape(n, -1, size)
-    d = _f16(blocks[..., 0:2]).view(n, -1)
-    m = -8 * d if kind == "Q4_0" else _f16(blocks[..., 2:4]).view(n, -1)
-    qs = torch.from_numpy(np.ascontiguousarray(blocks[..., size - 16:]).reshape(n, -1))
-    return Q4(qs, d.contiguous(), m.contiguous())
-
-
-def q8_from_gguf(raw: np.ndarray) -> Q8:
-    """GGUF rows of Q8_0 (34 bytes per block: d, 32 int8), raw [N, bytes] -> Q8."""
-    n = raw.shape[0]
-    blocks = raw.reshape(n, -1, 34)
-    d = _f16(blocks[..., 0:2]).view(n, -1)
-    qs = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, -1))
-    return Q8(qs, d.contiguous())
-
-
-def q4_from_q4k(raw: np.ndarray) -> Q4:
-    """GGUF rows of Q4_K (144 bytes per 256: d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles)
-    -> Q4 with one (d sc, -dmin mn) pair per 32 elements: the same values, in fp32."""
-    from gguf.quants import Q4_K
-
-    n = raw.shape[0]
-    blocks = raw.reshape(-1, 144)
-    d = blocks[:, 0:2].view(np.float16).astype(np.float32)
-    dmin = blocks[:, 2:4].view(np.float16).astype(np.float32)
-    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])  # [B, 8] each
-    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    q = (qs & 0x0F).reshape(-1, 8, 32)  # [B, 8 sub-blocks, 32]: sub-block 2j low nibbles, 2j+1 high
-    packed = q[..., :16] | (q[..., 16:] << 4)
-    return Q4(torch.from_numpy(np.ascontiguousarray(packed).reshape(n, -1)),
-              torch.from_numpy((d * sc.astype(np.float32)).reshape(n, -1)).contiguous(),
-              torch.from_numpy((-dmin * mn.astype(np.float32)).reshape(n, -1)).contiguous())

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from edgespec.model.kernels import load
-from edgespec.model.quant import Interleaved, quantize_q4, quantize_q8
+from edgespec.model.quant import Q8, Interleaved, quantize_q4, quantize_q8
 
 N, K = 100, 256  # N not a multiple of 8: the last weight group is partial
 
@@ -16,40 +16,45 @@ def inputs(seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(N, K, generator=g)
     x = torch.randn(9, K, generator=g)
-    return w, x, quantize_q4(w), quantize_q8(w)
+    q8 = quantize_q8(w)
+    # a scale per half block, as Q6_K and Q3_K hold them: each half's own
+    halves = Q8(q8.qs, q8.d.repeat_interleave(2, dim=1) * (1 + torch.rand(N, K // 16, generator=g)))
+    return w, x, quantize_q4(w), q8, halves
 
 
-def matmuls(mod, w, x, q4, q8) -> dict[str, torch.Tensor]:
-    a, b = Interleaved.of(q4), Interleaved.of(q8)
+def matmuls(mod, w, x, q4, q8, halves) -> dict[str, torch.Tensor]:
+    a, b, c = Interleaved.of(q4), Interleaved.of(q8), Interleaved.of(halves)
     return {"q4": mod.q4_matmul(x, a.words, a.d, a.m, a.n), "q8": mod.q8_matmul(x, b.words, b.d, b.n),
-            "f32": mod.f32_matmul(x, w)}
+            "q8-halves": mod.q8_matmul(x, c.words, c.d, c.n), "f32": mod.f32_matmul(x, w)}
 
 
 def test_matmuls_match_the_dequantized_weights():
-    w, x, q4, q8 = inputs()
-    got = matmuls(load(), w, x, q4, q8)
-    for name, dense in (("q4", q4.dequantize()), ("q8", q8.dequantize()), ("f32", w)):
+    w, x, q4, q8, halves = inputs()
+    got = matmuls(load(), w, x, q4, q8, halves)
+    for name, dense in (("q4", q4.dequantize()), ("q8", q8.dequantize()), ("q8-halves", halves.dequantize()),
+                        ("f32", w)):
         ref = x @ dense.T
         # 8-bit activations cost about 0.5% (llama.cpp's Q8_1 scheme); float32 only rounding
         assert ((got[name] - ref).norm() / ref.norm()).item() < (1e-6 if name == "f32" else 1e-2), name
 
 
 def test_every_output_is_independent_of_the_rows_beside_it():
-    w, x, q4, q8 = inputs(1)
+    w, x, *ws = inputs(1)
     mod = load()
-    full = matmuls(mod, w, x, q4, q8)
+    full = matmuls(mod, w, x, *ws)
     for r in range(x.shape[0]):
-        one = matmuls(mod, w, x[r:r + 1].contiguous(), q4, q8)
+        one = matmuls(mod, w, x[r:r + 1].contiguous(), *ws)
         assert all(torch.equal(one[k][0], full[k][r]) for k in full)
 
 
 def test_the_interleaved_layout_moves_bytes_without_changing_them():
-    _, _, q4, q8 = inputs(4)
-    for w in (q4, q8):
+    _, _, q4, q8, halves = inputs(4)
+    for w in (q4, q8, halves):
         back = Interleaved.of(w).plain()
         assert all(torch.equal(a, b) for a, b in zip(vars(back).values(), vars(w).values(), strict=True))
     ids = torch.tensor([[0, 7, 8, N - 1]])
-    assert torch.equal(Interleaved.of(q8).dequantize_rows(ids), q8.dequantize_rows(ids))
+    for w in (q8, halves):
+        assert torch.equal(Interleaved.of(w).dequantize_rows(ids), w.dequantize_rows(ids))
 
 
 def test_attention_and_norm_match_torch():
@@ -72,8 +77,8 @@ def test_the_portable_build_gives_the_same_bits():
     if not simd.simd():
         pytest.skip("this CPU has no AVX2: the default build is the portable one")
     assert not portable.simd()
-    w, x, q4, q8 = inputs(3)
-    a, b = matmuls(simd, w, x, q4, q8), matmuls(portable, w, x, q4, q8)
+    w, x, *ws = inputs(3)
+    a, b = matmuls(simd, w, x, *ws), matmuls(portable, w, x, *ws)
     assert all(torch.equal(a[k], b[k]) for k in a)
     q, keys = torch.randn(1, 4, 3, 64), torch.randn(1, 2, 9, 64)
     assert torch.equal(simd.attention(q, keys, keys, 6, None), portable.attention(q, keys, keys, 6, None))

@@ -3,7 +3,8 @@
 // Activations are quantized per row to int8 in blocks of 32 (scale dx = max|x| / 127, plus the block's
 // sum s = dx * sum(qx)). Each output is then one float accumulator updated block by block, in block order:
 //   q4 (Q4_0/Q4_1/Q4_K as w = d q + m, q in 0..15):  y = fma(m_b, s_b, fma(<qw, qx>_b, d_b dx_b, y))
-//   q8 (Q8_0 as w = d q, q in -127..127):            y = fma(<qw, qx>_b, d_b dx_b, y)
+//   q8 (w = d q, q in -127..127, one d per block):   y = fma(<qw, qx>_b, d_b dx_b, y)
+//   q8 with a d per half block (Q6_K, Q3_K):          y = fma(<qw, qx>_b1, d_b1 dx_b, fma(<qw, qx>_b0, d_b0 dx_b, y))
 //   f32 (dense):                                     y = sum_k w_k x_k (8 lanes, then reduce8)
 // where <qw, qx>_b is the block's integer dot product (exact in int32, so its summation order is free). That
 // order depends only on K, never on how many rows the pass has or which thread runs it, so a position's
@@ -82,28 +83,33 @@ void group_q4(const int32_t* pw, const float* d8, const float* m8, const int8_t*
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
 }
 
-// The same for q8: pw [nb, 8, 8] words of signed bytes. maddubs takes |w| times x with w's sign; a pair of
-// products reaches 2 * 127 * 127, so each maddubs is widened to int32 before adding.
-template <int R>
+// The same for q8: pw [nb, 8, 8] words of signed bytes, d8 [nb * S, 8] with S scales per block (1, or 2 when
+// each half block of 16 has its own: words 0..3 are the first half). maddubs takes |w| times x with w's sign; a
+// pair of products reaches 2 * 127 * 127, so each maddubs is widened to int32 before adding.
+template <int R, int S>
 void group_q8(const int32_t* pw, const float* d8, const int8_t* qx, const float* dx, int64_t nb, int64_t K,
               float* out, int64_t ldo) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i s[R];
-    for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+    __m256i s[S][R];
+    for (int h = 0; h < S; ++h)
+      for (int r = 0; r < R; ++r) s[h][r] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + (b * 8 + j) * G8));
       const __m256i a = _mm256_sign_epi8(v, v);  // |w| (w = -128 never occurs: |q| <= 127)
       for (int r = 0; r < R; ++r) {
         const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(word(qx + r * K + b * QK + 4 * j)), v);
-        s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), ones));
+        __m256i& acc_s = s[j * S / 8][r];
+        acc_s = _mm256_add_epi32(acc_s, _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), ones));
       }
     }
-    const __m256 d = _mm256_loadu_ps(d8 + b * G8);
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
+    for (int h = 0; h < S; ++h) {
+      const __m256 d = _mm256_loadu_ps(d8 + (b * S + h) * G8);
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[h][r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
+    }
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
 }
@@ -150,16 +156,19 @@ void group_q4_portable(const int32_t* pw, const float* d8, const float* m8, cons
   });
 }
 
+template <int S>
 void group_q8_portable(const int32_t* pw, const float* d8, const int8_t* qx, const float* dx, int64_t nb, int64_t K,
                        int64_t R, float* out, int64_t ldo) {
   group_portable(R, nb, out, ldo, [&](float acc, int64_t r, int lane, int64_t b) {
     const int8_t* xb = qx + r * K + b * QK;
-    int dot = 0;
+    int dot[S] = {};
     for (int j = 0; j < 8; ++j) {
       const int32_t w = pw[(b * 8 + j) * G8 + lane];
-      for (int e = 0; e < 4; ++e) dot += static_cast<int8_t>((w >> (8 * e)) & 0xFF) * xb[4 * j + e];
+      for (int e = 0; e < 4; ++e) dot[j * S / 8] += static_cast<int8_t>((w >> (8 * e)) & 0xFF) * xb[4 * j + e];
     }
-    return std::fma(static_cast<float>(dot), d8[b * G8 + lane] * dx[r * nb + b], acc);
+    for (int h = 0; h < S; ++h)
+      acc = std::fma(static_cast<float>(dot[h]), d8[(b * S + h) * G8 + lane] * dx[r * nb + b], acc);
+    return acc;
   });
 }
 
@@ -188,11 +197,12 @@ void check_x(const torch::Tensor& x, int64_t K, int64_t multiple) {
   TORCH_CHECK(x.size(1) == K && K % multiple == 0, "x has ", x.size(1), " columns, the weight ", K);
 }
 
-void check_groups(const torch::Tensor& pw, const torch::Tensor& d8, int64_t words, int64_t N) {
+// S: scales per block (q8 may have 2, one per half block)
+void check_groups(const torch::Tensor& pw, const torch::Tensor& d8, int64_t words, int64_t N, int64_t S = 1) {
   TORCH_CHECK(pw.dim() == 4 && pw.scalar_type() == torch::kInt && pw.size(2) == words && pw.size(3) == G8 &&
                   pw.is_contiguous(), "weights must be interleaved int32 [G, nb, ", words, ", 8]");
-  TORCH_CHECK(d8.dim() == 3 && d8.size(0) == pw.size(0) && d8.size(1) == pw.size(1) && d8.size(2) == G8 &&
-                  d8.scalar_type() == torch::kFloat && d8.is_contiguous(), "scales must be float [G, nb, 8]");
+  TORCH_CHECK(d8.dim() == 3 && d8.size(0) == pw.size(0) && d8.size(1) == pw.size(1) * S && d8.size(2) == G8 &&
+                  d8.scalar_type() == torch::kFloat && d8.is_contiguous(), "scales must be float [G, nb * ", S, ", 8]");
   TORCH_CHECK(N > (pw.size(0) - 1) * G8 && N <= pw.size(0) * G8, N, " rows do not fill ", pw.size(0), " groups");
 }
 
@@ -263,11 +273,19 @@ torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, tor
   });
 }
 
-// x [M, K] float; pw [G, K/32, 8, 8] int32, d8 [G, K/32, 8] float; N rows -> [M, N] float
+// a scale per block (S = 1) or per half block (S = 2) of an interleaved q8 weight, from its scales' shape
+int64_t q8_scales(const torch::Tensor& pw, const torch::Tensor& d8) {
+  TORCH_CHECK(pw.dim() == 4 && d8.dim() == 3 && pw.size(1) > 0, "interleaved q8 weight expected");
+  const int64_t S = d8.size(1) / pw.size(1);
+  TORCH_CHECK(S == 1 || S == 2, "q8 scales must be one per block or one per half block");
+  return S;
+}
+
+// x [M, K] float; pw [G, K/32, 8, 8] int32, d8 [G, K/32 * S, 8] float (S = 1 or 2); N rows -> [M, N] float
 torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, int64_t N) {
-  const int64_t nb = pw.size(1), K = nb * QK;
+  const int64_t nb = pw.size(1), K = nb * QK, S = q8_scales(pw, d8);
   check_x(x, K, QK);
-  check_groups(pw, d8, 8, N);
+  check_groups(pw, d8, 8, N, S);
   auto q = quantize_rows(x);
   const int32_t* w = pw.data_ptr<int32_t>();
   const float* dp = d8.data_ptr<float>();
@@ -275,12 +293,19 @@ torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, int
   const float* dx = q.dx.data_ptr<float>();
   return run_groups(x.size(0), N, [&](int64_t g, int64_t r, int64_t R, float* o, int64_t ldo) {
     const int32_t* gw = w + g * nb * 8 * G8;
-    const float* gd = dp + g * nb * G8;
+    const float* gd = dp + g * nb * S * G8;
+    auto scales = [&](auto Sc) {
+      constexpr int SS = decltype(Sc)::value;
 #ifdef ES_AVX2
-    by_rows(R, [&](auto Rc) { group_q8<decltype(Rc)::value>(gw, gd, qx + r * K, dx + r * nb, nb, K, o, ldo); });
+      by_rows(R, [&](auto Rc) {
+        group_q8<decltype(Rc)::value, SS>(gw, gd, qx + r * K, dx + r * nb, nb, K, o, ldo);
+      });
 #else
-    group_q8_portable(gw, gd, qx + r * K, dx + r * nb, nb, K, R, o, ldo);
+      group_q8_portable<SS>(gw, gd, qx + r * K, dx + r * nb, nb, K, R, o, ldo);
 #endif
+    };
+    if (S == 2) scales(std::integral_constant<int, 2>{});
+    else scales(std::integral_constant<int, 1>{});
   });
 }
 
@@ -295,7 +320,8 @@ torch::Tensor f32_matmul(torch::Tensor x, torch::Tensor w) {
 // Rows ids [n] of an interleaved q8 matrix as floats [n, K], d q in float32 (a tied embedding's lookup: the
 // same values as the plain matrix's, without a second copy of the table)
 torch::Tensor q8_rows(torch::Tensor pw, torch::Tensor d8, torch::Tensor ids) {
-  check_groups(pw, d8, 8, pw.size(0) * G8);
+  const int64_t S = q8_scales(pw, d8);
+  check_groups(pw, d8, 8, pw.size(0) * G8, S);
   ids = ids.to(torch::kLong).contiguous();
   const int64_t nb = pw.size(1), n = ids.numel(), G = pw.size(0);
   auto out = torch::empty({n, nb * QK}, torch::kFloat);
@@ -310,7 +336,8 @@ torch::Tensor q8_rows(torch::Tensor pw, torch::Tensor d8, torch::Tensor ids) {
       for (int64_t j = 0; j < 8; ++j)
         for (int e = 0; e < 4; ++e)
           op[i * nb * QK + b * QK + 4 * j + e] =
-              static_cast<float>(w[(((g * nb + b) * 8 + j) * G8 + lane) * 4 + e]) * dp[(g * nb + b) * G8 + lane];
+              static_cast<float>(w[(((g * nb + b) * 8 + j) * G8 + lane) * 4 + e]) *
+              dp[((g * nb + b) * S + j * S / 8) * G8 + lane];
   }
   return out;
 }
