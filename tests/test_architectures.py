@@ -94,9 +94,12 @@ def test_the_gguf_config_has_the_folders_shapes(model):
     gguf = _gguf_of(model)
     ours, theirs = ModelConfig.from_folder(resolve_model(str(gguf)).folder), ModelConfig.from_folder(folder)
     assert (ours.arch.gguf, ours.head_dim, ours.n_heads, ours.n_kv_heads, ours.attention_bias, ours.o_bias,
-            ours.rotary_dim, ours.sliding_layers) == \
+            ours.rotary_dim, ours.sliding_layers, ours.nope_layers) == \
         (theirs.arch.gguf, theirs.head_dim, theirs.n_heads, theirs.n_kv_heads, theirs.attention_bias, theirs.o_bias,
-         theirs.rotary_dim, theirs.sliding_layers)
+         theirs.rotary_dim, theirs.sliding_layers, theirs.nope_layers)
+    # Granite's multipliers, float32 in the file
+    multipliers = ("embed_scale", "attn_scale", "residual_multiplier", "logits_scaling")
+    assert [getattr(ours, m) for m in multipliers] == pytest.approx([getattr(theirs, m) for m in multipliers])
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
