@@ -8,7 +8,9 @@ as its `LlamaModel.permute` does for the architectures it writes through LlamaMo
 under Llama 3's rope scaling, Gemma 3's norm weights shifted by 1 with its own keys (`Gemma3Model`: norm_shift,
 set_gguf_parameters; not its cut of token_embd to the tokenizer's size), Phi-3's keys and rope factors written
 as `Phi3MiniModel` writes them (its set_gguf_parameters, generate_extra_tensors; its fused qkv_proj and
-gate_up_proj kept whole as attn_qkv and ffn_up).
+gate_up_proj kept whole as attn_qkv and ffn_up), SmolLM3 as `SmolLM3Model` (LlamaModel under its own name: nothing of
+its NoPE layers), Granite as `GraniteModel` (LlamaModel without head_dim, its four multipliers as keys). Ministral
+has none: the converter refuses MinistralForCausalLM.
 Nothing here is taken from edgespec's own description of an architecture (model/arch.py), so a wrong name or
 ordering there fails the tests (tests/test_architectures.py) and shows in bench/gguf_types.py.
 """
@@ -45,12 +47,26 @@ ARCH_CLASSES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM",
              {"partial_rotary_factor": 0.75, "rope_parameters": {"rope_type": "longrope", "rope_theta": 10_000.0},
               "sliding_window": 262144, "pad_token_id": None}),
+    # SmolLM3: four layers, so that the last is a NoPE layer at transformers' default interval (llama.cpp's fixed
+    # rule for its GGUFs); its pad_token_id, 128004, is past a tiny vocabulary
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"num_hidden_layers": 4, "pad_token_id": None}),
+    # Ministral: sliding and full layers in turn (Ministral-8B's configs: every layer sliding, at a window of the
+    # whole context), the window shorter than the prompts
+    "ministral": ("MinistralConfig", "MinistralForCausalLM",
+                  {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"],
+                   "sliding_window": 4}),
+    # Granite 3.x: its four multipliers as Granite-3.x-2B sets them but the attention's, which replaces head_dim**-0.5
+    # (here 0.25) by another value
+    "granite": ("GraniteConfig", "GraniteForCausalLM",
+                {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.1,
+                 "logits_scaling": 8.0}),
 }
 
 
 # Hugging Face model_type -> (the converter's GGUF architecture, whether it writes it through LlamaModel)
 CONVERTER = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "qwen2": ("QWEN2", False),
-             "qwen3": ("QWEN3", False), "gemma3_text": ("GEMMA3", False), "phi3": ("PHI3", False)}
+             "qwen3": ("QWEN3", False), "gemma3_text": ("GEMMA3", False), "phi3": ("PHI3", False),
+             "smollm3": ("SMOLLM3", True), "granite": ("GRANITE", True)}
 
 
 def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -185,12 +201,18 @@ def _text_parameters(w, hp: dict, through_llama: bool) -> list:
     if (local := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
         w.add_rope_freq_base_swa(local)
     w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
-    if hp.get("head_dim"):
+    if hp.get("head_dim") and hp["model_type"] != "granite":  # GraniteModel pops head_dim before TextModel's
         w.add_key_length(hp["head_dim"])
         w.add_value_length(hp["head_dim"])
     if through_llama:  # LlamaModel's own keys
         w.add_vocab_size(hp["vocab_size"])
         w.add_rope_dimension_count(hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"])
+    if hp["model_type"] == "granite":  # GraniteModel's multipliers, where set (it drops head_dim, as above)
+        for key, add in (("attention_multiplier", w.add_attention_scale),
+                         ("embedding_multiplier", w.add_embedding_scale),
+                         ("residual_multiplier", w.add_residual_scale), ("logits_scaling", w.add_logit_scale)):
+            if hp.get(key):
+                add(hp[key])
     if hp["model_type"] == "gemma3_text":  # Gemma3Model's own keys (no query_pre_attn_scalar, no layer types)
         if hp.get("final_logit_softcapping"):
             w.add_final_logit_softcapping(hp["final_logit_softcapping"])
@@ -243,6 +265,9 @@ def tiny_config(kind: str, base: dict, overrides: dict):
 
     config_cls, _, extra = ARCH_CLASSES[kind]
     args = {**base, **extra, **overrides}
+    if "head_dim" not in args and getattr(getattr(transformers, config_cls), "head_dim", 0) is None:
+        # MinistralConfig's head_dim defaults to None, which its attention cannot use: the shape's own
+        args["head_dim"] = args["hidden_size"] // args["num_attention_heads"]
     rope = dict(args.get("rope_parameters") or {})
     if rope.get("rope_type") == "longrope" and "short_factor" not in rope:
         head = args.get("head_dim") or args["hidden_size"] // args["num_attention_heads"]

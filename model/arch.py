@@ -60,6 +60,9 @@ class GGUFKeys:
     window_always: bool = False
 
 
+# Granite's multipliers as GraniteModel writes them (GGUF key after '{arch}.' -> config field)
+GRANITE_FIELDS = {"attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
+                  "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
 # LlamaModel's keys; Phi3MiniModel writes its own set, without TextModel's key and value lengths
 LLAMA_KEYS = GGUFKeys(vocab_size=True, rope_dimension_count=True)
 PHI3_KEYS = GGUFKeys(head_lengths=False, rope_dimension_count=True, window_always=True)
@@ -87,9 +90,16 @@ class Architecture:
     stacked: checkpoint tensors that hold several projections' rows one after another -> those projections in
       row order (Phi-3: qkv_proj holds [q; k; v], gate_up_proj [gate; up]); the loader reads each projection's
       rows from where `stored` says, so the blocks see the same projections in every architecture.
-    window_all_layers: the config's `sliding_window`, where set, narrows every layer (transformers' Phi3Model
-      masks every layer with it; the layer_types of Gemma 3's configs say which layers instead).
+    window_all_layers: the config's `sliding_window`, where set, narrows every layer (transformers' Phi3Model and
+      MistralModel mask every layer with it; the layer_types of Gemma 3's and Ministral's configs say which layers
+      instead).
     gguf_keys: the metadata keys llama.cpp's converter writes for it beyond every architecture's (GGUFKeys).
+    nope_interval: where a config lists no NoPE layers (SmolLM3's no_rope_layers), every nope_interval-th layer
+      turns no rotary embedding (transformers' default no_rope_layer_interval; llama.cpp's fixed
+      n_no_rope_layer_step, the only rule its GGUFs of the architecture have); None: every layer turns.
+    gguf_by_transformers: transformers' GGUF loader reads its files' config (False: SmolLM3, Granite;
+      model/gguf_config.py reads them).
+    gguf_fields: its own GGUF keys (after '{gguf}.') -> the config fields they hold, for model/gguf_config.py.
     """
 
     name: str
@@ -106,6 +116,9 @@ class Architecture:
     stacked: dict[str, tuple[str, ...]] = field(default_factory=dict)
     window_all_layers: bool = False
     gguf_keys: GGUFKeys = field(default_factory=GGUFKeys)
+    nope_interval: int | None = None
+    gguf_by_transformers: bool = True
+    gguf_fields: dict[str, str] = field(default_factory=dict)
 
     def from_hf(self, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor of a Hugging Face checkpoint as the blocks use it: a norm's w as float32 norm_offset + w
@@ -178,8 +191,14 @@ class Architecture:
 LLAMA = Architecture("llama", ("llama",), "llama", rotary_permuted=True, gguf_keys=LLAMA_KEYS)
 ARCHITECTURES = (
     LLAMA,
-    # llama.cpp's converter writes Mistral's dense models through LlamaModel, as the llama architecture
-    Architecture("mistral", ("mistral",), "llama", rotary_permuted=True, gguf_keys=LLAMA_KEYS),
+    # llama.cpp's converter writes Mistral's dense models through LlamaModel, as the llama architecture (without
+    # their sliding window, which llama.cpp's llama has not: a GGUF's model sees every position, as llama.cpp's);
+    # from a folder the window narrows every layer, as transformers' MistralModel masks them
+    Architecture("mistral", ("mistral",), "llama", rotary_permuted=True, gguf_keys=LLAMA_KEYS, window_all_layers=True),
+    # Ministral (Ministral-8B): Mistral with sliding and full layers as its config's layer_types say. llama.cpp's
+    # converter has no MinistralForCausalLM (it refuses the folder), so no GGUF of it is read as one: its GGUF name
+    # is Mistral's
+    Architecture("ministral", ("ministral",), "llama", rotary_permuted=True, gguf_keys=LLAMA_KEYS),
     Architecture("qwen2", ("qwen2",), "qwen2", bias=(True, False)),
     Architecture("qwen3", ("qwen3",), "qwen3", qk_norm=True, layer={**LLAMA_LAYER, **QK_NORM_LAYER}),
     # Gemma 3's text model (the text half of Gemma3ForConditionalGeneration has the same layers)
@@ -189,7 +208,21 @@ ARCHITECTURES = (
     # rotary (Phi-4-mini) are config fields (model/config.py)
     Architecture("phi3", ("phi3",), "phi3", layer=PHI3_LAYER, stacked=PHI3_STACKED, window_all_layers=True,
                  gguf_keys=PHI3_KEYS),
+    # SmolLM3: a Llama layer, every fourth one without rotary embedding (NoPE); the converter's SmolLM3Model is
+    # LlamaModel (its keys, q/k reordered) under its own architecture name
+    Architecture("smollm3", ("smollm3",), "smollm3", rotary_permuted=True, gguf_keys=LLAMA_KEYS, nope_interval=4,
+                 gguf_by_transformers=False),
+    # Granite 3.x dense: a Llama layer; its multipliers are config fields (model/config.py), which the converter's
+    # GraniteModel (LlamaModel without head_dim) writes as these keys
+    Architecture("granite", ("granite",), "granite", rotary_permuted=True, gguf_keys=LLAMA_KEYS,
+                 gguf_by_transformers=False, gguf_fields=GRANITE_FIELDS),
 )
+
+
+def gguf_architecture(name: str) -> Architecture | None:
+    """The architecture of a GGUF's `general.architecture` where edgespec reads the file's config itself (see
+    gguf_by_transformers), else None (transformers' loader reads it)."""
+    return next((a for a in ARCHITECTURES if a.gguf == name and not a.gguf_by_transformers), None)
 
 
 def architecture(model_type: str) -> Architecture:

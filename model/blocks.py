@@ -112,7 +112,12 @@ class Rope:
         pos = self.positions[..., a:b] if self.positions is not None else None
         return Rope(self.cos[:, :, a:b], self.sin[:, :, a:b], pos, local)
 
-    def for_layer(self, sliding: bool) -> Rope:
+    def for_layer(self, sliding: bool, rotates: bool = True) -> Rope:
+        """The rotation of a layer: a sliding layer's own (its base) where it has one, none at all for a layer that
+        does not rotate (SmolLM3's NoPE layers: tables of cos 1 and sin 0, so x * 1 + y * 0 is x exactly, and the
+        fused kernels run such a layer as any other)."""
+        if not rotates:
+            return Rope(torch.ones_like(self.cos), torch.zeros_like(self.sin), self.positions)
         return self.local if sliding and self.local is not None else self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -259,8 +264,8 @@ class FFN(nn.Module):
 
 class DecoderLayer(nn.Module):
     """One pre-norm decoder layer holding all of its KV groups; with the architecture's norms of the attention's
-    and the FFN's outputs where it has them (Gemma 3), and a sliding window where the config makes layer `index`
-    a sliding one (its own rotary base and a windowed mask)."""
+    and the FFN's outputs where it has them (Gemma 3), a sliding window where the config makes layer `index`
+    a sliding one (its own rotary base and a windowed mask), and no rotation where it makes it a NoPE layer."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int = 0):
         super().__init__()
@@ -272,6 +277,8 @@ class DecoderLayer(nn.Module):
         self.ffn = FFN(cfg, dtype)
         self.ffn_out_norm = norm(cfg, cfg.hidden_size, dtype) if "ffn_out" in norms else None
         self.window = cfg.window(index)
+        self.rotates = cfg.rotates(index)
+        self.residual = cfg.residual_multiplier  # Granite's: each block's output times it before the residual add
 
     def norms(self) -> dict[str, RMSNorm]:
         """The layer's norms by place (the keys of Architecture.norms)."""
@@ -283,28 +290,33 @@ class DecoderLayer(nn.Module):
     def compiled(self) -> bool:
         """Whether the layer runs as one compiled call (layer.cpp's decoder_layer / decoder_layer_rows)."""
         return (self.attn.compiled and self.ffn.compiled and fused(self.input_norm.weight.shape[0])
-                and self.attn_out_norm is None and self.ffn_out_norm is None and self.window is None)
+                and self.attn_out_norm is None and self.ffn_out_norm is None and self.window is None
+                and self.residual == 1.0)
 
     def attention(self, x, rope: Rope, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
         """x [1, T, H] (the layer's input, not normed) -> the attention's output [1, T, H], normed where the
-        architecture norms it, before the residual add; a sliding layer attends within its window."""
+        architecture norms it and times the residual multiplier (Granite), before the residual add; a sliding layer
+        attends within its window."""
+        rope = rope.for_layer(self.window is not None, self.rotates)
         if self.window is not None:
-            rope = rope.for_layer(True)
             mask = window_mask(mask, rope.positions, start, x.shape[1], self.window)
         out = self.attn(self.input_norm(x), rope, cache, layer, start, mask)
-        return out if self.attn_out_norm is None else self.attn_out_norm(out)
+        out = out if self.attn_out_norm is None else self.attn_out_norm(out)
+        return out if self.residual == 1.0 else out * self.residual
 
     def feed_forward(self, z: torch.Tensor) -> torch.Tensor:
-        """z [B, T, H] (the post-attention state) -> the FFN's output, normed where the architecture norms it,
-        before the residual add."""
+        """z [B, T, H] (the post-attention state) -> the FFN's output, normed where the architecture norms it and
+        times the residual multiplier (Granite), before the residual add."""
         out = self.ffn(self.post_norm(z))
-        return out if self.ffn_out_norm is None else self.ffn_out_norm(out)
+        out = out if self.ffn_out_norm is None else self.ffn_out_norm(out)
+        return out if self.residual == 1.0 else out * self.residual
 
     def forward(self, x, rope: Rope, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
         # x [1, T, H] (one sequence: the cache's) -> [1, T, H]
         attn, ffn = self.attn, self.ffn
         if self.compiled:
             # one call: the same kernels in the same order as the blocks below, without ~20 dispatches
+            rope = rope.for_layer(False, self.rotates)
             return compiled().decoder_layer(x.float(), self.input_norm.weight, self.post_norm.weight,
                                            self.input_norm.eps, attn.qkv.kernel, attn.o.kernel,
                                            ffn.gate_up.kernel, ffn.down.kernel, attn.n_q, attn.n_kv, rope.cos,
@@ -320,7 +332,7 @@ class DecoderLayer(nn.Module):
         attn, ffn = self.attn, self.ffn
         hd = rope.cos.shape[-1]
         if self.compiled:
-            k = compiled()
+            k, rope = compiled(), rope.for_layer(False, self.rotates)
             kv = [k.SeqKV(*s.cache.storage(layer), s.start, s.length, _heads_mask(s.mask)) for s in seqs]
             return k.decoder_layer_rows(x.float(), self.input_norm.weight, self.post_norm.weight,
                                         self.input_norm.eps, attn.qkv.kernel, attn.o.kernel, ffn.gate_up.kernel,

@@ -22,8 +22,9 @@ UNSUPPORTED_IF_SET = ("attn_logit_softcapping", "final_logit_softcapping")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shapes of a decoder of one of the architectures in model/arch.py (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3,
-    Phi-3), with its rope: scaled (linear, llama3, longrope), partial (Phi-4-mini), windowed where the config says."""
+    """Shapes of a decoder of one of the architectures in model/arch.py (Llama 2/3, Mistral, Ministral, Qwen2, Qwen3,
+    Gemma 3, Phi-3, SmolLM3, Granite), with its rope: scaled (linear, llama3, longrope), partial (Phi-4-mini), on no
+    layer (SmolLM3's NoPE layers), windowed where the config says."""
 
     hidden_size: int
     n_layers: int
@@ -49,6 +50,14 @@ class ModelConfig:
     sliding_layers: tuple[bool, ...] = ()  # per layer: sliding (config.layer_types); empty: none
     rope_local_theta: float | None = None  # the sliding layers' rotary base (unscaled); None: rope_theta's
     partial_rotary_factor: float = 1.0  # the share of each head's dims the rotary embedding turns (Phi-4-mini: 0.75)
+    nope_layers: tuple[bool, ...] = ()  # per layer: no rotary embedding at all (SmolLM3's NoPE layers); empty: none
+    # Granite's multipliers: of the token embeddings (None: 1, or Gemma's sqrt(hidden)), the attention logits'
+    # scale in place of head_dim**-0.5, of each block's output before its residual add; the logits divided by
+    # logits_scaling
+    embedding_multiplier: float | None = None
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     @property
     def queries_per_group(self) -> int:
@@ -79,14 +88,27 @@ class ModelConfig:
 
     @property
     def attn_scale(self) -> float | None:
-        """The attention logits' scale where it is not head_dim**-0.5 (Gemma's query_pre_attn_scalar**-0.5)."""
+        """The attention logits' scale where it is not head_dim**-0.5 (Gemma's query_pre_attn_scalar**-0.5,
+        Granite's attention_multiplier)."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         qpas = self.query_pre_attn_scalar
         return None if qpas is None or qpas == self.head_dim else qpas**-0.5
+
+    @property
+    def embed_scale(self) -> float | None:
+        """What token embeddings are multiplied by (Gemma: sqrt(hidden_size); Granite: embedding_multiplier), or
+        None (the tied head's rows are not scaled in either)."""
+        return self.hidden_size**0.5 if self.arch.embed_scaled else self.embedding_multiplier
 
     def window(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (absolute index), or None for a layer that sees every position."""
         sliding = self.sliding_layers and self.sliding_layers[layer]
         return self.sliding_window if sliding else None
+
+    def rotates(self, layer: int) -> bool:
+        """Whether layer `layer` (absolute index) turns q and k by the rotary embedding (a NoPE layer does not)."""
+        return not (self.nope_layers and self.nope_layers[layer])
 
     def layer_param_count(self) -> int:
         h, hd = self.hidden_size, self.head_dim
@@ -137,11 +159,20 @@ class ModelConfig:
         kinds = set(layer_types) - {"sliding_attention", "full_attention"}
         if kinds:
             raise ValueError(f"layer types {sorted(kinds)} are not supported")
+        n_layers = d["num_hidden_layers"]
+        # SmolLM3's no_rope_layers: 1 where a layer turns q and k, 0 where it does not; without them every
+        # interval-th layer does not (transformers' default, and llama.cpp's fixed rule for its GGUFs)
+        rope_flags = d.get("no_rope_layers")
+        if rope_flags is None and arch.nope_interval is not None:
+            interval = d.get("no_rope_layer_interval") or arch.nope_interval
+            rope_flags = [int((i + 1) % interval != 0) for i in range(n_layers)]
+        if rope_flags is not None and len(rope_flags) < n_layers:
+            raise ValueError(f"no_rope_layers has {len(rope_flags)} entries for {n_layers} layers")
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
             hidden_size=hidden,
-            n_layers=d["num_hidden_layers"],
+            n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=d.get("num_key_value_heads") or n_heads,
             head_dim=head_dim,
@@ -164,6 +195,11 @@ class ModelConfig:
             sliding_layers=tuple(t == "sliding_attention" for t in layer_types),
             rope_local_theta=float(local["rope_theta"]) if local and "rope_theta" in local else None,
             partial_rotary_factor=partial,
+            embedding_multiplier=_multiplier(d, "embedding_multiplier"),
+            attention_multiplier=d.get("attention_multiplier"),
+            residual_multiplier=_multiplier(d, "residual_multiplier") or 1.0,
+            logits_scaling=_multiplier(d, "logits_scaling") or 1.0,
+            nope_layers=tuple(not flag for flag in rope_flags[:n_layers]) if rope_flags and not all(rope_flags) else (),
         )
 
     @classmethod
@@ -177,6 +213,12 @@ class ModelConfig:
         more = [i for i in (eos if isinstance(eos, list) else [] if eos is None else [eos])
                 if i not in cfg.eos_token_ids]
         return replace(cfg, eos_token_ids=cfg.eos_token_ids + tuple(more)) if more else cfg
+
+
+def _multiplier(d: dict, key: str) -> float | None:
+    # a Granite multiplier of config `d`, None where it is absent or 1 (multiplying by 1 changes nothing)
+    value = d.get(key)
+    return None if value is None or value == 1.0 else float(value)
 
 
 def longrope_parameters(rope: dict, d: dict) -> dict:

@@ -6,7 +6,7 @@ with their caches (`export`, then `reshape` on both devices).
 The layer's norms of the attention's and the FFN's outputs (Gemma 3) are RMSNorms over the whole hidden vector,
 so no group device can apply the attention's to its share: the device that sums the groups' partials holds it
 (`attn_out_norms`, HeadSplitPipeline), and the FFN device the FFN's (FeedForward). A sliding layer's groups
-attend within its window, with its own rotary base, as DecoderLayer's do.
+attend within its window, with its own rotary base, and a NoPE layer's groups unrotated, as DecoderLayer's do.
 
 Every KV group is a block of its own, and a device answers a layer with each group's partial output apart:
 the projection device adds them in group order (HeadSplitPipeline), so a token's bits do not depend on which
@@ -88,10 +88,12 @@ class FeedForward(nn.Module):
         self.ffn = FFN(cfg, fmt.act)
         load_ffn(self.ffn, src, cfg, layer, fmt)
         self.out_norm = load_norm(src, cfg, layer, "ffn_out", fmt.act) if "ffn_out" in cfg.arch.norms else None
+        self.residual = cfg.residual_multiplier  # Granite's, as DecoderLayer applies it
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         out = self.ffn(self.in_norm(z))
-        return z + (out if self.out_norm is None else self.out_norm(out))
+        out = out if self.out_norm is None else self.out_norm(out)
+        return z + (out if self.residual == 1.0 else out * self.residual)
 
 
 class HeadBlocks:
@@ -233,9 +235,10 @@ class HeadBlocks:
         t = x.shape[1]
         cache.check_write(start, t)
         cache.ensure(start, start + t)
-        rope, window = self.rotary(positions), self.cfg.window(layer)
-        if window is not None:  # DecoderLayer's sliding layer: its rotary base, its window of the mask
-            rope = rope.for_layer(True)
+        window = self.cfg.window(layer)
+        # DecoderLayer's sliding layer: its rotary base, its window of the mask; its NoPE layer: no rotation
+        rope = self.rotary(positions).for_layer(window is not None, self.cfg.rotates(layer))
+        if window is not None:
             mask = window_mask(mask, rope.positions, start, t, window)
         if mask is None and t > 1:
             mask = causal_mask(start, t)

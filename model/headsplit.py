@@ -295,14 +295,16 @@ class HeadSplitPipeline:
         def group_sum(i: int, partials: list[torch.Tensor]) -> torch.Tensor:
             # the devices' partials -> layer i's attention output [1, T, H]: added one group after another in
             # group order, whichever device computed each, so that the bits do not depend on the placement; then
-            # normed where the architecture norms it (DecoderLayer's attn_out_norm, on the whole sum)
+            # normed where the architecture norms it (DecoderLayer's attn_out_norm, on the whole sum) and scaled
             parts = {g: p[j] for gs, p in zip((gs for gs in self.layers[i].groups.values() if gs), partials,
                                               strict=True) for j, g in enumerate(sorted(gs))}
             out = parts[min(parts)]
             for g in sorted(parts)[1:]:
                 out = out + parts[g]
             out = out.unsqueeze(0)
-            return self.attn_out[i](out) if i in self.attn_out else out
+            out = self.attn_out[i](out) if i in self.attn_out else out
+            r = self.cfg.residual_multiplier  # Granite's, on the whole sum as DecoderLayer applies it
+            return out if r == 1.0 else out * r
 
         def ffn_call(i: int, z: torch.Tensor):
             return self.devices[self.layers[i].ffn].start_ffn(i, z)

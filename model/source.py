@@ -157,14 +157,23 @@ def _gguf_rope(gguf: Path, index, config: dict, head_dim: int | None) -> dict:
 
 
 def _write_converted(gguf: Path, out: Path) -> None:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
+    from edgespec.model.arch import gguf_architecture
+    from edgespec.model.gguf_config import gguf_hf_config
     from edgespec.model.gguf_source import read_index
 
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
+    index = read_index(gguf, arrays={"tokenizer.ggml.tokens"})
+    if (own := gguf_architecture(index.meta.get("general.architecture"))) is not None:
+        # an architecture transformers' loader refuses (SmolLM3, Granite): its config read here, its tokenizer
+        # by the same class the loader gives the others (their tokenizer is the file's, whatever the model)
+        tok = PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config = gguf_hf_config(index.meta, set(index.tensors), own)
+    else:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
     config.pop("quantization_config", None)
-    config.update(_gguf_fields(gguf, read_index(gguf, arrays={"tokenizer.ggml.tokens"}), config))
+    config.update(_gguf_fields(gguf, index, config))
     config["_name_or_path"] = gguf.stem
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / GGUF_POINTER).write_text(f"{gguf.resolve()}\n")

@@ -101,7 +101,8 @@ class LayerStack(nn.Module):
 class Embedding(nn.Module):
     """Token embedding over a table [V, H] held as the source has it (a GGUF's Q8_0 or 4-bit blocks, or floats),
     or as a tied Q8 head holds it (Interleaved: the head's own tensors). scale: what the rows are multiplied by
-    (Gemma: sqrt(hidden_size), rounded to the model's dtype as transformers rounds it), or None."""
+    (ModelConfig.embed_scale: Gemma's sqrt(hidden_size), Granite's embedding_multiplier; rounded to the model's
+    dtype as transformers rounds it), or None."""
 
     def __init__(self, table: Matrix, dtype: torch.dtype, scale: float | None = None):
         super().__init__()
@@ -147,8 +148,7 @@ class TokenEnds(nn.Module):
         head = make_linear(table if tied else src.matrix("lm_head.weight"), None, fmt, role="head")
         if tied and isinstance(head, Q8Linear):
             table = head.interleaved()  # one copy of the table: the head's layout serves lookups too
-        scale = cfg.hidden_size**0.5 if cfg.arch.embed_scaled else None  # the tied head's rows are not scaled
-        ends = cls(cfg, fmt.act, Embedding(table, fmt.act, scale), head)
+        ends = cls(cfg, fmt.act, Embedding(table, fmt.act, cfg.embed_scale), head)
         with torch.no_grad():
             ends.norm.weight.copy_(src.get("model.norm.weight", ends.norm.weight.dtype))
         return ends
@@ -160,5 +160,7 @@ class TokenEnds(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden [B, T, H] -> logits [B, T, V] in float32 (sampling math wants full precision)
-        return self.lm_head(self.norm(hidden.to(self.dtype))).float()
+        # hidden [B, T, H] -> logits [B, T, V] in float32 (sampling math wants full precision), divided by
+        # Granite's logits_scaling where it has one (transformers' float32 division, so the same bits)
+        logits = self.lm_head(self.norm(hidden.to(self.dtype))).float()
+        return logits if self.cfg.logits_scaling == 1.0 else logits / self.cfg.logits_scaling

@@ -9,6 +9,7 @@ Phi-4-mini (longrope, partial rotary) have it, its short and its long factors.""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 from inprocess import serves_a_chat_completion
 from model_fixtures import load_blocks, load_reference
 
-from edgespec.bench.gguf_writer import ARCH_CLASSES, tiny_model, write_gguf
+from edgespec.bench.gguf_writer import ARCH_CLASSES, CONVERTER, tiny_model, write_gguf
 from edgespec.model.arch import ARCHITECTURES
 from edgespec.model.config import ModelConfig
 from edgespec.model.source import resolve_model
@@ -37,10 +38,19 @@ def make_model(kind: str, folder: Path, seed: int = 0, **overrides) -> Path:
 
 @pytest.fixture(scope="module", params=sorted(ARCH_CLASSES))
 def model(request, tmp_path_factory):
-    """(kind, folder, GGUF file, transformers' reference)."""
+    """(kind, folder, GGUF file or None where llama.cpp's converter writes none (Ministral), transformers'
+    reference)."""
     folder = make_model(request.param, tmp_path_factory.mktemp(request.param))
-    gguf = write_gguf(folder, tmp_path_factory.mktemp(f"{request.param}-gguf") / f"{request.param}.f32.gguf")
+    gguf = None
+    if json.loads((folder / "config.json").read_text())["model_type"] in CONVERTER:
+        gguf = write_gguf(folder, tmp_path_factory.mktemp(f"{request.param}-gguf") / f"{request.param}.f32.gguf")
     return request.param, folder, gguf, load_reference(folder)
+
+
+def _gguf_of(model) -> Path:
+    if model[2] is None:
+        pytest.skip(f"llama.cpp's converter writes no GGUF of {model[0]} (it refuses the folder)")
+    return model[2]
 
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
@@ -62,6 +72,7 @@ def _reference_greedy(ref, prompt: list[int], n: int) -> list[int]:
 @pytest.mark.parametrize("source", ["folder", "gguf"])
 def test_logits_and_greedy_equal_transformers(model, source):
     kind, folder, gguf, ref = model
+    gguf = _gguf_of(model) if source == "gguf" else gguf
     blocks = load_blocks(folder if source == "folder" else resolve_model(str(gguf)).folder)
     # a GGUF names the converter's architecture: Mistral's dense models are written as llama (the first of a GGUF
     # name); Gemma 3's model_type is gemma3_text
@@ -79,12 +90,16 @@ def test_logits_and_greedy_equal_transformers(model, source):
 
 
 def test_the_gguf_config_has_the_folders_shapes(model):
-    _, folder, gguf, _ = model
+    _, folder, _, _ = model
+    gguf = _gguf_of(model)
     ours, theirs = ModelConfig.from_folder(resolve_model(str(gguf)).folder), ModelConfig.from_folder(folder)
     assert (ours.arch.gguf, ours.head_dim, ours.n_heads, ours.n_kv_heads, ours.attention_bias, ours.o_bias,
-            ours.rotary_dim, ours.sliding_layers) == \
+            ours.rotary_dim, ours.sliding_layers, ours.nope_layers) == \
         (theirs.arch.gguf, theirs.head_dim, theirs.n_heads, theirs.n_kv_heads, theirs.attention_bias, theirs.o_bias,
-         theirs.rotary_dim, theirs.sliding_layers)
+         theirs.rotary_dim, theirs.sliding_layers, theirs.nope_layers)
+    # Granite's multipliers, float32 in the file
+    multipliers = ("embed_scale", "attn_scale", "residual_multiplier", "logits_scaling")
+    assert [getattr(ours, m) for m in multipliers] == pytest.approx([getattr(theirs, m) for m in multipliers])
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
@@ -110,8 +125,8 @@ def test_a_4bit_token_embedding_is_looked_up_exactly(kind, tmp_path):
 
 
 def test_the_gguf_serves_a_chat_completion(model):
-    kind, _, gguf, _ = model
-    serves_a_chat_completion(str(gguf), kind)
+    kind, folder, gguf, _ = model
+    serves_a_chat_completion(str(gguf or folder), kind)  # Ministral's folder: there is no GGUF of it
 
 
 @pytest.mark.parametrize("extra", [{"query_pre_attn_scalar": 16, "sliding_window_pattern": 2},
@@ -168,6 +183,26 @@ def test_phi3_ropes_equal_transformers(rope, tmp_path):
         assert expected.rope_scaling["attention_factor"] == pytest.approx((1 + np.log(4) / np.log(64)) ** 0.5)
 
 
+# sliding windows shorter than the prompt: Mistral's on every layer (Mistral-7B-v0.1's 4096 of 32768), Ministral's
+# on the layers its layer_types say
+WINDOWS = {"mistral": {"sliding_window": 8},
+           "ministral": {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8}}
+
+
+@pytest.mark.parametrize("kind", sorted(WINDOWS))
+def test_mistral_windows_equal_transformers(kind, tmp_path):
+    folder = make_model(kind, tmp_path / kind, **WINDOWS[kind])
+    ref, blocks = load_reference(folder), load_blocks(folder)
+    assert blocks.cfg.sliding_window == 8 and any(blocks.cfg.sliding_layers)
+    assert all(blocks.cfg.sliding_layers) == (kind == "mistral")
+    prompt = _ids(folder, LONG_PROMPT)
+    with torch.inference_mode():
+        theirs = ref(torch.tensor([prompt])).logits[0].float()
+    rel = ((blocks.logits_from_scratch(prompt) - theirs).abs().max() / theirs.abs().max()).item()
+    assert rel < REL_TOL, (kind, rel)
+    assert blocks.greedy(prompt, 16)[0] == _reference_greedy(ref, prompt, 16), kind
+
+
 def test_longrope_factors_follow_the_served_context_not_the_pass(tmp_path):
     # llama.cpp's rule: the long factors where the served context (the rotary tables' positions) exceeds the
     # original one; a pass of a few tokens at the start of such a context turns by them too (transformers would
@@ -204,8 +239,6 @@ def test_partial_rotary_leaves_the_other_dims_as_they_are(tmp_path):
 def test_a_folders_generation_config_adds_its_end_ids(tmp_path):
     # Phi-3's and Phi-4-mini's end of turn, <|end|>, is named only by generation_config.json (config.json names
     # <|endoftext|>); transformers' generate stops on both
-    import json
-
     folder = make_model("phi3", tmp_path / "phi3")
     gen = json.loads((folder / "generation_config.json").read_text())
     eos = gen["eos_token_id"]
@@ -227,12 +260,32 @@ def phi3_gguf(tmp_path_factory) -> Path:
     return write_gguf(make_model("phi3", tmp / "folder"), tmp / "phi3.f32.gguf")
 
 
-@pytest.fixture(scope="module", params=["qwen3", "gemma3", "phi3"])
+@pytest.fixture(scope="module")
+def smollm3_gguf(tmp_path_factory) -> Path:
+    """A SmolLM3 GGUF (its fourth layer NoPE), for the other paths."""
+    tmp = tmp_path_factory.mktemp("smollm3-paths")
+    return write_gguf(make_model("smollm3", tmp / "folder"), tmp / "smollm3.f32.gguf")
+
+
+@pytest.fixture(scope="module")
+def granite_gguf(tmp_path_factory) -> Path:
+    """A Granite GGUF (its multipliers of embeddings, attention logits, block outputs and logits), for the other
+    paths."""
+    tmp = tmp_path_factory.mktemp("granite-paths")
+    return write_gguf(make_model("granite", tmp / "folder"), tmp / "granite.f32.gguf")
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma3", "phi3", "smollm3", "granite", "ministral"])
 def split_model(request, tmp_path_factory) -> tuple[Path, Path]:
     """(what edgespec loads, the Hugging Face folder of transformers' reference) for HeadSplit: Qwen3's GGUF (per-head
-    q/k norms); Phi-3's GGUF (each group's own rows of a fused qkv); Gemma 3 from a folder (norms of the
+    q/k norms); Phi-3's GGUF (each group's own rows of a fused qkv); SmolLM3's GGUF (a NoPE layer's groups turn
+    nothing); Granite's GGUF (the residual multiplier on a layer's summed groups and on its FFN's device); Ministral
+    from a folder (a sliding layer, window 3); Gemma 3 from a folder (norms of the
     attention's and the FFN's outputs, (1 + w) norms folded at load, a query_pre_attn_scalar other than head_dim,
     every other layer sliding with a window of 3 that the prompt crosses in its prefill already)."""
+    if request.param == "ministral":  # no GGUF of it: from its folder, sliding layers' groups within the window
+        folder = make_model("ministral", tmp_path_factory.mktemp("ministral-split"), sliding_window=3)
+        return folder, folder
     if request.param != "gemma3":
         gguf = request.getfixturevalue(f"{request.param}_gguf")
         return gguf, gguf.parent / "folder"
@@ -302,7 +355,7 @@ def test_headsplit_kept_speculation_is_the_speculating_pass(split_model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["qwen3", "phi3"])
+@pytest.mark.parametrize("kind", ["qwen3", "phi3", "smollm3", "granite"])
 def test_layer_workers_serve_what_in_process_serves(kind, tmp_path, request):
     from processes import greedy, start_server
 
@@ -321,8 +374,13 @@ def test_layer_workers_serve_what_in_process_serves(kind, tmp_path, request):
 @pytest.mark.parametrize("key", ["final_logit_softcapping", "attn_logit_softcapping"])
 def test_softcapping_is_refused_by_name(key, tmp_path):
     # Gemma 2's caps: no block here computes them, so a config that sets one is refused rather than served wrong
-    import json
-
     d = json.loads((make_model("gemma3", tmp_path / "g") / "config.json").read_text())
     with pytest.raises(ValueError, match=key):
         ModelConfig.from_hf_dict({**d, key: 30.0})
+
+
+@pytest.mark.parametrize("model_type", ["granitemoe", "smollm2", "mistral3"])
+def test_an_unknown_model_type_is_refused_by_name(model_type, tmp_path):
+    d = json.loads((make_model("llama", tmp_path / "l") / "config.json").read_text())
+    with pytest.raises(ValueError, match=f"model_type '{model_type}' is not supported"):
+        ModelConfig.from_hf_dict({**d, "model_type": model_type})

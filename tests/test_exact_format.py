@@ -15,7 +15,7 @@ import pytest
 import torch
 from model_fixtures import make_tiny_model, smollm2_folder
 
-from edgespec.model.blocks import SeqRows
+from edgespec.model.blocks import SeqRows, window_mask
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache
 from edgespec.model.kv_format import KV_FORMATS, kv_format
@@ -85,25 +85,29 @@ def test_a_layer_in_one_call_gives_the_bits_of_its_blocks(tiny_folder):
     """A HeadSplit device runs a layer as blocks (attention of some KV groups, then the FFN elsewhere): the
     whole-layer call must compute what the blocks compute, bit for bit."""
     cfg, stack, _ = load(tiny_folder, "q4_1")
-    layer = stack.layers[0]
-    x = torch.randn(1, 5, cfg.hidden_size)
+    def normed(norm, out):  # the architecture's norm of a block's output (Gemma 3), where it has one; times the
+        out = out if norm is None else norm(out)  # residual multiplier where it has one (Granite)
+        return out if layer.residual == 1.0 else out * layer.residual
+
     rope = stack.rotary(torch.arange(5)[None])
-    whole = layer(x, rope, stack.new_cache(8), 0, 0, None)
-    cache = stack.new_cache(8)
-    def normed(norm, out):  # the architecture's norm of a block's output (Gemma 3), where it has one
-        return out if norm is None else norm(out)
+    for i, layer in enumerate(stack.layers):  # every kind of layer: sliding (Gemma 3), NoPE (SmolLM3)
+        x = torch.randn(1, 5, cfg.hidden_size)
+        whole = layer(x, rope, stack.new_cache(8), i, 0, None)
+        cache = stack.new_cache(8)
+        own = rope.for_layer(layer.window is not None, layer.rotates)  # a sliding layer's rotary base, or none
+        mask = None if layer.window is None else window_mask(None, own.positions, 0, 5, layer.window)
+        z = x + normed(layer.attn_out_norm, layer.attn(layer.input_norm(x), own, cache, i, 0, mask))
+        assert torch.equal(whole, z + normed(layer.ffn_out_norm, layer.ffn(layer.post_norm(z)))), i
 
-    own = rope.for_layer(layer.window is not None)  # a sliding layer's own rotary base (Gemma 3)
-    z = x + normed(layer.attn_out_norm, layer.attn(layer.input_norm(x), own, cache, 0, 0, None))
-    assert torch.equal(whole, z + normed(layer.ffn_out_norm, layer.ffn(layer.post_norm(z))))
 
-
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3", "phi3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3", "phi3", "smollm3", "granite", "ministral"])
 def tiny_folder(request, tmp_path_factory):
     # dims in whole 32-element blocks, so the layers really run as Q4 / Q8 blocks and heads of 32 hold a q8_0
     # cache's block; every architecture whose layer differs (Qwen2's q/k/v biases, Qwen3's q/k norms: its blocks
     # run the kernels one by one; Gemma 3's output norms, GELU FFN and sliding windows shorter than the sequences;
-    # Phi-3's fused projections, longrope and partial rotary, whose unrotated dims pass through the rotary tables)
+    # Phi-3's fused projections, longrope and partial rotary, whose unrotated dims pass through the rotary tables;
+    # SmolLM3's NoPE layer, whose tables turn nothing; Granite's multipliers, its layers as blocks; Ministral's
+    # sliding layers beside full ones)
     return make_tiny_model(tmp_path_factory.mktemp(f"tiny-q-{request.param}"), arch=request.param, hidden_size=128,
                            intermediate_size=128, vocab_size=320)
 
