@@ -7,7 +7,9 @@ quantized by llama.cpp's own quantizer (`llama_model_quantize` of llama-cpp-pyth
 take llama.cpp's fallbacks for the K-quants), and `tiny-256`, a random model from transformers' class (hidden 256,
 so every K-quant applies; `tiny-256-qwen3` and the like: another architecture's; matrices N(0, 0.02^2) as trained
 models' are: at 0.2 the activations were so wide that llama.cpp and edgespec each stood 13% of the largest logit
-from the file's exact float forward, and their top-1 agreed on 0.925 of the positions of a Q8_0 file). For each
+from the file's exact float forward, and their top-1 agreed on 0.925 of the positions of a Q8_0 file), then trained
+briefly (bench/tiny_train.py, `--train-steps`, 0: as drawn) on alpaca_seed_tasks.jsonl: a random model's next-token
+distribution is nearly flat, so every rounding flips its top-1 and the agreement measured the flatness. For each
 file: teacher-forced logits over held-out text (vicuna80's prompts in SmolLM2's chat template) from edgespec (its
 served format, `auto`: the file's own blocks) and from llama.cpp (`Llama(logits_all=True)`), top-1 agreement and
 the largest logit difference relative to the largest logit; and one chat completion through `edgespec serve` on
@@ -30,6 +32,7 @@ import torch
 
 from edgespec.bench.gguf_writer import tiny_model, write_gguf
 from edgespec.bench.llamacpp import ServerProcess, free_port, llama_python, llamacpp_version
+from edgespec.bench.tiny_train import TrainSettings, train_tiny
 
 # llama.cpp's file types (its LLAMA_FTYPE_MOSTLY_* names), F16 down to Q2_K and the 4-bit non-linear ones
 TYPES = ["F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_1", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_1", "Q4_0",
@@ -140,19 +143,34 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", default="smollm2,tiny-256",
                    help="smollm2 and random models of hidden 256: tiny-256 (llama) or tiny-256-KIND, KIND an "
                         "architecture of bench/gguf_writer.py (qwen2, qwen3, gemma3, phi3)")
+    p.add_argument("--train-steps", type=int, default=TrainSettings.steps,
+                   help="AdamW steps of bench/tiny_train.py on --train-data for each random model before it is "
+                        "written (0: the random model as drawn)")
+    p.add_argument("--train-data", type=Path, default=None,
+                   help="the training text (alpaca_seed_tasks.jsonl; by default beside --prompts)")
     p.add_argument("--llama-python", default=None)
     args = p.parse_args(argv)
     python = llama_python(args.llama_python)
+    train_data = args.train_data or args.prompts.with_name("alpaca_seed_tasks.jsonl")
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, training = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for model in args.models.split(","):
-            folder = (served_model_folder(tmp / model) if model == "smollm2"
-                      else tiny_model(tiny_kind(model), tmp / model, shape=TINY, std=0.02))
-            rows += compare_types(python, folder, write_gguf(folder, tmp / f"{model}.F32.gguf"), args, tmp)
+            if model == "smollm2":
+                folder = served_model_folder(tmp / model)
+                f32 = write_gguf(folder, tmp / f"{model}.F32.gguf")
+            else:
+                folder = tiny_model(tiny_kind(model), tmp / model, shape=TINY, std=0.02)
+                if args.train_steps:
+                    training[model] = train_tiny(folder, train_data, held_out_ids(folder, args),
+                                                 TrainSettings(steps=args.train_steps))
+                    print(json.dumps({"model": model, "training": training[model]}), flush=True)
+                # a name without the architecture's: llama.cpp reads Phi-3's tokens for a 'phi3' (write_gguf)
+                f32 = write_gguf(folder, tmp / f"{model}.F32.gguf", name="tiny-256")
+            rows += compare_types(python, folder, f32, args, tmp)
     result = {"llama_cpp_python": llamacpp_version(python), "tiny_shape": TINY, "prompts": str(args.prompts),
-              "n_prompts": args.n_prompts, "types": rows}
+              "n_prompts": args.n_prompts, "train_steps": args.train_steps, "training": training, "types": rows}
     (args.out / "gguf_types.json").write_text(json.dumps(result, indent=2))
     plot(rows, args.out / "gguf_types.png")
 
@@ -162,12 +180,17 @@ def tiny_kind(model: str) -> str:
     return model.removeprefix("tiny-256").removeprefix("-") or "llama"
 
 
-def compare_types(python: str, folder: Path, f32: Path, args, tmp: Path) -> list[dict]:
-    """One row per file type of the model in `folder` (its float32 GGUF `f32`)."""
+def held_out_ids(folder: Path, args) -> list[int]:
+    """The teacher-forced text's token ids (held_out) in the tokenizer of the model in `folder`."""
     from transformers import AutoTokenizer
 
+    return held_out(AutoTokenizer.from_pretrained(folder), args.prompts, args.n_prompts)
+
+
+def compare_types(python: str, folder: Path, f32: Path, args, tmp: Path) -> list[dict]:
+    """One row per file type of the model in `folder` (its float32 GGUF `f32`)."""
     model = folder.name
-    ids = held_out(AutoTokenizer.from_pretrained(folder), args.prompts, args.n_prompts)
+    ids = held_out_ids(folder, args)
     np.save(tmp / "ids.npy", np.asarray(ids, dtype=np.int64))
     rows = []
     for kind in args.types.split(","):

@@ -133,9 +133,16 @@ def _llama3_rope_factors(hp: dict, rope: dict) -> np.ndarray | None:
     return torch.tensor(factors, dtype=torch.float32).numpy()
 
 
-def write_gguf(folder: Path | str, out: Path | str, kinds: dict[str, str] | None = None) -> Path:
+def write_gguf(folder: Path | str, out: Path | str, kinds: dict[str, str] | None = None,
+               name: str | None = None) -> Path:
     """The model in `folder` as the GGUF file `out` (float32 tensors, norms included; `kinds`: GGUF tensor name ->
-    GGML type name for tensors to quantize, e.g. {'token_embd.weight': 'Q4_0'}). Returns `out`."""
+    GGML type name for tensors to quantize, e.g. {'token_embd.weight': 'Q4_0'}; `name`: general.name, by default
+    the folder's, the converter's fallback). Returns `out`.
+
+    llama.cpp keys tokenizer fixes on general.name: one holding 'phi3' or 'phi-3' makes its vocabulary loader look
+    up Phi-3's SentencePiece tokens (</s>, <unk>, <s>), which a GPT-2 vocabulary as Phi-4-mini's or SmolLM2's
+    lacks, and the file fails to load ('unordered_map::at'); Phi-4-mini's own name, 'Phi 4 Mini Instruct', holds
+    neither."""
     import gguf
     from gguf.quants import quantize
 
@@ -145,7 +152,7 @@ def write_gguf(folder: Path | str, out: Path | str, kinds: dict[str, str] | None
     arch = gguf.MODEL_ARCH[arch_name]
     names = gguf.get_tensor_name_map(arch, hp["num_hidden_layers"])
     w = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch])
-    w.add_name(folder.name)
+    w.add_name(name or folder.name)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     extra = _phi3_parameters(w, hp) if hp["model_type"] == "phi3" else _text_parameters(w, hp, through_llama)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
