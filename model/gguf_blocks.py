@@ -1,13 +1,14 @@
 """GGUF's quantized rows as the kernels' blocks (model/quant.py), exactly: the same values the file defines.
 
-Every type llama.cpp's quantizer writes from Q8_0 down to Q3_K and IQ4_NL / IQ4_XS is a scale times a small
+Every type llama.cpp's quantizer writes from Q8_0 down to Q2_K and IQ4_NL / IQ4_XS is a scale times a small
 integer, the scale shared by 16 or 32 consecutive elements of a row, and sometimes an offset: Q4_0 / Q4_1 /
-Q4_K fit the 4-bit blocks, and Q8_0, Q5_0, IQ4_NL, IQ4_XS (a scale per 32), Q6_K and Q3_K (a scale per 16) the
-8-bit ones. The scales are the file's fp16 d times its small integer sub-block scales, which float32 holds
-exactly, so `dequantize()` of what these return equals gguf's own `dequantize` bit for bit
-(tests/test_gguf_blocks.py). The types with an offset on 5 or 2 bits (Q5_1, Q5_K, Q2_K) are not `exact_kinds`:
-gguf_source.py quantizes their values to Q8_0 blocks. Element orders follow gguf-py's `quants.py`, the
-converter's reference for the block layouts.
+Q4_K fit the 4-bit blocks; Q8_0, Q5_0, IQ4_NL, IQ4_XS (a scale per 32), Q6_K and Q3_K (a scale per 16) the 8-bit
+ones; Q5_1, Q5_K (an offset per 32) and Q2_K (per 16) the affine 8-bit ones. The scales and offsets are the
+file's fp16 d and dmin times its small integer sub-block scales and mins, which float32 holds exactly, so
+`dequantize()` of what these return equals gguf's own `dequantize` bit for bit (tests/test_gguf_blocks.py).
+Element orders follow gguf-py's `quants.py`, the converter's reference for the block layouts. Only the IQ types
+below 4 bits (which llama.cpp writes from an importance matrix) are not `exact_kinds`: gguf_source.py quantizes
+their values to Q8_0 blocks.
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
-def _q8(n: int, q: np.ndarray, d: np.ndarray) -> Q8:
-    return Q8(torch.from_numpy(np.ascontiguousarray(q.astype(np.int8)).reshape(n, -1)),
-              torch.from_numpy(np.ascontiguousarray(d, dtype=np.float32).reshape(n, -1)))
+def _q8(n: int, q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> Q8:
+    def rows(t):
+        return torch.from_numpy(np.ascontiguousarray(t, dtype=np.float32).reshape(n, -1))
+
+    return Q8(torch.from_numpy(np.ascontiguousarray(q.astype(np.int8)).reshape(n, -1)), rows(d),
+              None if m is None else rows(m))
 
 
 def q4_0_1(raw: np.ndarray, kind: str) -> Q4:
@@ -77,6 +81,40 @@ def q5_0(raw: np.ndarray) -> Q8:
     high = np.ascontiguousarray(blocks[..., 2:6]).view(np.uint32) >> np.arange(32, dtype=np.uint32)  # [N, nb, 32]
     q = _nibbles(blocks[..., 6:]).astype(np.int16) | ((high & 1).astype(np.int16) << 4)
     return _q8(n, q - 16, _f16(blocks[..., 0:2]))
+
+
+def q5_1(raw: np.ndarray) -> Q8:
+    """Q5_1 rows (24 bytes per 32: d, m, 32 high bits, 16 bytes of nibbles): q in 0..31, w = d q + m."""
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, 24)
+    high = np.ascontiguousarray(blocks[..., 4:8]).view(np.uint32) >> np.arange(32, dtype=np.uint32)  # [N, nb, 32]
+    q = _nibbles(blocks[..., 8:]) | ((high & 1).astype(np.uint8) << 4)
+    return _q8(n, q, _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4]))
+
+
+def q5_k(raw: np.ndarray) -> Q8:
+    """Q5_K rows (176 bytes per 256: d, dmin, 12 bytes of 6-bit scales and mins as Q4_K's, 32 bytes of high bits,
+    128 of nibbles): q in 0..31, a scale d sc and an offset -dmin mn per 32."""
+    from gguf.quants import Q4_K
+
+    n = raw.shape[0]
+    blocks = raw.reshape(-1, 176)
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])  # [B, 8] each
+    low = (blocks[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    high = (blocks[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    q = low.reshape(-1, QK_K) | (high.reshape(-1, QK_K) << 4)
+    return _q8(n, q, d * sc.astype(np.float32), -dmin * mn.astype(np.float32))
+
+
+def q2_k(raw: np.ndarray) -> Q8:
+    """Q2_K rows (84 bytes per 256: 16 bytes of 4-bit scale and min pairs, 64 of 2-bit q, d, dmin): q in 0..3, a
+    scale d sc and an offset -dmin mn per 16."""
+    n = raw.shape[0]
+    blocks = raw.reshape(-1, 84)
+    scales, d, dmin = blocks[:, :16], _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
+    q = (blocks[:, 16:80].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    return _q8(n, q, d * (scales & 0x0F).astype(np.float32), -dmin * (scales >> 4).astype(np.float32))
 
 
 def iq4_nl(raw: np.ndarray) -> Q8:
@@ -128,7 +166,8 @@ def q3_k(raw: np.ndarray) -> Q8:
 
 # kind -> reader of its rows [N, bytes]; every other quantized kind is dequantized and requantized to Q8_0
 READERS = {"Q4_0": lambda raw: q4_0_1(raw, "Q4_0"), "Q4_1": lambda raw: q4_0_1(raw, "Q4_1"), "Q4_K": q4_k,
-           "Q8_0": q8_0, "Q5_0": q5_0, "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs, "Q6_K": q6_k, "Q3_K": q3_k}
+           "Q8_0": q8_0, "Q5_0": q5_0, "Q5_1": q5_1, "Q5_K": q5_k, "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs,
+           "Q6_K": q6_k, "Q3_K": q3_k, "Q2_K": q2_k}
 
 
 def exact_kinds() -> frozenset[str]:

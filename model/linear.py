@@ -136,7 +136,7 @@ class Blocks(Kernel):
 
     def rows(self, ids):
         w = self.interleaved().plain()
-        return type(self)(type(w)(*(t[ids] for t in vars(w).values())), self._bias_rows(ids))
+        return type(self)(type(w)(*(None if t is None else t[ids] for t in vars(w).values())), self._bias_rows(ids))
 
 
 class Q4Linear(Blocks):
@@ -146,6 +146,18 @@ class Q4Linear(Blocks):
 class Q8Linear(Blocks):
     KIND = 1
     TENSORS = ("words", "d")
+
+
+class AffineQ8Linear(Q8Linear):
+    """Q8 blocks with offsets (w = d q + m): Q5_1, Q5_K, Q2_K, and Q4 rows fused with 8-bit ones."""
+
+    KIND = 3
+    TENSORS = ("words", "d", "m")
+
+
+def q8_linear(w: Q8, bias: torch.Tensor | None = None) -> Blocks:
+    """The kernel linear of a Q8 matrix, affine or not."""
+    return (Q8Linear if w.m is None else AffineQ8Linear)(w, bias)
 
 
 class F32Linear(Kernel):
@@ -211,7 +223,7 @@ def make_linear(w: Matrix, bias: torch.Tensor | None, fmt: WeightFormat, role: s
     if want == "q4":
         return Q4Linear(w if isinstance(w, Q4) else quantize_q4(dequantized(w)), bias)
     if want == "q8":
-        return Q8Linear(as_q8(w), bias)
+        return q8_linear(as_q8(w), bias)
     dense = dequantized(w)
     if k % 8:
         return DenseLinear(dense, bias, torch.float32)

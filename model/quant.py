@@ -5,7 +5,8 @@ Both kinds keep a matrix [N, K] in blocks of 32 consecutive elements of a row:
   qs [N, K/2] uint8: in each block's 16 bytes, element i is the low nibble of byte i, element i + 16 the high
   nibble (GGUF's own Q4_0/Q4_1 order). d, m [N, K/32] float32 (GGUF stores fp16: widening is exact).
 - Q8: int8 q with w = d q. qs [N, K] int8, d [N, K/32] float32, one scale per block (Q8_0, Q5_0, IQ4_NL, IQ4_XS),
-  or d [N, K/16], one per half block (Q6_K, Q3_K: their sub-blocks of 16 each have a scale).
+  or d [N, K/16], one per half block (Q6_K, Q3_K: their sub-blocks of 16 each have a scale); affine where it has
+  offsets m shaped as d, w = d q + m (Q5_1, Q5_K per block, Q2_K per half block, and a Q4 widened to 8 bits).
 model/gguf_blocks.py reads each GGUF type into one of these, exactly: the same values as the file's.
 Rows can be taken and concatenated (a stage's KV groups), and columns in whole blocks (a group's share of the
 output projection), without dequantizing.
@@ -52,6 +53,7 @@ class Q4:
 class Q8:
     qs: torch.Tensor  # [N, K] int8
     d: torch.Tensor  # [N, K/32] or [N, K/16] float32: a scale per block or per half block
+    m: torch.Tensor | None = None  # offsets shaped as d, or None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -63,11 +65,18 @@ class Q8:
         return self.qs.shape[1] // self.d.shape[1]
 
     def nbytes(self) -> int:
-        return self.qs.nbytes + self.d.nbytes
+        return self.qs.nbytes + self.d.nbytes + (0 if self.m is None else self.m.nbytes)
 
     def halves(self) -> Q8:
-        """The same values with a scale per half block (each block's scale twice)."""
-        return self if self.sub == QK // 2 else Q8(self.qs, self.d.repeat_interleave(2, dim=1))
+        """The same values with a scale (and offset) per half block: each block's twice."""
+        if self.sub == QK // 2:
+            return self
+        twice = lambda t: None if t is None else t.repeat_interleave(2, dim=1)  # noqa: E731
+        return Q8(self.qs, twice(self.d), twice(self.m))
+
+    def affine(self) -> Q8:
+        """The same values with offsets (zero where it had none)."""
+        return self if self.m is not None else Q8(self.qs, self.d, torch.zeros_like(self.d))
 
     def dequantize(self) -> torch.Tensor:
         return self.dequantize_rows(torch.arange(self.qs.shape[0]))
@@ -76,7 +85,8 @@ class Q8:
         # ids [...] -> [..., K] float32 (an embedding lookup: exact, d q in float32)
         k, sub = self.qs.shape[1], self.sub
         q = self.qs[ids].float().view(*ids.shape, k // sub, sub)
-        return (q * self.d[ids][..., None]).reshape(*ids.shape, k)
+        w = q * self.d[ids][..., None]
+        return (w if self.m is None else w + self.m[ids][..., None]).reshape(*ids.shape, k)
 
 
 GROUP = 8  # weight rows per interleaved group (the kernels' layout)
@@ -90,7 +100,8 @@ class Interleaved:
 
     words: torch.Tensor  # [G, K/32, W, 8] int32: W = 4 for Q4 (nibbles), 8 for Q8
     d: torch.Tensor  # [G, K/32, 8] float32 ([G, K/16, 8] for a Q8 with a scale per half block)
-    m: torch.Tensor | None  # [G, K/32, 8] float32 for Q4, None for Q8
+    m: torch.Tensor | None  # offsets shaped as d: Q4's, an affine Q8's; None for Q8 without
+
     n: int  # rows of the matrix (the last group may hold fewer)
 
     @classmethod
@@ -104,7 +115,11 @@ class Interleaved:
             return t.view(g, GROUP, *t.shape[1:]).movedim(1, -1).contiguous()
 
         words = grouped(w.qs.contiguous().view(torch.int32).view(n, k // QK, -1))
-        return cls(words, grouped(w.d), grouped(w.m) if isinstance(w, Q4) else None, n)
+        return cls(words, grouped(w.d), None if w.m is None else grouped(w.m), n)
+
+    @property
+    def q4(self) -> bool:
+        return self.words.shape[2] == 4
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -120,9 +135,9 @@ class Interleaved:
             return t.reshape(t.shape[0] * GROUP, -1)[:n].contiguous()
 
         qs = ungrouped(self.words)
-        if self.m is None:
-            return Q8(qs.view(torch.int8), ungrouped(self.d))
-        return Q4(qs.view(torch.uint8), ungrouped(self.d), ungrouped(self.m))
+        if self.q4:
+            return Q4(qs.view(torch.uint8), ungrouped(self.d), ungrouped(self.m))
+        return Q8(qs.view(torch.int8), ungrouped(self.d), None if self.m is None else ungrouped(self.m))
 
     def dequantize(self) -> torch.Tensor:
         return self.plain().dequantize()
@@ -130,10 +145,10 @@ class Interleaved:
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [...] as floats [..., K] without unpacking the rest (a tied embedding's lookup); Q8 only,
         the same values as Q8.dequantize_rows."""
-        assert self.m is None, "row lookup is for Q8 tables"
+        assert not self.q4, "row lookup is for Q8 tables"
         from edgespec.model.kernels import load  # compiled: the same lookup in torch ops took 100 us per token
 
-        return load().q8_rows(self.words, self.d, ids.reshape(-1)).view(*ids.shape, self.shape[1])
+        return load().q8_rows(self.words, self.d, self.m, ids.reshape(-1)).view(*ids.shape, self.shape[1])
 
 
 Matrix = Q4 | Q8 | torch.Tensor
@@ -145,7 +160,7 @@ def dequantized(w: Matrix) -> torch.Tensor:
 
 
 def _fields(w: Q4 | Q8) -> dict[str, torch.Tensor]:
-    return {"qs": w.qs, "d": w.d} | ({"m": w.m} if isinstance(w, Q4) else {})
+    return {"qs": w.qs, "d": w.d} | ({} if w.m is None else {"m": w.m})
 
 
 def take_cols(w: Matrix, ranges: Sequence[tuple[int, int]]) -> Matrix:
@@ -154,7 +169,8 @@ def take_cols(w: Matrix, ranges: Sequence[tuple[int, int]]) -> Matrix:
         return torch.cat([w[:, lo:hi] for lo, hi in ranges], dim=1)
     if any(lo % QK or hi % QK for lo, hi in ranges):
         raise ValueError(f"columns of a block-quantized matrix must be cut at multiples of {QK}, got {ranges}")
-    per = {"qs": 16 if isinstance(w, Q4) else QK, "d": QK // w.sub if isinstance(w, Q8) else 1, "m": 1}
+    scales = QK // w.sub if isinstance(w, Q8) else 1
+    per = {"qs": 16 if isinstance(w, Q4) else QK, "d": scales, "m": scales}
     return type(w)(**{k: torch.cat([v[:, lo // QK * per[k]:hi // QK * per[k]] for lo, hi in ranges], dim=1).contiguous()
                       for k, v in _fields(w).items()})
 
@@ -162,17 +178,29 @@ def take_cols(w: Matrix, ranges: Sequence[tuple[int, int]]) -> Matrix:
 def cat_rows(ws: Sequence[Matrix]) -> Matrix:
     """Matrices of one kind stacked by rows (q, k and v into one qkv)."""
     kinds = {type(w) for w in ws}
-    if len(kinds) != 1:  # mixed formats (a GGUF may keep v at more bits): the finer one for all
-        ws = [as_q8(w) if not isinstance(w, torch.Tensor) else w for w in ws]
-        if len({type(w) for w in ws}) != 1:
-            ws = [dequantized(w) for w in ws]
+    if len(kinds) != 1:  # mixed formats (a GGUF may keep v at more bits): one that holds every value exactly
+        ws = [dequantized(w) for w in ws] if torch.Tensor in kinds else [widened(w) for w in ws]
     first = ws[0]
     if isinstance(first, torch.Tensor):
         return torch.cat(list(ws))
-    if isinstance(first, Q8) and len({w.sub for w in ws}) > 1:  # a scale per half block for all: the same values
-        ws = [w.halves() for w in ws]
+    if isinstance(first, Q8):  # a scale per half block for all, offsets for all where some have them
+        if len({w.sub for w in ws}) > 1:
+            ws = [w.halves() for w in ws]
+        if len({w.m is None for w in ws}) > 1:
+            ws = [w.affine() for w in ws]
         first = ws[0]
     return type(first)(**{k: torch.cat([_fields(w)[k] for w in ws]) for k in _fields(first)})
+
+
+def widened(w: Q4 | Q8) -> Q8:
+    """A Q4 matrix as an affine Q8 holding the same values (its nibbles as bytes, its scales and offsets); a Q8
+    as it is."""
+    if isinstance(w, Q8):
+        return w
+    n, k = w.shape
+    blocks = w.qs.view(n, k // QK, 16)
+    q = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).view(torch.int8).reshape(n, k)  # [N, K] in 0..15
+    return Q8(q.contiguous(), w.d, w.m)
 
 
 def quantize_q4(w: torch.Tensor) -> Q4:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from edgespec.model.kernels import load
-from edgespec.model.quant import Q8, Interleaved, quantize_q4, quantize_q8
+from edgespec.model.quant import Q8, Interleaved, quantize_q4, quantize_q8, widened
 
 N, K = 100, 256  # N not a multiple of 8: the last weight group is partial
 
@@ -19,20 +19,25 @@ def inputs(seed: int = 0):
     q8 = quantize_q8(w)
     # a scale per half block, as Q6_K and Q3_K hold them: each half's own
     halves = Q8(q8.qs, q8.d.repeat_interleave(2, dim=1) * (1 + torch.rand(N, K // 16, generator=g)))
-    return w, x, quantize_q4(w), q8, halves
+    # with offsets, per block (Q5_1, Q5_K) and per half block (Q2_K)
+    affine = Q8(q8.qs, q8.d, torch.randn(N, K // 32, generator=g) * 0.1)
+    affine_halves = Q8(halves.qs, halves.d, torch.randn(N, K // 16, generator=g) * 0.1)
+    return w, x, quantize_q4(w), {"q8": q8, "q8-halves": halves, "q8-affine": affine, "q8-affine-halves": affine_halves}
 
 
-def matmuls(mod, w, x, q4, q8, halves) -> dict[str, torch.Tensor]:
-    a, b, c = Interleaved.of(q4), Interleaved.of(q8), Interleaved.of(halves)
-    return {"q4": mod.q4_matmul(x, a.words, a.d, a.m, a.n), "q8": mod.q8_matmul(x, b.words, b.d, b.n),
-            "q8-halves": mod.q8_matmul(x, c.words, c.d, c.n), "f32": mod.f32_matmul(x, w)}
+def matmuls(mod, w, x, q4, q8s) -> dict[str, torch.Tensor]:
+    a = Interleaved.of(q4)
+    out = {"q4": mod.q4_matmul(x, a.words, a.d, a.m, a.n), "f32": mod.f32_matmul(x, w)}
+    for name, q in q8s.items():
+        b = Interleaved.of(q)
+        out[name] = mod.q8_matmul(x, b.words, b.d, b.m, b.n)
+    return out
 
 
 def test_matmuls_match_the_dequantized_weights():
-    w, x, q4, q8, halves = inputs()
-    got = matmuls(load(), w, x, q4, q8, halves)
-    for name, dense in (("q4", q4.dequantize()), ("q8", q8.dequantize()), ("q8-halves", halves.dequantize()),
-                        ("f32", w)):
+    w, x, q4, q8s = inputs()
+    got = matmuls(load(), w, x, q4, q8s)
+    for name, dense in [("q4", q4.dequantize()), ("f32", w), *((k, q.dequantize()) for k, q in q8s.items())]:
         ref = x @ dense.T
         # 8-bit activations cost about 0.5% (llama.cpp's Q8_1 scheme); float32 only rounding
         assert ((got[name] - ref).norm() / ref.norm()).item() < (1e-6 if name == "f32" else 1e-2), name
@@ -48,13 +53,23 @@ def test_every_output_is_independent_of_the_rows_beside_it():
 
 
 def test_the_interleaved_layout_moves_bytes_without_changing_them():
-    _, _, q4, q8, halves = inputs(4)
-    for w in (q4, q8, halves):
+    _, _, q4, q8s = inputs(4)
+    for w in (q4, *q8s.values()):
         back = Interleaved.of(w).plain()
-        assert all(torch.equal(a, b) for a, b in zip(vars(back).values(), vars(w).values(), strict=True))
+        pairs = zip(vars(back).values(), vars(w).values(), strict=True)
+        assert all(a is b is None or torch.equal(a, b) for a, b in pairs)
     ids = torch.tensor([[0, 7, 8, N - 1]])
-    for w in (q8, halves):
+    for w in q8s.values():
         assert torch.equal(Interleaved.of(w).dequantize_rows(ids), w.dequantize_rows(ids))
+
+
+def test_a_q4_widened_to_affine_q8_gives_the_q4_kernels_bits():
+    # the same float operations in the same order (q4's: the dot, then the offset times the activations' sum)
+    w, x, q4, _ = inputs(5)
+    wide = widened(q4)
+    assert torch.equal(wide.dequantize(), q4.dequantize())
+    got = matmuls(load(), w, x, q4, {"wide": wide})
+    assert torch.equal(got["wide"], got["q4"])
 
 
 def test_attention_and_norm_match_torch():

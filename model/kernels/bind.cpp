@@ -14,8 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   // layer holding it kept the event loop from streaming the tokens of the step before for the whole pass.
   const auto free = pybind11::call_guard<pybind11::gil_scoped_release>();
   mod.def("q4_matmul", &q4_matmul, free, "x [M, K] @ interleaved q4 weight [N, K]^T -> [M, N]");
-  mod.def("q8_matmul", &q8_matmul, free, "x [M, K] @ interleaved q8 weight [N, K]^T -> [M, N]");
-  mod.def("q8_rows", &q8_rows, free, "rows ids [n] of an interleaved q8 weight as floats [n, K]");
+  mod.def("q8_matmul", &q8_matmul, free, "x [M, K] @ interleaved q8 weight [N, K]^T (offsets m8 or None) -> [M, N]");
+  mod.def("q8_rows", &q8_rows, free, "rows ids [n] of an interleaved q8 weight (offsets m8 or None) as floats [n, K]");
   mod.def("f32_matmul", &f32_matmul, free, "x [M, K] @ float weight [N, K]^T -> [M, N]");
   mod.def("rms_norm", &rms_norm, "RMS norm of the rows of x [..., H] times w [H]");
   mod.def("rope", &rope, "rotate-half rotary of x [B, heads, T, hd] by cos, sin [B, 1, T, hd]");
@@ -23,7 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("silu_mul", &silu_mul, "silu(gate) * up of gate_up [..., 2I] -> [..., I]");
   mod.def("kv_encode", &kv_encode, "head vectors x [n, hd] as a KV cache of like's dtype stores them");
   // module_local: the portable build, loaded beside this one in a test, registers its own Linear
-  pybind11::class_<Linear>(mod, "Linear", pybind11::module_local(), "a weight in a compiled format: 0 q4, 1 q8, 2 f32")
+  pybind11::class_<Linear>(mod, "Linear", pybind11::module_local(), "a weight in a compiled format: 0 q4, 1 q8, 2 f32, 3 affine q8")
       .def(pybind11::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t>())
       .def("__call__", &Linear::operator(), free, "x [M, K] float -> [M, N]");
   pybind11::class_<SeqKV>(mod, "SeqKV", pybind11::module_local(), "one sequence's share of a batch of rows")

@@ -116,9 +116,10 @@ inline void rotate(const float* x, const float* c, const float* s, int64_t hd, f
 void parallel_chunks(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 
 torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, torch::Tensor m8, int64_t N);
-torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, int64_t N);
+torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, c10::optional<torch::Tensor> m8,
+                        int64_t N);
 torch::Tensor f32_matmul(torch::Tensor x, torch::Tensor w);
-torch::Tensor q8_rows(torch::Tensor pw, torch::Tensor d8, torch::Tensor ids);
+torch::Tensor q8_rows(torch::Tensor pw, torch::Tensor d8, c10::optional<torch::Tensor> m8, torch::Tensor ids);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t start,
@@ -150,7 +151,7 @@ struct SeqKV {
 
 // One linear layer in a compiled format (layer.cpp), built once per weight and called per pass.
 struct Linear {
-  int64_t kind;  // 0 q4, 1 q8, 2 float32
+  int64_t kind;  // 0 q4, 1 q8, 2 float32, 3 affine q8
   torch::Tensor a, b, c;
   c10::optional<torch::Tensor> bias;
   int64_t n;  // output rows

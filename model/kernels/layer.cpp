@@ -8,16 +8,19 @@
 #include "kv.h"
 
 // One linear layer of n output rows in a compiled format: kind 0 = q4 (pw, d8, m8 interleaved as quant.cpp
-// says), 1 = q8 (pw, d8), 2 = float32 (w [n, K]); bias [n] or none, added after the matmul.
+// says), 1 = q8 (pw, d8), 2 = float32 (w [n, K]), 3 = affine q8 (pw, d8, m8); bias [n] or none, added after.
 Linear::Linear(int64_t kind, torch::Tensor a, torch::Tensor b, torch::Tensor c, c10::optional<torch::Tensor> bias,
                int64_t n)
     : kind(kind), a(a.contiguous()), b(b.contiguous()), c(c.contiguous()), bias(bias), n(n) {
-  TORCH_CHECK(kind >= 0 && kind <= 2, "linear kind must be 0 (q4), 1 (q8) or 2 (float32)");
+  TORCH_CHECK(kind >= 0 && kind <= 3, "linear kind must be 0 (q4), 1 (q8), 2 (float32) or 3 (affine q8)");
 }
 
 torch::Tensor Linear::operator()(const torch::Tensor& x) const {
   // x [M, K] float contiguous -> [M, N]
-  torch::Tensor y = kind == 0 ? q4_matmul(x, a, b, c, n) : kind == 1 ? q8_matmul(x, a, b, n) : f32_matmul(x, a);
+  torch::Tensor y = kind == 0   ? q4_matmul(x, a, b, c, n)
+                    : kind == 1 ? q8_matmul(x, a, b, c10::nullopt, n)
+                    : kind == 3 ? q8_matmul(x, a, b, c, n)
+                                : f32_matmul(x, a);
   if (bias.has_value()) y.add_(*bias);
   return y;
 }

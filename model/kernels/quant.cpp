@@ -5,6 +5,8 @@
 //   q4 (Q4_0/Q4_1/Q4_K as w = d q + m, q in 0..15):  y = fma(m_b, s_b, fma(<qw, qx>_b, d_b dx_b, y))
 //   q8 (w = d q, q in -127..127, one d per block):   y = fma(<qw, qx>_b, d_b dx_b, y)
 //   q8 with a d per half block (Q6_K, Q3_K):          y = fma(<qw, qx>_b1, d_b1 dx_b, fma(<qw, qx>_b0, d_b0 dx_b, y))
+//   affine q8 (w = d q + m, Q5_1 / Q5_K per block, Q2_K per half block): each (half) block's step is followed by
+//   y = fma(m, s, y), s the activations' sum over it (q4's order: a Q4 widened to affine q8 gives the same bits)
 //   f32 (dense):                                     y = sum_k w_k x_k (8 lanes, then reduce8)
 // where <qw, qx>_b is the block's integer dot product (exact in int32, so its summation order is free). That
 // order depends only on K, never on how many rows the pass has or which thread runs it, so a position's
@@ -27,21 +29,24 @@ namespace {
 constexpr int QK = 32;  // elements per quantization block
 constexpr int G8 = 8;   // weight rows per interleaved group
 
-// x [K] float -> qx [K] int8, dx [K/32], sx [K/32] (sx = dx * sum of the block's qx)
-void quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, float* sx) {
+// x [K] float -> qx [K] int8, dx [K/32], sx [K/32] (sx = dx * sum of the block's qx), sh [K/16] (the same per
+// half block)
+void quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, float* sx, float* sh) {
   for (int64_t b = 0; b < K / QK; ++b) {
     const float* xb = x + b * QK;
     float amax = 0.f;
     for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
     const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-    int sum = 0;
+    int sum[2] = {0, 0};
     for (int i = 0; i < QK; ++i) {
       const int q = static_cast<int>(std::nearbyint(xb[i] * id));
       qx[b * QK + i] = static_cast<int8_t>(q);
-      sum += q;
+      sum[i / 16] += q;
     }
     dx[b] = d;
-    sx[b] = d * static_cast<float>(sum);
+    sx[b] = d * static_cast<float>(sum[0] + sum[1]);
+    sh[2 * b] = d * static_cast<float>(sum[0]);
+    sh[2 * b + 1] = d * static_cast<float>(sum[1]);
   }
 }
 
@@ -84,11 +89,12 @@ void group_q4(const int32_t* pw, const float* d8, const float* m8, const int8_t*
 }
 
 // The same for q8: pw [nb, 8, 8] words of signed bytes, d8 [nb * S, 8] with S scales per block (1, or 2 when
-// each half block of 16 has its own: words 0..3 are the first half). maddubs takes |w| times x with w's sign; a
+// each half block of 16 has its own: words 0..3 are the first half); when A (affine), m8 [nb * S, 8] offsets and
+// ss the activations' sums per scale, S per block, rows nb * S apart. maddubs takes |w| times x with w's sign; a
 // pair of products reaches 2 * 127 * 127, so each maddubs is widened to int32 before adding.
-template <int R, int S>
-void group_q8(const int32_t* pw, const float* d8, const int8_t* qx, const float* dx, int64_t nb, int64_t K,
-              float* out, int64_t ldo) {
+template <int R, int S, bool A>
+void group_q8(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const float* dx,
+              const float* ss, int64_t nb, int64_t K, float* out, int64_t ldo) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
@@ -107,8 +113,12 @@ void group_q8(const int32_t* pw, const float* d8, const int8_t* qx, const float*
     }
     for (int h = 0; h < S; ++h) {
       const __m256 d = _mm256_loadu_ps(d8 + (b * S + h) * G8);
-      for (int r = 0; r < R; ++r)
+      for (int r = 0; r < R; ++r) {
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[h][r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
+        if constexpr (A)
+          acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(m8 + (b * S + h) * G8), _mm256_set1_ps(ss[(r * nb + b) * S + h]),
+                                   acc[r]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
@@ -156,9 +166,9 @@ void group_q4_portable(const int32_t* pw, const float* d8, const float* m8, cons
   });
 }
 
-template <int S>
-void group_q8_portable(const int32_t* pw, const float* d8, const int8_t* qx, const float* dx, int64_t nb, int64_t K,
-                       int64_t R, float* out, int64_t ldo) {
+template <int S, bool A>
+void group_q8_portable(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const float* dx,
+                       const float* ss, int64_t nb, int64_t K, int64_t R, float* out, int64_t ldo) {
   group_portable(R, nb, out, ldo, [&](float acc, int64_t r, int lane, int64_t b) {
     const int8_t* xb = qx + r * K + b * QK;
     int dot[S] = {};
@@ -166,8 +176,10 @@ void group_q8_portable(const int32_t* pw, const float* d8, const int8_t* qx, con
       const int32_t w = pw[(b * 8 + j) * G8 + lane];
       for (int e = 0; e < 4; ++e) dot[j * S / 8] += static_cast<int8_t>((w >> (8 * e)) & 0xFF) * xb[4 * j + e];
     }
-    for (int h = 0; h < S; ++h)
+    for (int h = 0; h < S; ++h) {
       acc = std::fma(static_cast<float>(dot[h]), d8[(b * S + h) * G8 + lane] * dx[r * nb + b], acc);
+      if constexpr (A) acc = std::fma(m8[(b * S + h) * G8 + lane], ss[(r * nb + b) * S + h], acc);
+    }
     return acc;
   });
 }
@@ -178,17 +190,18 @@ void dot_f32(const float* w, const float* x, int64_t K, int64_t r0, int64_t r1, 
 }
 
 struct QuantizedRows {
-  torch::Tensor qx, dx, sx;  // [M, K] int8, [M, K/32], [M, K/32]
+  torch::Tensor qx, dx, sx, sh;  // [M, K] int8, [M, K/32], [M, K/32], [M, K/16]
 };
 
 QuantizedRows quantize_rows(const torch::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1);
   QuantizedRows q{torch::empty({M, K}, torch::kInt8), torch::empty({M, K / QK}, torch::kFloat),
-                  torch::empty({M, K / QK}, torch::kFloat)};
+                  torch::empty({M, K / QK}, torch::kFloat), torch::empty({M, 2 * K / QK}, torch::kFloat)};
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q.qx.data_ptr<int8_t>();
-  float *dp = q.dx.data_ptr<float>(), *sp = q.sx.data_ptr<float>();
-  for (int64_t r = 0; r < M; ++r) quantize_row(xp + r * K, K, qp + r * K, dp + r * (K / QK), sp + r * (K / QK));
+  float *dp = q.dx.data_ptr<float>(), *sp = q.sx.data_ptr<float>(), *hp = q.sh.data_ptr<float>();
+  for (int64_t r = 0; r < M; ++r)
+    quantize_row(xp + r * K, K, qp + r * K, dp + r * (K / QK), sp + r * (K / QK), hp + r * (2 * K / QK));
   return q;
 }
 
@@ -281,31 +294,41 @@ int64_t q8_scales(const torch::Tensor& pw, const torch::Tensor& d8) {
   return S;
 }
 
-// x [M, K] float; pw [G, K/32, 8, 8] int32, d8 [G, K/32 * S, 8] float (S = 1 or 2); N rows -> [M, N] float
-torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, int64_t N) {
+// x [M, K] float; pw [G, K/32, 8, 8] int32, d8 [G, K/32 * S, 8] float (S = 1 or 2), m8 like d8 or none (affine);
+// N rows -> [M, N] float
+torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, c10::optional<torch::Tensor> m8,
+                        int64_t N) {
   const int64_t nb = pw.size(1), K = nb * QK, S = q8_scales(pw, d8);
   check_x(x, K, QK);
   check_groups(pw, d8, 8, N, S);
+  TORCH_CHECK(!m8.has_value() || (m8->sizes() == d8.sizes() && m8->scalar_type() == torch::kFloat &&
+                                  m8->is_contiguous()), "offsets must be float, shaped as the scales");
   auto q = quantize_rows(x);
   const int32_t* w = pw.data_ptr<int32_t>();
-  const float* dp = d8.data_ptr<float>();
+  const float *dp = d8.data_ptr<float>(), *mp = m8.has_value() ? m8->data_ptr<float>() : nullptr;
   const int8_t* qx = q.qx.data_ptr<int8_t>();
   const float* dx = q.dx.data_ptr<float>();
+  const float* ss = (S == 2 ? q.sh : q.sx).data_ptr<float>();  // the activations' sums per scale
   return run_groups(x.size(0), N, [&](int64_t g, int64_t r, int64_t R, float* o, int64_t ldo) {
     const int32_t* gw = w + g * nb * 8 * G8;
-    const float* gd = dp + g * nb * S * G8;
-    auto scales = [&](auto Sc) {
+    const float *gd = dp + g * nb * S * G8, *gm = mp ? mp + g * nb * S * G8 : nullptr;
+    auto kernel = [&](auto Sc, auto Ac) {
       constexpr int SS = decltype(Sc)::value;
+      constexpr bool AA = decltype(Ac)::value;
 #ifdef ES_AVX2
       by_rows(R, [&](auto Rc) {
-        group_q8<decltype(Rc)::value, SS>(gw, gd, qx + r * K, dx + r * nb, nb, K, o, ldo);
+        group_q8<decltype(Rc)::value, SS, AA>(gw, gd, gm, qx + r * K, dx + r * nb, ss + r * nb * SS, nb, K, o, ldo);
       });
 #else
-      group_q8_portable<SS>(gw, gd, qx + r * K, dx + r * nb, nb, K, R, o, ldo);
+      group_q8_portable<SS, AA>(gw, gd, gm, qx + r * K, dx + r * nb, ss + r * nb * SS, nb, K, R, o, ldo);
 #endif
     };
-    if (S == 2) scales(std::integral_constant<int, 2>{});
-    else scales(std::integral_constant<int, 1>{});
+    using One = std::integral_constant<int, 1>;
+    using Two = std::integral_constant<int, 2>;
+    using Yes = std::true_type;
+    using No = std::false_type;
+    if (S == 2) gm ? kernel(Two{}, Yes{}) : kernel(Two{}, No{});
+    else gm ? kernel(One{}, Yes{}) : kernel(One{}, No{});
   });
 }
 
@@ -319,9 +342,11 @@ torch::Tensor f32_matmul(torch::Tensor x, torch::Tensor w) {
 
 // Rows ids [n] of an interleaved q8 matrix as floats [n, K], d q in float32 (a tied embedding's lookup: the
 // same values as the plain matrix's, without a second copy of the table)
-torch::Tensor q8_rows(torch::Tensor pw, torch::Tensor d8, torch::Tensor ids) {
+torch::Tensor q8_rows(torch::Tensor pw, torch::Tensor d8, c10::optional<torch::Tensor> m8, torch::Tensor ids) {
   const int64_t S = q8_scales(pw, d8);
   check_groups(pw, d8, 8, pw.size(0) * G8, S);
+  TORCH_CHECK(!m8.has_value() || m8->sizes() == d8.sizes(), "offsets must be shaped as the scales");
+  const float* mp = m8.has_value() ? m8->data_ptr<float>() : nullptr;
   ids = ids.to(torch::kLong).contiguous();
   const int64_t nb = pw.size(1), n = ids.numel(), G = pw.size(0);
   auto out = torch::empty({n, nb * QK}, torch::kFloat);
@@ -334,10 +359,11 @@ torch::Tensor q8_rows(torch::Tensor pw, torch::Tensor d8, torch::Tensor ids) {
     TORCH_CHECK(ip[i] >= 0 && g < G, "row ", ip[i], " is out of range");
     for (int64_t b = 0; b < nb; ++b)
       for (int64_t j = 0; j < 8; ++j)
-        for (int e = 0; e < 4; ++e)
-          op[i * nb * QK + b * QK + 4 * j + e] =
-              static_cast<float>(w[(((g * nb + b) * 8 + j) * G8 + lane) * 4 + e]) *
-              dp[((g * nb + b) * S + j * S / 8) * G8 + lane];
+        for (int e = 0; e < 4; ++e) {
+          const int64_t at = ((g * nb + b) * S + j * S / 8) * G8 + lane;
+          const float v = static_cast<float>(w[(((g * nb + b) * 8 + j) * G8 + lane) * 4 + e]) * dp[at];
+          op[i * nb * QK + b * QK + 4 * j + e] = mp ? v + mp[at] : v;
+        }
   }
   return out;
 }
