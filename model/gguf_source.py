@@ -140,7 +140,7 @@ class GGUFSource:
                cols: Sequence[tuple[int, int]] | None = None) -> Matrix:
         """The matrix `name` [N, K] in the file's own blocks (Q4, Q8) or as float32, optionally only some rows
         or whole-block columns. The types of model/gguf_blocks.py come back holding the file's values exactly;
-        the others (Q5_1, Q5_K, Q2_K and the IQ types below 4 bits) as Q8_0 blocks of their values."""
+        the others (the IQ types below 4 bits) as Q8_0 blocks of their values."""
         raw = self._raw_rows(name)
         if rows is not None:
             raw = np.concatenate([raw[lo:hi] for lo, hi in rows])

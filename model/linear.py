@@ -1,10 +1,10 @@
 """The one seam for how a linear layer computes: a weight format picks its kernel here.
 
 Formats (`--weights`, and the workers' `dtype` field):
-- `auto`: the source's own form. A GGUF's Q4_0 / Q4_1 / Q4_K matrices run as Q4 blocks; Q8_0, Q5_0, Q6_K,
-  Q3_K, IQ4_NL and IQ4_XS as Q8 blocks holding the file's values (model/gguf_blocks.py); Q5_1, Q5_K and Q2_K as
-  Q8_0 blocks of their values; F32 / F16 / BF16 as dense float32; a Hugging
-  Face folder's matrices run dense in float32. Activations and norms are float32 (the KV cache: `--kv-format`).
+- `auto`: the source's own form. A GGUF's Q4_0 / Q4_1 / Q4_K matrices run as Q4 blocks; Q8_0, Q5_x, Q6_K,
+  Q3_K, Q2_K, IQ4_NL and IQ4_XS as Q8 blocks holding the file's values (model/gguf_blocks.py; with offsets
+  for Q5_1, Q5_K and Q2_K); F32 / F16 / BF16 as dense float32; a Hugging Face folder's matrices run dense in
+  float32. Activations and norms are float32 (the KV cache: `--kv-format`).
 - `q4_1` / `q8_0`: every layer matrix quantized at load (from a GGUF's blocks, or a folder's floats) to Q4 or
   Q8 blocks; the LM head stays at 8 bits in both (a 4-bit head cost top-1 agreement: 0.82-0.88 measured).
 - `float32`, `bfloat16`, `float16`: everything dequantized to that dtype (the reference formats).

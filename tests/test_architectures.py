@@ -246,33 +246,35 @@ def test_a_folders_generation_config_adds_its_end_ids(tmp_path):
     assert ModelConfig.from_folder(folder).eos_token_ids == (eos, 7)
 
 
+def paths_gguf(tmp_path_factory, kind: str) -> Path:
+    """A tiny model of architecture `kind` as a float32 GGUF, shared by a module's tests of the other paths."""
+    tmp = tmp_path_factory.mktemp(f"{kind}-paths")
+    return write_gguf(make_model(kind, tmp / "folder"), tmp / f"{kind}.f32.gguf")
+
+
 @pytest.fixture(scope="module")
 def qwen3_gguf(tmp_path_factory) -> Path:
     """A Qwen3 GGUF (per-head q/k norms, heads wider than hidden / heads), for the other paths."""
-    tmp = tmp_path_factory.mktemp("qwen3-paths")
-    return write_gguf(make_model("qwen3", tmp / "folder"), tmp / "qwen3.f32.gguf")
+    return paths_gguf(tmp_path_factory, "qwen3")
 
 
 @pytest.fixture(scope="module")
 def phi3_gguf(tmp_path_factory) -> Path:
     """A Phi-3 GGUF (fused projections, partial rotary, longrope), for the other paths."""
-    tmp = tmp_path_factory.mktemp("phi3-paths")
-    return write_gguf(make_model("phi3", tmp / "folder"), tmp / "phi3.f32.gguf")
+    return paths_gguf(tmp_path_factory, "phi3")
 
 
 @pytest.fixture(scope="module")
 def smollm3_gguf(tmp_path_factory) -> Path:
     """A SmolLM3 GGUF (its fourth layer NoPE), for the other paths."""
-    tmp = tmp_path_factory.mktemp("smollm3-paths")
-    return write_gguf(make_model("smollm3", tmp / "folder"), tmp / "smollm3.f32.gguf")
+    return paths_gguf(tmp_path_factory, "smollm3")
 
 
 @pytest.fixture(scope="module")
 def granite_gguf(tmp_path_factory) -> Path:
     """A Granite GGUF (its multipliers of embeddings, attention logits, block outputs and logits), for the other
     paths."""
-    tmp = tmp_path_factory.mktemp("granite-paths")
-    return write_gguf(make_model("granite", tmp / "folder"), tmp / "granite.f32.gguf")
+    return paths_gguf(tmp_path_factory, "granite")
 
 
 @pytest.fixture(scope="module", params=["qwen3", "gemma3", "phi3", "smollm3", "granite", "ministral"])
