@@ -82,7 +82,7 @@ class Q8:
         return self.dequantize_rows(torch.arange(self.qs.shape[0]))
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        # ids [...] -> [..., K] float32 (an embedding lookup: exact, d q in float32)
+        # ids [...] -> [..., K] float32 (an embedding lookup: exact, d q (+ m) in float32)
         k, sub = self.qs.shape[1], self.sub
         q = self.qs[ids].float().view(*ids.shape, k // sub, sub)
         w = q * self.d[ids][..., None]
@@ -101,7 +101,6 @@ class Interleaved:
     words: torch.Tensor  # [G, K/32, W, 8] int32: W = 4 for Q4 (nibbles), 8 for Q8
     d: torch.Tensor  # [G, K/32, 8] float32 ([G, K/16, 8] for a Q8 with a scale per half block)
     m: torch.Tensor | None  # offsets shaped as d: Q4's, an affine Q8's; None for Q8 without
-
     n: int  # rows of the matrix (the last group may hold fewer)
 
     @classmethod
