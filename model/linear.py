@@ -90,7 +90,7 @@ class Kernel(nn.Module):
     """Base of the compiled-kernel linears: x [..., K] -> [..., N] float32, bias added after. `kernel` is the
     weight's handle in model/kernels (layer.cpp's Linear), which the fused blocks call without Python."""
 
-    KIND = -1  # layer.cpp's Linear kind: 0 q4, 1 q8, 2 float32
+    KIND = -1  # layer.cpp's Linear kind: 0 q4, 1 q8, 2 float32, 3 affine q8
     TENSORS = ("words", "d", "m")  # the buffers holding the weight, in the order the kernel takes them
 
     def __init__(self, n: int, k: int, bias: torch.Tensor | None, *tensors: torch.Tensor):
