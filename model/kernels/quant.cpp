@@ -29,8 +29,8 @@ namespace {
 constexpr int QK = 32;  // elements per quantization block
 constexpr int G8 = 8;   // weight rows per interleaved group
 
-// x [K] float -> qx [K] int8, dx [K/32], sx [K/32] (sx = dx * sum of the block's qx), sh [K/16] (the same per
-// half block)
+// x [K] float -> qx [K] int8, dx [K/32], sx [K/32] (sx = dx * sum of the block's qx), and where sh is not null
+// sh [K/16] (the same per half block: only Q2_K's offsets per 16 read them)
 void quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, float* sx, float* sh) {
   for (int64_t b = 0; b < K / QK; ++b) {
     const float* xb = x + b * QK;
@@ -45,8 +45,10 @@ void quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, float* sx, f
     }
     dx[b] = d;
     sx[b] = d * static_cast<float>(sum[0] + sum[1]);
-    sh[2 * b] = d * static_cast<float>(sum[0]);
-    sh[2 * b + 1] = d * static_cast<float>(sum[1]);
+    if (sh != nullptr) {
+      sh[2 * b] = d * static_cast<float>(sum[0]);
+      sh[2 * b + 1] = d * static_cast<float>(sum[1]);
+    }
   }
 }
 
@@ -190,18 +192,21 @@ void dot_f32(const float* w, const float* x, int64_t K, int64_t r0, int64_t r1, 
 }
 
 struct QuantizedRows {
-  torch::Tensor qx, dx, sx, sh;  // [M, K] int8, [M, K/32], [M, K/32], [M, K/16]
+  torch::Tensor qx, dx, sx, sh;  // [M, K] int8, [M, K/32], [M, K/32], [M, K/16] (empty unless asked for)
 };
 
-QuantizedRows quantize_rows(const torch::Tensor& x) {
+QuantizedRows quantize_rows(const torch::Tensor& x, bool half_sums = false) {
   const int64_t M = x.size(0), K = x.size(1);
   QuantizedRows q{torch::empty({M, K}, torch::kInt8), torch::empty({M, K / QK}, torch::kFloat),
-                  torch::empty({M, K / QK}, torch::kFloat), torch::empty({M, 2 * K / QK}, torch::kFloat)};
+                  torch::empty({M, K / QK}, torch::kFloat),
+                  torch::empty({half_sums ? M : 0, 2 * K / QK}, torch::kFloat)};
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q.qx.data_ptr<int8_t>();
-  float *dp = q.dx.data_ptr<float>(), *sp = q.sx.data_ptr<float>(), *hp = q.sh.data_ptr<float>();
+  float *dp = q.dx.data_ptr<float>(), *sp = q.sx.data_ptr<float>();
+  float* hp = half_sums ? q.sh.data_ptr<float>() : nullptr;
   for (int64_t r = 0; r < M; ++r)
-    quantize_row(xp + r * K, K, qp + r * K, dp + r * (K / QK), sp + r * (K / QK), hp + r * (2 * K / QK));
+    quantize_row(xp + r * K, K, qp + r * K, dp + r * (K / QK), sp + r * (K / QK),
+                 hp != nullptr ? hp + r * 2 * (K / QK) : nullptr);
   return q;
 }
 
@@ -303,12 +308,12 @@ torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, c10
   check_groups(pw, d8, 8, N, S);
   TORCH_CHECK(!m8.has_value() || (m8->sizes() == d8.sizes() && m8->scalar_type() == torch::kFloat &&
                                   m8->is_contiguous()), "offsets must be float, shaped as the scales");
-  auto q = quantize_rows(x);
+  auto q = quantize_rows(x, S == 2 && m8.has_value());  // offsets per half block read the sums per half
   const int32_t* w = pw.data_ptr<int32_t>();
   const float *dp = d8.data_ptr<float>(), *mp = m8.has_value() ? m8->data_ptr<float>() : nullptr;
   const int8_t* qx = q.qx.data_ptr<int8_t>();
   const float* dx = q.dx.data_ptr<float>();
-  const float* ss = (S == 2 ? q.sh : q.sx).data_ptr<float>();  // the activations' sums per scale
+  const float* ss = (S == 2 && mp ? q.sh : q.sx).data_ptr<float>();  // the activations' sums per offset
   return run_groups(x.size(0), N, [&](int64_t g, int64_t r, int64_t R, float* o, int64_t ldo) {
     const int32_t* gw = w + g * nb * 8 * G8;
     const float *gd = dp + g * nb * S * G8, *gm = mp ? mp + g * nb * S * G8 : nullptr;
