@@ -20,7 +20,7 @@ Flushing the prefix cache: finished prompts' KV stays in the pool for reuse (mod
 used blocks at idle depend on what ran last. To compare like with like the soak flushes it through the API, by
 memory pressure: enough concurrent completions that each reserve the whole context (max_tokens: what the
 context leaves) and end at their first token (a logit bias on the end token) to exceed the pool, which drops
-every kept prefix (model/runner.py, ModelRunner.open); their own sessions are too short to be kept. Then an
+every kept prefix (engine/sessions.py, Sessions.open); their own sessions are too short to be kept. Then an
 idle pool holds nothing, and used blocks must be exactly the baseline's.
 
 The server runs with --kv-prefault: by default a KV pool's pages are committed when first written, so a pool

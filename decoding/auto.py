@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from edgespec.decoding.router import route
 from edgespec.decoding.types import GenerationRequest
-from edgespec.model.runner import ModelRunner
+from edgespec.engine.engine import Engine
 
 
 class AutoPolicy:
@@ -17,7 +17,10 @@ class AutoPolicy:
         """outline: the outline policy; default: the policy for everything else."""
         self.outline, self.default = outline, default
 
-    async def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
+    def check(self, options: dict) -> None:
+        """Raise ValueError for option values this policy cannot use (the question is checked by the service)."""
+
+    async def generate(self, request: GenerationRequest, engine: Engine, tokenizer):
         question = request.policy_options.get("question")
         if request.grammar is not None:
             # outline writes its own skeleton and expansions: it cannot keep to a grammar
@@ -25,7 +28,7 @@ class AutoPolicy:
         else:
             suits, reason = route(question) if question else (False, "not a chat request")
         chosen = self.outline if suits else self.default
-        async for event in chosen.generate(request, model, tokenizer):
+        async for event in chosen.generate(request, engine, tokenizer):
             if event.stats is not None:
                 event.stats = {**event.stats, "auto": {"chose": chosen.name, "router": reason}}
             yield event

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 from contextlib import aclosing
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
 from edgespec.decoding.grammar import Grammar
 from edgespec.decoding.types import GenerationRequest
-from edgespec.model.engine import Rows
-from edgespec.model.runner import ModelRunner
+from edgespec.engine.engine import Engine
+from edgespec.engine.program import Job, Rows, SequenceView
 
 
 @dataclass(frozen=True)
@@ -49,31 +50,23 @@ class Route:
     grammars: tuple[Grammar, ...]
 
 
-async def decide(request: GenerationRequest, model: ModelRunner, session) -> tuple[GenerationRequest, dict]:
+async def decide(request: GenerationRequest, engine: Engine) -> tuple[GenerationRequest, dict]:
     """The request to decode, its trigger and route resolved into its grammar, and the figures for its
-    statistics. A trigger is scored on the request's own session right after the prompt; its slots are given
-    back, and so is the prompt's last one, so that the policy's program starts as it would have (one row's
-    pass more). A route is scored on sessions of its own, one per tool, in the same steps."""
+    statistics. A trigger is scored on a sequence of the prompt and the trigger's ids: the request's own
+    sequence then starts from its prompt's blocks (the prefix cache). A route is scored on sequences of its
+    own, one per tool, in the same steps."""
     figures: dict = {}
     grammar, calling = request.grammar, request.trigger is None  # no trigger: a call was required
     if request.trigger is not None:
         trigger = request.trigger
-        logprob = (await _score(model, [(session, request.prompt_ids, trigger.ids)]))[0]
-        model.truncate(session, len(request.prompt_ids) - 1)
+        logprob = (await _score(engine, [(request.prompt_ids, trigger.ids)]))[0]
         calling = logprob >= trigger.threshold
         grammar = trigger.forced if calling else grammar
         figures |= {"trigger_logprob": round(logprob, 4), "threshold": trigger.threshold, "call": calling}
     route = request.route
     if route is not None and calling:
         # the contexts are the same for every request with these tools: kept, their blocks are reused
-        sessions = []
-        try:
-            for ctx in route.contexts:  # opened inside the try: a cancelled open leaves none of them held
-                sessions.append(await model.open(len(ctx) + len(route.request), prompt=list(ctx)))
-            scores = await _score(model, [(s, ctx, route.request) for s, ctx in zip(sessions, route.contexts,
-                                                                                      strict=True)])
-        finally:
-            await model.release_all(sessions)
+        scores = await _score(engine, [(list(ctx), route.request) for ctx in route.contexts])
         best = max(range(len(scores)), key=scores.__getitem__)
         grammar = route.grammars[best]
         figures["route"] = {"chose": route.names[best],
@@ -81,14 +74,13 @@ async def decide(request: GenerationRequest, model: ModelRunner, session) -> tup
     return replace(request, grammar=grammar, trigger=None, route=None), figures
 
 
-async def _score(model: ModelRunner, members: list[tuple[object, list[int], tuple[int, ...]]]) -> list[float]:
-    """log P(continuation | context) for each (session, context, continuation), the sessions holding a prefix
-    of their context already: every member's rows go in the engine's shared steps (two steps each: the
-    context's last logits, then the continuation's)."""
+async def _score(engine: Engine, members: list[tuple[list[int], tuple[int, ...]]]) -> list[float]:
+    """log P(continuation | context) for each (context, continuation): every member's rows go in the engine's
+    shared steps (two steps each: the context's last logits, then the continuation's)."""
     scores = [0.0] * len(members)
 
-    def program(i: int, session, context: list[int], continuation: tuple[int, ...]):
-        first = yield Rows(list(context[session.length:]), last_only=True)  # logits [1, 1, V]
+    def program(i: int, seq: SequenceView, context: list[int], continuation: tuple[int, ...]):
+        first = yield Rows(context[seq.length:], last_only=True)  # logits [1, 1, V]
         logits = first.logits[0]
         if len(continuation) > 1:
             rest = yield Rows(list(continuation[:-1]))  # logits [1, T - 1, V]
@@ -96,8 +88,9 @@ async def _score(model: ModelRunner, members: list[tuple[object, list[int], tupl
         ids = torch.tensor(continuation)[:, None]  # [T, 1]
         scores[i] = float(torch.log_softmax(logits, dim=-1).gather(1, ids).sum())
 
-    programs = [(s, program(i, s, list(ctx), cont)) for i, (s, ctx, cont) in enumerate(members)]
-    async with aclosing(model.engine.run_group(programs)) as events:
+    jobs = [Job(len(ctx) + len(cont), partial(program, i, context=ctx, continuation=cont), ctx)
+            for i, (ctx, cont) in enumerate(members)]
+    async with aclosing(engine.run_group(jobs)) as events:
         async for _ in events:
             pass
     return scores

@@ -15,11 +15,11 @@ import torch
 
 from edgespec.decoding.sampling import Sampler
 from edgespec.decoding.types import SamplingParams
+from edgespec.engine.prefix import common_prefix
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache
 from edgespec.model.linear import weight_format
 from edgespec.model.load import load_tokenizer
-from edgespec.model.prefix import common_prefix
 from edgespec.model.source import resolve_model
 from edgespec.model.stack import LayerStack, TokenEnds
 from edgespec.model.weights import open_source

@@ -15,61 +15,75 @@ from collections.abc import Callable
 from contextlib import aclosing
 
 from edgespec.decoding.naive import NaivePolicy
+from edgespec.decoding.sequence import Prepared
+from edgespec.decoding.text import TextStream
 from edgespec.decoding.types import GenerationRequest
-from edgespec.model.runner import ModelRunner
+from edgespec.engine.engine import Engine
+from edgespec.engine.program import SequenceView
+from edgespec.model.config import ModelConfig
+from edgespec.model.headsplit import HeadSplitPipeline
 
 
-class LazyRunner:
-    """A ModelRunner over HeadSplit blocks, built by `build()` (blocking: on a thread) on first use."""
+class LazyEngine:
+    """An engine over HeadSplit blocks, built by `build()` (blocking: on a thread) on first use."""
 
-    def __init__(self, build: Callable[[], ModelRunner]):
+    def __init__(self, build: Callable[[], Engine]):
         self.build = build
-        self.runner: ModelRunner | None = None
+        self.engine: Engine | None = None
         self.lock = asyncio.Lock()
 
-    async def get(self) -> ModelRunner:
+    async def get(self) -> Engine:
         async with self.lock:
-            if self.runner is None:
-                self.runner = await asyncio.to_thread(self.build)
-            return self.runner
+            if self.engine is None:
+                self.engine = await asyncio.to_thread(self.build)
+            return self.engine
+
+    @property
+    def pipeline(self) -> HeadSplitPipeline | None:
+        """The HeadSplit blocks the engine's executor runs now (None until built; a re-placement swaps them)."""
+        if self.engine is None:
+            return None
+        pipe = self.engine.executor.pipeline
+        assert isinstance(pipe, HeadSplitPipeline)
+        return pipe
 
     def close(self) -> None:
-        if self.runner is not None:
-            self.runner.pipeline.close()
+        if self.pipeline is not None:
+            self.pipeline.close()
 
 
 class HeadSplitPolicy(NaivePolicy):
     name = "headsplit"
     options = frozenset({"epsilon"})
 
-    def __init__(self, runner: LazyRunner | None, epsilon: float = 0.05):
-        self.runner, self.epsilon = runner, epsilon
+    def __init__(self, lazy: LazyEngine | None, epsilon: float = 0.05):
+        self.lazy, self.epsilon = lazy, epsilon
 
     def check(self, options: dict) -> None:
-        if self.runner is None:
+        if self.lazy is None:
             raise ValueError("this server was started without HeadSplit (--no-headsplit)")
         eps = options.get("epsilon", self.epsilon)
         if isinstance(eps, bool) or not isinstance(eps, int | float) or not math.isfinite(eps) or eps < 0:
             raise ValueError(f"epsilon must be a finite number >= 0, got {eps!r}")
 
-    def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
+    def generate(self, request: GenerationRequest, engine: Engine, tokenizer):
         return self._generate(request, tokenizer)
 
     async def _generate(self, request: GenerationRequest, tokenizer):
-        runner = await self.runner.get()
-        async with aclosing(super().generate(request, runner, tokenizer)) as events:  # releases on disconnect
+        engine = await self.lazy.get()
+        async with aclosing(super().generate(request, engine, tokenizer)) as events:  # releases on disconnect
             async for event in events:
                 yield event
 
-    async def prepare(self, request: GenerationRequest, model: ModelRunner, tokenizer, session):
-        await model.call(model.pipeline.set_epsilon, session.id, float(request.policy_options.get("epsilon",
-                                                                                                  self.epsilon)))
-        return await super().prepare(request, model, tokenizer, session)
+    def prepare(self, request: GenerationRequest, cfg: ModelConfig, seq: SequenceView, text: TextStream
+                ) -> Prepared:
+        self.lazy.pipeline.set_epsilon(seq.id, float(request.policy_options.get("epsilon", self.epsilon)))
+        return super().prepare(request, cfg, seq, text)
 
-    def summary(self, model: ModelRunner, session) -> dict:
-        pipe = model.pipeline
-        stats = pipe.stats[session.id]
-        return {"headsplit": {"epsilon": pipe.epsilons[session.id],
+    def summary(self, seq: SequenceView) -> dict:
+        pipe = self.lazy.pipeline
+        stats = pipe.stats[seq.id]
+        return {"headsplit": {"epsilon": pipe.epsilons[seq.id],
                               "speculating_layers": sum(lp.speculate for lp in pipe.layers),
                               "speculations_kept": sum(stats.kept),
                               "speculations_discarded": sum(stats.discarded)}}

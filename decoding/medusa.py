@@ -17,8 +17,9 @@ from edgespec.decoding.sequence import Prepared, run_alone, start
 from edgespec.decoding.stats import StepStats, push_run
 from edgespec.decoding.text import TextStream
 from edgespec.decoding.types import GenerationRequest
-from edgespec.model.engine import Propose, Rows
-from edgespec.model.runner import ModelRunner
+from edgespec.engine.engine import Engine
+from edgespec.engine.program import Commit, Propose, Rows, SequenceView
+from edgespec.model.config import ModelConfig
 
 
 class MedusaPolicy:
@@ -54,14 +55,15 @@ class MedusaPolicy:
         options = request.policy_options
         return Tree(options["tree"]) if "tree" in options else self.heads.tree
 
-    def capacity(self, request: GenerationRequest, model: ModelRunner) -> int:
+    def capacity(self, request: GenerationRequest, cfg: ModelConfig) -> int:
         return min(len(request.prompt_ids) + request.max_tokens + len(self._tree(request)),
-                   model.cfg.max_position_embeddings)
+                   cfg.max_position_embeddings)
 
-    def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
-        return run_alone(self, request, model, tokenizer)
+    def generate(self, request: GenerationRequest, engine: Engine, tokenizer):
+        return run_alone(self, request, engine, tokenizer)
 
-    async def prepare(self, request: GenerationRequest, model: ModelRunner, tokenizer, session) -> Prepared:
+    def prepare(self, request: GenerationRequest, cfg: ModelConfig, seq: SequenceView, text: TextStream
+                ) -> Prepared:
         options = request.policy_options
         heads, tree = self.heads, self._tree(request)
         # typical acceptance weighs every node by the target's distribution at the sequence's current place,
@@ -73,7 +75,7 @@ class MedusaPolicy:
                 return typical(sampler, tree, node_tokens, logits, threshold, alpha)
         else:
             rule = descend
-        sampler, text, stats = await start(self.name, request, model, tokenizer, session)
+        sampler, stats = start(self.name, request, cfg, seq)
         stats.exact = rule is descend
         stats.accepted_lengths = {}
         root_only = Tree([])
@@ -89,31 +91,31 @@ class MedusaPolicy:
             # the heads' candidates asked of the engine (batched with the other sequences'); near the end of the
             # cache, the root alone
             step_tree = trees[max(1, min(step_tokens // sequences, len(tree))) - 1] if step_tokens else tree
-            step_tree = step_tree if start + len(step_tree) <= session.capacity else root_only
+            step_tree = step_tree if start + len(step_tree) <= seq.capacity else root_only
             candidates = (yield Propose(heads, (hidden, step_tree.top))) if step_tree.top else None
             node_tokens = step_tree.tokens(root, candidates)
             return step_tree, node_tokens, step_tree.positions(start), step_tree.mask(start)
 
-        program = self.program(request, model, session, heads, inputs, rule, sampler, text, stats)
-        return Prepared(program, stats, text)
+        program = self.program(request, seq, heads, inputs, rule, sampler, text, stats)
+        return Prepared(program, stats)
 
-    def program(self, request: GenerationRequest, model: ModelRunner, session, heads: MedusaModel, inputs, rule,
+    def program(self, request: GenerationRequest, seq: SequenceView, heads: MedusaModel, inputs, rule,
                 sampler: Sampler, text: TextStream, stats: StepStats):
         """The engine's program: the prompt, then per step the tree of the heads' candidates (its plan, with
         the tree's positions and mask), the accepted path committed into place (its accept)."""
         prompt, want_logprobs = request.prompt_ids, request.sampling.logprobs
-        out = yield Rows(prompt[session.length:], last_only=True, features=True)
+        out = yield Rows(prompt[seq.length:], last_only=True, features=True)
         token, lp = sampler.choose_with_logprob(out.logits[0, -1])  # [1, 1, V]
         step, nxt = [(token, lp)], (yield from inputs(token, out.hidden[0, -1], len(prompt), out.sequences))
         tokens = list(prompt)
         while True:
             tokens += [t for t, _ in step]
-            event = push_run(text, step, stats, model.wire(session))
+            event = push_run(text, step, stats, seq.wire())
             yield event
             if event.finish_reason:
                 return
             step_tree, node_tokens, positions, mask = nxt
-            start = session.length
+            start = seq.length
             out = yield Rows(node_tokens, start, positions, mask, features=True)
             # logits [1, T, V] and hidden [1, T, H] at the tree's nodes. The head runs on every node in one
             # product: it reads its 49k rows once, where a row at a time would read them once per node the rule
@@ -126,7 +128,7 @@ class MedusaPolicy:
                                     out.sequences)
             kept = [start + n for n in verdict.path]
             # the cached tokens are a plain run again: the root and the accepted candidates
-            model.commit(session, kept, start, tokens[:start] + [node_tokens[n] for n in verdict.path])
+            yield Commit(kept, start, tokens[:start] + [node_tokens[n] for n in verdict.path])
             stats.proposed += step_tree.depth
             stats.accepted += verdict.accepted
             stats.accepted_lengths[verdict.accepted] = stats.accepted_lengths.get(verdict.accepted, 0) + 1

@@ -36,7 +36,7 @@ def measure_verify_cost(model: str | None, heads: Path, sizes) -> dict[int, floa
 
 def _measure(model: str | None, heads_path: Path, sizes: list[int], context: int = 300, reps: int = 15):
     loaded = load_local(resolve_model(model), "bfloat16", 1.0, ModelThread(os.cpu_count() or 1))
-    runner = loaded.runner
+    runner = loaded.executor
     heads = runner.thread.run_sync(MedusaModel.load, heads_path, runner.ends)
     ids = runner.thread.run_sync(lambda: torch.randint(100, 20000, (1, context + max(sizes))))
 
@@ -46,7 +46,7 @@ def _measure(model: str | None, heads_path: Path, sizes: list[int], context: int
         return heads.propose_batch([(hidden[0, 1], 4)])[0]
 
     async def measure() -> dict[int, float]:
-        session = await runner.open(context + max(sizes) + 1)
+        session = await runner.open_own(context + max(sizes) + 1)
         try:
             await runner.forward(session, ids[:, :context], last_only=True)
             chains = {n: Tree([[0] * d for d in range(1, n)]) for n in sizes}  # n nodes: the root and a chain
@@ -67,7 +67,7 @@ def _measure(model: str | None, heads_path: Path, sizes: list[int], context: int
                     runner.truncate(session, context)
             return {n: statistics.median(v) for n, v in times.items()}
         finally:
-            await runner.release(session)
+            await runner.release_own(session)
 
     try:
         return asyncio.run(measure())

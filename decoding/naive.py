@@ -7,39 +7,44 @@ from edgespec.decoding.sequence import Prepared, run_alone, start
 from edgespec.decoding.stats import StepStats
 from edgespec.decoding.text import TextStream
 from edgespec.decoding.types import GenerationRequest, TokenEvent
-from edgespec.model.engine import Rows
-from edgespec.model.runner import ModelRunner
+from edgespec.engine.engine import Engine
+from edgespec.engine.program import Rows, SequenceView
+from edgespec.model.config import ModelConfig
 
 
 class NaivePolicy:
     name = "naive"
     options = frozenset()
 
-    def summary(self, model: ModelRunner, session) -> dict:
-        """Figures of the session to add to the final statistics (on the model thread)."""
+    def check(self, options: dict) -> None:
+        """Raise ValueError for option values this policy cannot use (it takes none)."""
+
+    def summary(self, seq: SequenceView) -> dict:
+        """Figures of the sequence to add to the final statistics (on the model thread)."""
         return {}
 
-    def capacity(self, request: GenerationRequest, model: ModelRunner) -> int:
+    def capacity(self, request: GenerationRequest, cfg: ModelConfig) -> int:
         return len(request.prompt_ids) + request.max_tokens
 
-    async def prepare(self, request: GenerationRequest, model: ModelRunner, tokenizer, session):
-        sampler, text, stats = await start(self.name, request, model, tokenizer, session)
-        return Prepared(self.program(request, model, session, sampler, text, stats), stats, text)
+    def prepare(self, request: GenerationRequest, cfg: ModelConfig, seq: SequenceView, text: TextStream
+                ) -> Prepared:
+        sampler, stats = start(self.name, request, cfg, seq)
+        return Prepared(self.program(request, seq, sampler, text, stats), stats)
 
-    def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
-        return run_alone(self, request, model, tokenizer)
+    def generate(self, request: GenerationRequest, engine: Engine, tokenizer):
+        return run_alone(self, request, engine, tokenizer)
 
-    def program(self, request: GenerationRequest, model: ModelRunner, session, sampler: Sampler, text: TextStream,
+    def program(self, request: GenerationRequest, seq: SequenceView, sampler: Sampler, text: TextStream,
                 stats: StepStats):
-        """The engine's program (model/engine.py): the prompt, then one row per step, each sampled."""
-        out = yield Rows(request.prompt_ids[session.length:], last_only=True)
+        """The engine's program (engine/engine.py): the prompt, then one row per step, each sampled."""
+        out = yield Rows(request.prompt_ids[seq.length:], last_only=True)
         while True:
             token, logprob = sampler.choose_with_logprob(out.logits[0, -1])  # logits [1, 1, V]
             pushed = text.push(token)
-            stats.tokens_emitted(1, model.wire(session))
+            stats.tokens_emitted(1, seq.wire())
             logprobs = [logprob] if logprob else []
             if pushed.finish_reason:
-                final = stats.as_dict(model.wire(session)) | self.summary(model, session)
+                final = stats.as_dict(seq.wire()) | self.summary(seq)
                 yield TokenEvent([token], pushed.text, pushed.finish_reason, logprobs, final)
                 return
             yield TokenEvent([token], pushed.text, None, logprobs)

@@ -1,6 +1,7 @@
 """Outline decoding (Skeleton-of-Thought as Jupiter uses it): the model writes a short numbered outline, then
-every point is expanded as a sequence of its own, forked from the prompt the points share (whose KV is held
-once), all points decoding in the engine's shared steps beside any other request.
+every point is expanded as a sequence of its own, all points decoding in the engine's shared steps beside any
+other request. The prompt the points share is computed once: the first point computes it, and the others start
+from its blocks (the prefix cache, engine/prefix.py), held once.
 
 The answer is the points in order, each "N. point: " followed by its expansion. Point 1 streams as it is
 generated; each later point is held back until every earlier one is complete. The expansions share one
@@ -23,10 +24,10 @@ from contextlib import aclosing
 from edgespec.decoding.naive import NaivePolicy
 from edgespec.decoding.outline_points import SharedBudget
 from edgespec.decoding.outline_text import cut_outline, expansion_messages, outline_messages, parse_outline
+from edgespec.decoding.sequence import Prepared, job, text_stream
 from edgespec.decoding.stats import StepStats
 from edgespec.decoding.types import GenerationRequest, TokenEvent
-from edgespec.model.engine import Rows
-from edgespec.model.runner import ModelRunner
+from edgespec.engine.engine import Engine
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -36,7 +37,7 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def add_wire(totals: dict, wire: dict) -> None:
-    """Add a session's (bytes, requests) per link to `totals`: outline reports every session it ran."""
+    """Add a sequence's (bytes, requests) per link to `totals`: outline reports every sequence it ran."""
     for link, (nbytes, requests) in wire.items():
         b, n = totals.get(link, (0, 0))
         totals[link] = (b + nbytes, n + requests)
@@ -73,8 +74,7 @@ class OutlinePolicy:
         verify = options.get("verify", "none")
         if verify not in self.verifiers:
             raise ValueError(f"verify must be one of {', '.join(sorted(self.verifiers))}, got {verify!r}")
-        if hasattr(self.verifiers[verify], "check"):
-            self.verifiers[verify].check({})
+        self.verifiers[verify].check({})
 
     @staticmethod
     def _point_options(verify: str, points: int, pass_tokens: int) -> dict:
@@ -86,7 +86,7 @@ class OutlinePolicy:
             return {"k": max(1, pass_tokens // points - 1)}
         return {}
 
-    async def _outline(self, request: GenerationRequest, model: ModelRunner, tokenizer, verify: str,
+    async def _outline(self, request: GenerationRequest, engine: Engine, tokenizer, verify: str,
                        wire: dict) -> tuple[list[int], str]:
         """The outline, decoded by the verification policy with the request's sampling, until it is over (it
         repeats itself, or prose follows): its ids and text."""
@@ -94,12 +94,11 @@ class OutlinePolicy:
         sub = GenerationRequest(chat_ids(tokenizer, outline_messages(question)),
                                 request.policy_options.get("outline_tokens", self.outline_tokens), request.sampling,
                                 (), request.stop_token_ids, verify)
-        policy = self.verifiers[verify]
-        session = await model.open(policy.capacity(sub, model), prompt=sub.prompt_ids)
+        prepared: list[Prepared] = []
         ids, text = [], ""
         try:
-            prepared = await policy.prepare(sub, model, tokenizer, session)
-            async with aclosing(model.engine.run(session, prepared.program)) as events:
+            outline = job(self.verifiers[verify], sub, engine.cfg, text_stream(sub, tokenizer), prepared)
+            async with aclosing(engine.run(outline)) as events:
                 async for event in events:
                     ids += event.token_ids
                     text = tokenizer.decode(ids, skip_special_tokens=True)
@@ -108,13 +107,13 @@ class OutlinePolicy:
                         return ids, cut
             return ids, text
         finally:
-            add_wire(wire, model.wire(session))
-            await model.release(session)
+            for p in prepared:
+                add_wire(wire, p.stats.sequence.wire())
 
-    async def _fall_back(self, request: GenerationRequest, model, tokenizer, reason: str,
+    async def _fall_back(self, request: GenerationRequest, engine: Engine, tokenizer, reason: str,
                          outline_ids: list[int] | None = None):
         carry = list(outline_ids or [])  # the unusable outline was generated too: counted in usage, not shown
-        async for event in self.fallback.generate(request, model, tokenizer):
+        async for event in self.fallback.generate(request, engine, tokenizer):
             event.token_ids, carry = carry + event.token_ids, []
             if event.stats is not None:
                 event.stats = {**event.stats, "policy": self.name, "outline": {
@@ -122,19 +121,19 @@ class OutlinePolicy:
                     "outline_tokens": len(outline_ids or [])}}
             yield event
 
-    async def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
+    async def generate(self, request: GenerationRequest, engine: Engine, tokenizer):
         options = request.policy_options
         if not options.get("question"):  # the chat's last user message (the service sets it), or the client's
-            async for event in self._fall_back(request, model, tokenizer, "not a chat request"):
+            async for event in self._fall_back(request, engine, tokenizer, "not a chat request"):
                 yield event
             return
         verify, wire, stats = options.get("verify", "none"), {}, StepStats(self.name)
-        outline_ids, text = await self._outline(request, model, tokenizer, verify, wire)
+        outline_ids, text = await self._outline(request, engine, tokenizer, verify, wire)
         points, question, policy = parse_outline(text), options["question"], self.verifiers[verify]
         prompts = [chat_ids(tokenizer, expansion_messages(question, points, i)) for i in range(len(points))]
         shared = common_prefix(prompts) if points else 0
         if not shared:  # (the chat template starts every point's prompt alike, so points share a prefix)
-            async for event in self._fall_back(request, model, tokenizer, "the outline could not be parsed",
+            async for event in self._fall_back(request, engine, tokenizer, "the outline could not be parsed",
                                                outline_ids):
                 yield event
             return
@@ -143,37 +142,27 @@ class OutlinePolicy:
         point_options = self._point_options(verify, len(points), options.get("pass_tokens", self.pass_tokens))
         subs = [GenerationRequest(p, total, request.sampling, request.stop, request.stop_token_ids, verify,
                                   point_options) for p in prompts]
-        parent, sessions = None, []
-        try:
-            # the prompt the points share, prefilled once (or found kept from an earlier request)
-            parent = await model.open(shared + 1, prompt=prompts[0][:shared])
-            if parent.length < shared:
-                async for _ in model.engine.run(parent, prefill(prompts[0][:shared], parent.length)):
-                    pass
-            for sub in subs:
-                sessions.append(await model.fork(parent, shared, policy.capacity(sub, model)))
-            prepared = [await policy.prepare(sub, model, tokenizer, session)
-                        for sub, session in zip(subs, sessions, strict=True)]
-            budget = SharedBudget(total, [p.text for p in prepared])
-            members = [(session, p.program) for session, p in zip(sessions, prepared, strict=True)]
-            # closed here, not when collected: the engine stops the points before their sessions are released
-            async with aclosing(model.engine.run_group(members)) as group:
-                async for event in self._stream(group, points, outline_ids, stats):
-                    yield event
-            stats.proposed = sum(p.stats.proposed for p in prepared)
-            stats.accepted = sum(p.stats.accepted for p in prepared)
-            for session in (parent, *sessions):
-                add_wire(wire, model.wire(session))
-            final = stats.as_dict(wire)
-            # a step carried a token (or more) for every point still expanding
-            steps = max(s.passes for s in sessions)
-            final.update(steps=steps, tokens_per_step=round(sum(budget.made) / steps, 4) if steps else None)
-            final["outline"] = {"points": len(points), "outline_tokens": len(outline_ids), "budget": total,
-                                "point_tokens": budget.made, "ended_at_sentence": budget.ended_early,
-                                "verify": verify, "expanded_tokens": sum(budget.made)}
-            yield TokenEvent([], "", "stop", [], final)
-        finally:  # the points first (they share the prompt's blocks by reference), in one task
-            await model.release_all([*sessions, *([parent] if parent is not None else [])])
+        texts = [text_stream(sub, tokenizer) for sub in subs]
+        budget = SharedBudget(total, texts)
+        prepared: list[list[Prepared]] = [[] for _ in subs]
+        jobs = [job(policy, sub, engine.cfg, text, made) for sub, text, made in zip(subs, texts, prepared, strict=True)]
+        # closed here, not when collected: the engine stops the points before their sessions are released
+        async with aclosing(engine.run_group(jobs)) as group:
+            async for event in self._stream(group, points, outline_ids, stats):
+                yield event
+        points_stats = [p.stats for made in prepared for p in made]
+        stats.proposed = sum(s.proposed for s in points_stats)
+        stats.accepted = sum(s.accepted for s in points_stats)
+        for s in points_stats:
+            add_wire(wire, s.sequence.wire())
+        final = stats.as_dict(wire)
+        # a step carried a token (or more) for every point still expanding
+        steps = max((s.sequence.passes for s in points_stats), default=0)
+        final.update(steps=steps, tokens_per_step=round(sum(budget.made) / steps, 4) if steps else None)
+        final["outline"] = {"points": len(points), "outline_tokens": len(outline_ids), "budget": total,
+                            "point_tokens": budget.made, "ended_at_sentence": budget.ended_early,
+                            "verify": verify, "expanded_tokens": sum(budget.made)}
+        yield TokenEvent([], "", "stop", [], final)
 
     @staticmethod
     async def _stream(events, points: list[str], outline_ids: list[int], stats: StepStats):
@@ -204,7 +193,3 @@ class OutlinePolicy:
                 stats.tokens_emitted(len(ids), {})
                 yield TokenEvent(ids, "".join(parts), None, logprobs)
 
-
-def prefill(ids: list[int], cached: int):
-    """The engine program of a prompt that is only cached (the points' shared prompt): one plan, no tokens."""
-    yield Rows(ids[cached:], last_only=True)

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from edgespec.decoding.types import GenerationRequest, TokenEvent
-from edgespec.model.runner import ModelRunner
+from edgespec.engine.engine import Engine
 
 
 class UnknownPolicyError(ValueError):
@@ -23,7 +23,10 @@ class DecodingPolicy(Protocol):
     name: str
     options: frozenset[str]  # the policy options a request may set in its `decoding` object
 
-    def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer) -> AsyncIterator[TokenEvent]:
+    def check(self, options: dict) -> None:
+        """Raise ValueError for option values this policy cannot use."""
+
+    def generate(self, request: GenerationRequest, engine: Engine, tokenizer) -> AsyncIterator[TokenEvent]:
         """Async generator of events; the last one has a finish_reason and the statistics."""
 
 
@@ -34,7 +37,7 @@ def build_policies(draft_models: dict | None = None, default_drafter: str | None
     """Every policy this build has, by name; draft_models: drafter weights by name (decoding.draft_model,
     decoding.eagle); draft_k: the draft length to start from and its bounds; medusa: Medusa heads
     (decoding.medusa_heads), without which `medusa` refuses requests and says why; default: the server's
-    default policy, which `outline` falls back to; headsplit: the `headsplit` runner (decoding.headsplit.LazyRunner),
+    default policy, which `outline` falls back to; headsplit: the `headsplit` engine (decoding.headsplit.LazyEngine),
     without which `headsplit` refuses requests."""
     from edgespec.decoding.auto import AutoPolicy
     from edgespec.decoding.headsplit import HeadSplitPolicy

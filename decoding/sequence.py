@@ -1,11 +1,10 @@
 """What a policy that decodes one sequence offers (naive, speculative, medusa, headsplit), and its one way to
 run a request alone.
 
-Such a policy says how many cache slots a request needs (`capacity`) and, for a session that is open and may
-already hold part of the prompt (prefix reuse, or a fork of a shared prompt), builds the engine program that
-decodes the rest (`prepare`). Run alone, the request opens its own session; outline runs the same programs
-for its points on sessions forked from the prompt they share, so every point decodes exactly as its policy
-decodes a request alone.
+Such a policy says how many cache slots a request needs (`capacity`) and, on the model thread, for the
+request's session once the engine has opened it (it may already hold part of the prompt: prefix reuse), builds
+the engine program that decodes the rest (`prepare`). Run alone, the request is one engine job; outline runs the
+same programs for its points, so every point decodes exactly as its policy decodes a request alone.
 """
 
 from __future__ import annotations
@@ -19,63 +18,67 @@ from edgespec.decoding.sampling import Sampler
 from edgespec.decoding.stats import StepStats
 from edgespec.decoding.text import TextStream
 from edgespec.decoding.types import GenerationRequest
-from edgespec.model.engine import Program
-from edgespec.model.runner import ModelRunner
+from edgespec.engine.engine import Engine
+from edgespec.engine.program import Job, Program, SequenceView
+from edgespec.model.config import ModelConfig
 
 
 @dataclass
 class Prepared:
-    """A request made ready to decode: its engine program, the statistics it keeps and the TextStream its
-    tokens go through (whose max_tokens a caller sharing a budget may lower while it runs)."""
+    """A request made ready to decode: its engine program and the statistics it keeps."""
 
     program: Program
     stats: StepStats
-    text: TextStream
 
 
 class SequencePolicy(Protocol):
     name: str
 
-    def capacity(self, request: GenerationRequest, model: ModelRunner) -> int:
+    def capacity(self, request: GenerationRequest, cfg: ModelConfig) -> int:
         """Cache slots the request may write: its prompt, its tokens and any scratch rows (drafts, a tree)."""
 
-    async def prepare(self, request: GenerationRequest, model: ModelRunner, tokenizer, session
-                      ) -> Prepared:
-        """The engine program that decodes the request on the open `session` (its prompt from slot
-        session.length on)."""
+    def prepare(self, request: GenerationRequest, cfg: ModelConfig, seq: SequenceView, text: TextStream
+                ) -> Prepared:
+        """The engine program that decodes the request on its open session `seq` (its prompt from slot
+        seq.length on), its tokens going through `text` (model thread)."""
 
 
-async def start(name: str, request: GenerationRequest, model: ModelRunner, tokenizer, session
-                ) -> tuple[Sampler, TextStream, StepStats]:
-    """What every such program starts from: the request's Sampler (built on the model thread), the TextStream
-    its tokens go through, and statistics tied to the session."""
-    sampler = await model.call(Sampler, request.sampling, model.cfg.vocab_size, request.grammar)
-    text = TextStream(tokenizer, request.stop, request.stop_token_ids, request.max_tokens)
+def text_stream(request: GenerationRequest, tokenizer) -> TextStream:
+    """The TextStream a request's tokens go through (whose max_tokens a caller sharing a budget may lower)."""
+    return TextStream(tokenizer, request.stop, request.stop_token_ids, request.max_tokens)
+
+
+def start(name: str, request: GenerationRequest, cfg: ModelConfig, seq: SequenceView) -> tuple[Sampler, StepStats]:
+    """What every such program starts from (model thread): the request's Sampler, and statistics tied to the
+    sequence."""
     stats = StepStats(name)
-    stats.session = session
-    stats.cached_prompt_tokens = session.length
-    return sampler, text, stats
+    stats.sequence = seq
+    stats.cached_prompt_tokens = seq.cached
+    return Sampler(request.sampling, cfg.vocab_size, request.grammar), stats
 
 
-async def run_alone(policy: SequencePolicy, request: GenerationRequest, model: ModelRunner, tokenizer):
-    """Decode the request on a session of its own: its TokenEvents. The session is released whatever happens
-    (a client that disconnects frees it at once). A request with a tool trigger or route is decided first
-    (decoding/decide.py)."""
-    capacity = policy.capacity(request, model)
-    if request.trigger is not None:
-        capacity = max(capacity, len(request.prompt_ids) + len(request.trigger.ids))
-    session = await model.open(capacity, prompt=request.prompt_ids)
-    try:
-        decided = None
-        if request.trigger is not None or request.route is not None:
-            request, decided = await decide(request, model, session)
-        prepared = await policy.prepare(request, model, tokenizer, session)
-        if decided is not None:
-            prepared.stats.extra["tool_choice"] = decided
-        # closed here, not when collected: the engine stops the program before the session is released
-        async with aclosing(model.engine.run(session, prepared.program)) as events:
-            async for event in events:
-                yield event
-    finally:
-        await model.release(session)
+def job(policy: SequencePolicy, request: GenerationRequest, cfg: ModelConfig, text: TextStream,
+        prepared: list[Prepared] | None = None, extra: dict | None = None) -> Job:
+    """The engine job of `request` decoded by `policy`; what it prepares is appended to `prepared` (a caller
+    that sums its statistics), with `extra` figures in its statistics."""
+    def begin(seq: SequenceView) -> Program:
+        ready = policy.prepare(request, cfg, seq, text)
+        ready.stats.extra.update(extra or {})
+        if prepared is not None:
+            prepared.append(ready)
+        return ready.program
 
+    return Job(policy.capacity(request, cfg), begin, request.prompt_ids)
+
+
+async def run_alone(policy: SequencePolicy, request: GenerationRequest, engine: Engine, tokenizer):
+    """Decode the request as an engine job of its own: its TokenEvents. A request with a tool trigger or route
+    is decided first (decoding/decide.py)."""
+    decided = None
+    if request.trigger is not None or request.route is not None:
+        request, decided = await decide(request, engine)
+    extra = {"tool_choice": decided} if decided is not None else None
+    job_ = job(policy, request, engine.cfg, text_stream(request, tokenizer), extra=extra)
+    async with aclosing(engine.run(job_)) as events:
+        async for event in events:
+            yield event

@@ -15,8 +15,9 @@ from edgespec.decoding.stats import StepStats, push_run
 from edgespec.decoding.text import TextStream
 from edgespec.decoding.types import GenerationRequest
 from edgespec.decoding.verify import verify
-from edgespec.model.engine import Rows
-from edgespec.model.runner import ModelRunner
+from edgespec.engine.engine import Engine
+from edgespec.engine.program import Rows, SequenceView, Truncate
+from edgespec.model.config import ModelConfig
 
 
 class SpeculativePolicy:
@@ -53,36 +54,37 @@ class SpeculativePolicy:
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
             raise ValueError(f"k must be an integer from 1 to 32, got {k!r}")
 
-    def capacity(self, request: GenerationRequest, model: ModelRunner) -> int:
+    def capacity(self, request: GenerationRequest, cfg: ModelConfig) -> int:
         # the verification's 1 + K slots must fit after the last token
         return min(len(request.prompt_ids) + request.max_tokens + max(self.k_max, request.policy_options.get("k", 0)),
-                   model.cfg.max_position_embeddings)
+                   cfg.max_position_embeddings)
 
-    def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
-        return run_alone(self, request, model, tokenizer)
+    def generate(self, request: GenerationRequest, engine: Engine, tokenizer):
+        return run_alone(self, request, engine, tokenizer)
 
-    async def prepare(self, request: GenerationRequest, model: ModelRunner, tokenizer, session) -> Prepared:
+    def prepare(self, request: GenerationRequest, cfg: ModelConfig, seq: SequenceView, text: TextStream
+                ) -> Prepared:
         options = request.policy_options
         # Built on the model thread: a drafter allocates tensors, and one parallel op on the event loop's thread
         # gives the process a second OpenMP team that then competes with the model thread's for the cores
         # (measured: naive decoding fell from 39 to 23 tokens/s for the rest of the process's life).
         name = options.get("drafter", self.default)
-        chain = await model.call(self.drafters[name], request.sampling, session.capacity)
+        chain = self.drafters[name](request.sampling, seq.capacity)
         observe = next((d.observe for d in chain if hasattr(d, "observe")), None)  # reads the target's features
         seeded = request.sampling.seed is not None and not request.sampling.greedy
         costs = prior_costs() if seeded else (self.passes, self.draft_costs)  # seeded: the same K every time
         length = DraftLength(*costs, self.k, self.k_min, max(self.k_max, options.get("k", 0)), options.get("k"))
-        sampler, text, stats = await start(self.name, request, model, tokenizer, session)
+        sampler, stats = start(self.name, request, cfg, seq)
         stats.drafter = name
-        program = self.program(request, model, session, chain, observe, seeded, length, sampler, text, stats)
-        return Prepared(program, stats, text)
+        program = self.program(request, seq, chain, observe, seeded, length, sampler, text, stats)
+        return Prepared(program, stats)
 
-    def program(self, request: GenerationRequest, model: ModelRunner, session, chain: list, observe, seeded: bool,
+    def program(self, request: GenerationRequest, seq: SequenceView, chain: list, observe, seeded: bool,
                 length: DraftLength, sampler: Sampler, text: TextStream, stats: StepStats):
         """The engine's program: the prompt, then per step the last token and the drafts (its plan), verified
         by the acceptance rule, the rejected slots truncated (its accept)."""
         prompt, want_logprobs = request.prompt_ids, request.sampling.logprobs
-        cached = session.length
+        cached = seq.length
         out = yield Rows(prompt[cached:], last_only=True, features=observe is not None)
         if observe:
             observe(cached, out.hidden[0])
@@ -91,18 +93,18 @@ class SpeculativePolicy:
         while True:
             emitted = [t for t, _ in step]
             tokens += emitted
-            event = push_run(text, step, stats, model.wire(session))
+            event = push_run(text, step, stats, seq.wire())
             yield event
             if event.finish_reason:
                 return
             # the verification adds one token of its own, and its 1 + K slots must fit the cache
-            budget = min(request.max_tokens - len(text.ids), session.capacity - session.length) - 1
+            budget = min(request.max_tokens - len(text.ids), seq.capacity - seq.length) - 1
             # Beside other sequences a model drafter's work runs alone between the shared steps (measured: 4
             # speculative streams 0.917x one stream's aggregate speed, naive ones 1.589x): draft only by lookup
             # then. Not for seeded sampling, whose answer must not depend on the load.
-            crowded = not seeded and model.others_running(session) > 0
+            crowded = not seeded and seq.others_running() > 0
             drafter, drafts, q = self._draft(chain, length, tokens, budget, stats, crowded, besides)
-            start = session.length
+            start = seq.length
             out = yield Rows([emitted[-1], *drafts], features=observe is not None)
             verdict = verify(sampler, out.logits[0], drafts, q)  # logits [1, 1 + K, V]
             if observe:  # the accepted positions' hidden states [1 + accepted, H]
@@ -115,7 +117,7 @@ class SpeculativePolicy:
             self.passes.observe(out.rows, out.seconds)
             besides = 0 if seeded else out.rows - (1 + len(drafts))
             if verdict.accepted < len(drafts):  # the rejected drafts' slots are written over next
-                model.truncate(session, start + 1 + verdict.accepted)
+                yield Truncate(start + 1 + verdict.accepted)
             stats.proposed += len(drafts)
             stats.accepted += verdict.accepted
             for d in chain:  # a drafter not asked drafted nothing this step

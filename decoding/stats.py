@@ -25,7 +25,7 @@ class StepStats:
         self.drafter_s = 0.0
         self.accepted_lengths: dict[int, int] | None = None  # tree policies: steps by accepted length
         self.exact: bool | None = None  # set by policies with a non-exact option: whether this request was exact
-        self.session = None  # the runner's Session of the generation: how many others shared its passes
+        self.sequence = None  # the engine's view of the generation's sequence: how many others shared its passes
         self.extra: dict = {}  # more figures for the `decoding` object (a tool trigger's score)
 
     def tokens_emitted(self, n: int, wire: dict[str, tuple[int, int]]) -> None:
@@ -52,9 +52,9 @@ class StepStats:
             drafting["accepted_length_histogram"] = {str(n): c for n, c in sorted(self.accepted_lengths.items())}
         if self.exact is not None:
             drafting["exact"] = self.exact
-        if self.session is not None and self.session.passes:
+        if self.sequence is not None and self.sequence.passes:
             # other sequences in this one's forward passes, on average (concurrent requests share passes)
-            drafting["shared_with_mean"] = round(self.session.shared_with / self.session.passes, 3)
+            drafting["shared_with_mean"] = round(self.sequence.shared_with / self.sequence.passes, 3)
         return {
             **self.extra,
             "policy": self.policy,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from edgespec.engine.executor import Cuts, Executor
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_format import kv_format
 from edgespec.model.linear import weight_format
-from edgespec.model.runner import ModelRunner, RunnerOptions
 from edgespec.model.source import ModelFiles
 from edgespec.model.stack import LayerStack, TokenEnds
 from edgespec.model.stage import LocalStage, Pipeline
@@ -22,7 +22,7 @@ class LoadedModel:
     files: ModelFiles
     cfg: ModelConfig
     tokenizer: object
-    runner: ModelRunner
+    executor: Executor  # the token ends around the stages; the engine (engine/engine.py) runs requests on it
 
 
 def load_tokenizer(files: ModelFiles):
@@ -32,12 +32,12 @@ def load_tokenizer(files: ModelFiles):
 
 
 def load_with_pipeline(files: ModelFiles, weights: str, pipeline, thread: ModelThread, src=None,
-                       options: RunnerOptions | None = None) -> LoadedModel:
+                       cuts: Cuts | None = None, kv: str = "float32") -> LoadedModel:
     """The controller's model around a given stage pipeline (the controller loads only the token ends);
     `src`: the model's tensor source when the caller has opened it already."""
     cfg = ModelConfig.from_folder(files.folder)
     ends = thread.run_sync(TokenEnds.load, src or open_source(files), cfg, weight_format(weights))
-    return LoadedModel(files, cfg, load_tokenizer(files), ModelRunner(cfg, ends, pipeline, thread, options))
+    return LoadedModel(files, cfg, load_tokenizer(files), Executor(cfg, ends, pipeline, thread, cuts, kv_format(kv)))
 
 
 def local_pipeline(files: ModelFiles, weights: str, kv_budget_gib: float, src=None,
@@ -50,8 +50,8 @@ def local_pipeline(files: ModelFiles, weights: str, kv_budget_gib: float, src=No
 
 
 def load_local(files: ModelFiles, weights: str, kv_budget_gib: float, thread: ModelThread,
-               options: RunnerOptions | None = None, prefault: bool = False, kv: str = "float32") -> LoadedModel:
+               cuts: Cuts | None = None, prefault: bool = False, kv: str = "float32") -> LoadedModel:
     """All layers in-process: one LocalStage."""
     src = open_source(files)  # one read of a GGUF's tensor index for the layers and the token ends
     pipeline = thread.run_sync(local_pipeline, files, weights, kv_budget_gib, src, prefault, kv)
-    return load_with_pipeline(files, weights, pipeline, thread, src, options)
+    return load_with_pipeline(files, weights, pipeline, thread, src, cuts, kv)

@@ -78,7 +78,7 @@ def segments_in_turn(stage, session: str, hidden: torch.Tensor, start: int, cuts
 
 
 class Stage(Protocol):
-    """Decoder layers plus per-session KV caches."""
+    """Decoder layers plus per-session KV caches: what a Pipeline chains."""
 
     def open(self, session: str, capacity: int) -> None:
         """Open a KV cache of `capacity` slots for `session`, its blocks reserved (CapacityError if they do not
@@ -109,6 +109,24 @@ class Stage(Protocol):
 
     def pool_blocks(self) -> tuple[int, int]:
         """The KV pool's blocks in use and free (neither used nor reserved), summed over the stages."""
+
+    def session_bytes(self, session: str) -> int | None:
+        """The session's KV bytes (None: not tracked here)."""
+
+
+class StagePipeline(Stage, Protocol):
+    """Every stage of the model, as the executor drives it (engine/executor.py): the in-process Pipeline, the
+    workers' RemotePipeline (workers/client.py) and the HeadSplitPipeline (model/headsplit.py)."""
+
+    def forward_segments(self, session: str, hidden: torch.Tensor, start: int, cuts: list[int]) -> torch.Tensor:
+        """A prompt's prefill in segments ending at `cuts` (relative; the last == T), pipelined where the stages
+        can overlap them: hidden [1, T, H] at slots start.. -> [1, T, H], the same bits as one pass."""
+
+    def wire(self, session: str) -> dict[str, tuple[int, int]]:
+        """Bytes and requests per link that the session's calls have put on the network so far."""
+
+    def close(self) -> None:
+        """Free what reaching the stages holds (connections, threads)."""
 
 
 class LocalStage:

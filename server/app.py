@@ -150,7 +150,7 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus():
-        metrics.kv_bytes.set(service.loaded.runner.kv_bytes())
+        metrics.kv_bytes.set(service.engine.executor.kv_bytes())
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     # Like /health and /metrics, the dashboard asks for no API key: it is read-only and shows the same kind of

@@ -10,18 +10,19 @@ from pathlib import Path
 
 from edgespec.decoding.draft_model import DraftModel
 from edgespec.decoding.eagle import FeatureDraftModel
-from edgespec.decoding.headsplit import LazyRunner
+from edgespec.decoding.headsplit import LazyEngine
 from edgespec.decoding.headsplit_profile import load_profile
 from edgespec.decoding.medusa_heads import MedusaModel
 from edgespec.decoding.target_fit import SHIPPED
-from edgespec.model.admission import Admission
+from edgespec.engine.admission import Admission
+from edgespec.engine.engine import Engine
+from edgespec.engine.executor import Executor
+from edgespec.engine.prefix import PrefixCache
 from edgespec.model.config import ModelConfig
 from edgespec.model.headsplit import HeadSplitPipeline
 from edgespec.model.kv_format import kv_format
 from edgespec.model.linear import weight_format
 from edgespec.model.load import LoadedModel, load_local, load_with_pipeline
-from edgespec.model.prefix import PrefixCache
-from edgespec.model.runner import ModelRunner, RunnerOptions
 from edgespec.model.source import ModelFiles, resolve_model
 from edgespec.model.thread import ModelThread
 from edgespec.model.timing import model_card
@@ -76,32 +77,31 @@ def _profile(settings: ServeSettings, files: ModelFiles, devices: list[Device], 
     return profile
 
 
-def runner_options(settings: ServeSettings, cluster: ClusterManager | None) -> RunnerOptions:
-    """Prefill cuts, prefix reuse and admission, from the settings; over workers, recovery by re-placement."""
+def build_engine(settings: ServeSettings, executor: Executor, cluster: ClusterManager | None) -> Engine:
+    """The engine over `executor`: prefix reuse and admission from the settings; over workers, recovery by
+    re-placement."""
     prefix = PrefixCache(int(settings.prefix_cache_mib * 2**20), settings.prefix_min_tokens) \
         if settings.prefix_cache_mib > 0 else None
     admission = Admission(settings.max_waiting, settings.queue_timeout_s)
-    kv = kv_format(settings.kv_format)
-    if cluster is None:
-        return RunnerOptions(prefill_cuts(settings, None), prefix, admission, kv=kv)
-    return RunnerOptions(prefill_cuts(settings, cluster.plan), prefix, admission, cluster.recover, kv)
+    return Engine(executor, prefix, admission, cluster.recover if cluster is not None else None)
 
 
-def observe_runner(runner: ModelRunner, metrics: Metrics) -> None:
-    """The runner's counters in /metrics, read when it is scraped."""
-    if runner.prefix is not None:
-        metrics.prefix_hits.set_function(lambda: runner.prefix.hits)
-        metrics.prefix_tokens.set_function(lambda: runner.prefix.reused_tokens)
-        metrics.prefix_bytes.set_function(lambda: runner.prefix.nbytes)
-    metrics.sessions_rebuilt.set_function(lambda: runner.rebuilt)
-    metrics.sequences_running.set_function(lambda: runner.engine.running())
-    metrics.shared_passes.set_function(lambda: runner.engine.shared_steps)
-    metrics.shared_pass_calls.set_function(lambda: runner.engine.shared_calls)
-    metrics.steps.set_function(lambda: runner.steps)
-    metrics.step_rows.set_function(lambda: runner.step_rows)
-    metrics.kv_blocks.labels("used").set_function(lambda: runner.pool_blocks()[0])
-    metrics.kv_blocks.labels("free").set_function(lambda: runner.pool_blocks()[1])
-    metrics.observe_admission(runner.admission)
+def observe_engine(engine: Engine, metrics: Metrics) -> None:
+    """The engine's counters in /metrics, read when it is scraped."""
+    prefix, executor = engine.prefix, engine.executor
+    if prefix is not None:
+        metrics.prefix_hits.set_function(lambda: prefix.hits)
+        metrics.prefix_tokens.set_function(lambda: prefix.reused_tokens)
+        metrics.prefix_bytes.set_function(lambda: prefix.nbytes)
+    metrics.sessions_rebuilt.set_function(lambda: executor.rebuilt)
+    metrics.sequences_running.set_function(lambda: engine.running())
+    metrics.shared_passes.set_function(lambda: engine.shared_steps)
+    metrics.shared_pass_calls.set_function(lambda: engine.shared_calls)
+    metrics.steps.set_function(lambda: executor.steps)
+    metrics.step_rows.set_function(lambda: executor.step_rows)
+    metrics.kv_blocks.labels("used").set_function(lambda: executor.pool_blocks()[0])
+    metrics.kv_blocks.labels("free").set_function(lambda: executor.pool_blocks()[1])
+    metrics.observe_admission(engine.admission)
 
 
 async def discover_workers(settings: ServeSettings) -> list[WorkerSpec]:
@@ -118,14 +118,17 @@ async def discover_workers(settings: ServeSettings) -> list[WorkerSpec]:
     return found
 
 
-def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[LoadedModel, ClusterManager | None]:
+def load_served_model(settings: ServeSettings, metrics: Metrics
+                      ) -> tuple[LoadedModel, Engine, ClusterManager | None]:
+    """The served model, the engine that runs requests on it and, over workers, the cluster manager."""
     thread = ModelThread(settings.threads or os.cpu_count() or 1)
     files = resolve_model(settings.model)  # converts a GGUF once, before any worker needs the cache
     if not settings.local_workers and not settings.cluster and not settings.discover:
-        loaded = load_local(files, settings.dtype, settings.kv_cache_gib, thread, runner_options(settings, None),
+        loaded = load_local(files, settings.dtype, settings.kv_cache_gib, thread, prefill_cuts(settings, None),
                             settings.kv_prefault, settings.kv_format)
-        observe_runner(loaded.runner, metrics)
-        return loaded, None
+        engine = build_engine(settings, loaded.executor, None)
+        observe_engine(engine, metrics)
+        return loaded, engine, None
     if settings.local_workers:
         config = launch_local_workers(settings.local_workers, settings.model, settings.worker_threads,
                                       settings.worker_cpus, avoid=settings.port, prefault=settings.kv_prefault,
@@ -150,31 +153,31 @@ def load_served_model(settings: ServeSettings, metrics: Metrics) -> tuple[Loaded
                      ", ".join(f"{s.device} [{s.first}, {s.last})" for s in manager.plan.stages))
             manager.apply(manager.plan)
             loaded = load_with_pipeline(files, settings.dtype, manager.pipeline, thread,
-                                        options=runner_options(settings, manager))
+                                        cuts=prefill_cuts(settings, manager.plan), kv=settings.kv_format)
         else:  # --discover found none: every layer here, as after losing every worker, until one joins
-            loaded = load_local(files, settings.dtype, settings.kv_cache_gib, thread,
-                                runner_options(settings, manager), settings.kv_prefault, settings.kv_format)
-            loaded.runner.cuts = prefill_cuts(settings, None)
-            manager.here = loaded.runner.pipeline
-        manager.runner = loaded.runner
+            loaded = load_local(files, settings.dtype, settings.kv_cache_gib, thread, prefill_cuts(settings, None),
+                                settings.kv_prefault, settings.kv_format)
+            manager.here = loaded.executor.pipeline
+        manager.executor = loaded.executor
         if settings.discover:
             manager.watch = partial(watching, token=config.token)
-        observe_runner(loaded.runner, metrics)
+        engine = build_engine(settings, loaded.executor, manager)
+        observe_engine(engine, metrics)
     except BaseException:
         config.stop()
         raise
-    return loaded, manager
+    return loaded, engine, manager
 
 
-def headsplit_runner(settings: ServeSettings, loaded: LoadedModel, cluster: ClusterManager | None
-                     ) -> LazyRunner | None:
-    """The `headsplit` policy's runner, built at its first request: the planner's placement (from the shipped
+def headsplit_engine(settings: ServeSettings, loaded: LoadedModel, cluster: ClusterManager | None
+                     ) -> LazyEngine | None:
+    """The `headsplit` policy's engine, built at its first request: the planner's placement (from the shipped
     HeadSplit profile's acceptance at the configured epsilon and block times, and the cluster profile's
     memory and round trips plus its margin) over the workers, or over one in-process device."""
     if not settings.headsplit:
         return None
 
-    def build() -> ModelRunner:
+    def build() -> Engine:
         cfg, dtype = loaded.cfg, weight_format(settings.dtype)
         record = load_profile(loaded.files.name, Path(settings.headsplit_profile) if settings.headsplit_profile
                               else None)
@@ -182,32 +185,28 @@ def headsplit_runner(settings: ServeSettings, loaded: LoadedModel, cluster: Clus
                                     kv_format(settings.kv_format)))
         context = min(settings.plan_context, cfg.max_position_embeddings)
         alphas = profiled_alphas(record, cfg.n_layers, settings.headsplit_epsilon)
+        admission = Admission(settings.max_waiting, settings.queue_timeout_s)
+        ends, thread = loaded.executor.ends, loaded.executor.thread
         if cluster is None:
             layers = place(profiled_devices(record, {"local": 2**62}, context), card, alphas, lambda a, b: 0.0,
                            context)
             pipe = HeadSplitPipeline.local(open_source(loaded.files), cfg, dtype, layers,
                                            settings.headsplit_epsilon, int(settings.kv_cache_gib * 2**30),
                                            kv_format(settings.kv_format))
-            recover = None
-        else:
-            devices = HeadSplitCluster(settings, cluster, record, card, alphas, cfg, context)
-            pipe, recover = devices.pipeline(), devices.recover
-        admission = Admission(settings.max_waiting, settings.queue_timeout_s)
-        runner = ModelRunner(cfg, loaded.runner.ends, pipe, loaded.runner.thread,
-                             RunnerOptions(admission=admission, recover=recover))
-        if cluster is not None:
-            devices.runner = runner
-        return runner
+            return Engine(Executor(cfg, ends, pipe, thread), admission=admission)
+        devices = HeadSplitCluster(settings, cluster, record, card, alphas, cfg, context)
+        executor = Executor(cfg, ends, devices.pipeline(), thread)
+        return Engine(executor, admission=admission, recover=partial(devices.recover, executor))
 
-    return LazyRunner(build)
+    return LazyEngine(build)
 
 
 def load_draft_models(settings: ServeSettings, loaded: LoadedModel) -> dict[str, DraftModel | FeatureDraftModel]:
     """The configured drafters' weights, loaded on the model thread; a tokenizer mismatch is an error.
     The trained feature drafter comes first: the plain `speculative` policy's default builds on the first."""
     models = {}
-    run = loaded.runner.thread.run_sync
-    ends = loaded.runner.ends
+    run = loaded.executor.thread.run_sync
+    ends = loaded.executor.ends
     if settings.eagle == "auto":
         for path in sorted(SHIPPED.glob("*-eagle.safetensors")):  # the first one trained for the served model
             try:
@@ -230,14 +229,14 @@ def load_draft_models(settings: ServeSettings, loaded: LoadedModel) -> dict[str,
 
 def load_medusa(settings: ServeSettings, loaded: LoadedModel) -> MedusaModel | None:
     """The Medusa heads: --medusa FILE, or with 'auto' the shipped heads trained for the served model, if any."""
-    run = loaded.runner.thread.run_sync
+    run = loaded.executor.thread.run_sync
     if settings.medusa == "off":
         return None
     if settings.medusa != "auto":
-        return run(MedusaModel.load, Path(settings.medusa), loaded.runner.ends)
+        return run(MedusaModel.load, Path(settings.medusa), loaded.executor.ends)
     for path in sorted(SHIPPED.glob("*-medusa.safetensors")):
         try:
-            heads = run(MedusaModel.load, path, loaded.runner.ends)
+            heads = run(MedusaModel.load, path, loaded.executor.ends)
         except ValueError:
             continue
         log.info("medusa heads: %s (tree of %d nodes)", path.name, len(heads.tree))

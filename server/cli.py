@@ -277,7 +277,7 @@ def serve(args: argparse.Namespace) -> None:
     from edgespec.decoding.policy import build_policies
     from edgespec.model.allocator import tune_malloc
     from edgespec.server.app import create_app
-    from edgespec.server.boot import headsplit_runner, load_draft_models, load_medusa, load_served_model
+    from edgespec.server.boot import headsplit_engine, load_draft_models, load_medusa, load_served_model
     from edgespec.server.http_limits import uvicorn_http_options
     from edgespec.server.metrics import Metrics
     from edgespec.server.service import CompletionService
@@ -286,16 +286,16 @@ def serve(args: argparse.Namespace) -> None:
     tune_malloc()
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     metrics = Metrics()
-    loaded, cluster = load_served_model(settings, metrics)
+    loaded, engine, cluster = load_served_model(settings, metrics)
     drafts = load_draft_models(settings, loaded)
     medusa = load_medusa(settings, loaded)
-    heads = headsplit_runner(settings, loaded, cluster)
+    heads = headsplit_engine(settings, loaded, cluster)
 
     def shutdown() -> None:
         # From the app's lifespan: uvicorn re-raises SIGTERM after its shutdown, so code after run() may not run.
         if heads is not None:
             heads.close()
-        loaded.runner.close()
+        engine.close()
         if cluster is not None:
             cluster.config.stop()
 
@@ -303,7 +303,7 @@ def serve(args: argparse.Namespace) -> None:
         draft_k = (settings.draft_k, settings.draft_k_min, settings.draft_k_max)
         policies = build_policies(drafts, settings.speculative_drafter, draft_k, medusa, settings.policy, heads,
                                   settings.headsplit_epsilon)
-        service = CompletionService(loaded, policies, settings, metrics, cluster)
+        service = CompletionService(loaded, engine, policies, settings, metrics, cluster, heads)
         uvicorn.run(create_app(service, shutdown), host=settings.host, port=settings.port,
                     log_level=settings.log_level, **uvicorn_http_options(settings.max_header_bytes))
     finally:

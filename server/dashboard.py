@@ -1,6 +1,6 @@
 """The live dashboard: GET /dashboard (one self-contained HTML page) and GET /dashboard/state (the JSON it polls).
 
-The state is read from what the controller already holds: the CompletionService (settings, runner, policies), the
+The state is read from what the controller already holds: the CompletionService (settings, engine, policies), the
 ClusterManager (members, plan, profile) and the Metrics object's prometheus collectors (read with `collect()`, as
 a scrape of /metrics would). No tensor code and no transport code here. The page itself is dashboard.html beside
 this module: HTML, CSS and JavaScript in one file, no build step, nothing fetched from elsewhere.
@@ -186,10 +186,9 @@ class Dashboard:
         replans = [ReplanCount(reason=labels["reason"], outcome=labels["outcome"], count=value)
                    for labels, value in samples(metrics.replans, "_total")]
         self._note_changes(now, layout, replans)
-        runner = service.loaded.runner
         return DashboardState(
             time=now, started=self.started, model=service.model_id, mode=mode, n_layers=n_layers, layout=layout,
-            placement_generation=runner.generation,
+            placement_generation=service.engine.executor.generation,
             predicted_ms_per_token=cluster.plan.decode_ms_per_token if stages else None,
             memory_threshold=service.settings.memory_threshold, devices=devices, headsplit=headsplit, links=links,
             requests=Requests(running=gauge(metrics.sequences_running), waiting=gauge(metrics.sequences_waiting),
@@ -214,11 +213,11 @@ class Dashboard:
                     "head_groups": groups.get(name, 0)}
 
         # the controller's own KV pool, over --kv-cache-gib, while it holds layers (with workers the pools are
-        # theirs: runner.kv_bytes() is 0)
+        # theirs: the executor's kv_bytes() is 0)
         budget = max(1, int(service.settings.kv_cache_gib * 2**30))
         controller = Device(name="controller", role="controller", up=True,
                             layers=[LayerRange(first=0, last=n_layers)] if here else [],
-                            memory_use=service.loaded.runner.kv_bytes() / budget if here else None,
+                            memory_use=service.engine.executor.kv_bytes() / budget if here else None,
                             memory_budget_bytes=budget if here else None, **figures("controller"))
         if cluster is None:
             return [controller]
@@ -237,13 +236,13 @@ class Dashboard:
         return [controller, *workers]
 
     def _headsplit(self) -> list[HeadSplitLayer] | None:
-        # The headsplit policy's runner is built at its first request (decoding/headsplit.py, LazyRunner): until
+        # The headsplit policy's engine is built at its first request (decoding/headsplit.py, LazyEngine): until
         # then there is no placement to show.
-        lazy = getattr(self.service.policies.get("headsplit"), "runner", None)
-        pipeline = getattr(getattr(lazy, "runner", None), "pipeline", None)
-        layers = getattr(pipeline, "layers", None)
-        if not layers:
+        lazy = self.service.headsplit
+        pipeline = lazy.pipeline if lazy is not None else None
+        if pipeline is None:
             return None
+        layers = pipeline.layers
         return [HeadSplitLayer(layer=i, groups={d: list(g) for d, g in lp.groups.items()}, proj=lp.proj, ffn=lp.ffn,
                                speculate=lp.speculate) for i, lp in enumerate(layers)]
 

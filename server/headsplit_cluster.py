@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from edgespec.engine.executor import Executor
 from edgespec.model.headsplit import HeadSplitPipeline, MemoryWatch
 from edgespec.planning.headsplit import LayerPlace, place, profiled_devices
 from edgespec.server.replanner import ClusterManager
@@ -18,13 +19,12 @@ log = logging.getLogger(__name__)
 class HeadSplitCluster:
     """Places HeadSplit's blocks (head groups, projections, FFNs) over the workers that are up, from the shipped
     HeadSplit profile (`record`: acceptance and block times) and the cluster profile's memory and round trips,
-    and re-places them when a worker is lost: `recover` is the HeadSplit runner's ModelRunner recover hook."""
+    and re-places them when a worker is lost (`recover`, the HeadSplit engine's re-placement)."""
 
     def __init__(self, settings: ServeSettings, cluster: ClusterManager, record, card, alphas: list[float], cfg,
                  context: int):
         self.settings, self.cluster, self.record, self.card = settings, cluster, record, card
         self.alphas, self.cfg, self.context = alphas, cfg, context
-        self.runner = None  # the ModelRunner over the pipeline, once built
 
     def _link(self, a: str, b: str) -> float:  # one message of a token's hidden state, with the margin
         return self.cluster.profile.transfer_ms(a, b, 1)
@@ -52,14 +52,14 @@ class HeadSplitCluster:
             for i, lp in enumerate(layers)))
         return pipe
 
-    async def recover(self, error: Exception, generation: int) -> bool:
+    async def recover(self, executor: Executor, error: Exception, generation: int) -> bool:
         """A call to a HeadSplit device failed in work begun under placement `generation`: place every block
         again over the devices that still answer (each assigned afresh, so nothing half written survives) and
-        have the runner rebuild its sessions from their tokens. False when no placement fits them."""
-        runner = self.runner
-        if runner.generation != generation:
+        have the executor rebuild its sessions from their tokens. False when no placement fits them."""
+        if executor.generation != generation:
             return True
-        old: HeadSplitPipeline = runner.pipeline
+        old = executor.pipeline
+        assert isinstance(old, HeadSplitPipeline)
         alive = await self.cluster.answering(sorted(old.devices), self.cluster.probe_s)
         lost = sorted(set(old.devices) - alive)
         log.warning("a HeadSplit device call failed (%s); lost: %s", error, ", ".join(lost) or "none")
@@ -69,12 +69,11 @@ class HeadSplitCluster:
         def swap() -> None:  # on the model thread, between steps
             new = self.pipeline(sorted(alive))
             new.adopt(old)
-            runner.pipeline = new
-            runner.placement_changed()
+            executor.replace(new)
             old.close()
 
         try:
-            await runner.call(swap)
+            await executor.call(swap)
         except Exception as exc:  # no placement fits (planning's InfeasibleError), or a device failed again
             log.error("HeadSplit could not be placed again: %s", exc)
             return False

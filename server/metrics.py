@@ -87,7 +87,7 @@ class Metrics:
             self.drafter_seconds.labels(policy, stats["drafter"]).inc(stats["drafter_ms"] / 1000)
 
     def observe_admission(self, admission) -> None:
-        """The admission queue's figures (model.admission.Admission), read when /metrics is scraped."""
+        """The admission queue's figures (engine.admission.Admission), read when /metrics is scraped."""
         self.sequences_waiting.set_function(lambda: admission.waiting)
         self.queue_admitted.set_function(lambda: admission.admitted)
         self.queue_refused.set_function(lambda: admission.refused)

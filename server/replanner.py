@@ -5,7 +5,7 @@ threshold, when a worker is lost (two missed checks; or at once, when a forward 
 `recover`), and when one joins (or comes back empty; a local worker whose process died is started again). A
 new placement is applied on the model thread between forward passes: every worker of the new plan is assigned
 its layers (which drops its caches), then each open session prefills its tokens again on the new placement at
-its next step (ModelRunner.placement_changed), so a stream continues with the tokens it would have had. When no
+its next step (Executor.replace), so a stream continues with the tokens it would have had. When no
 placement over the workers left fits, the controller holds every layer itself while its memory allows, until
 workers answer again. No tensor code here.
 """
@@ -71,7 +71,7 @@ class ClusterManager:
         # boot.py) until one joins
         self.plan: Plan = self.make_plan(profile) if devices else Plan(profile.model.name, [], 0.0, 0.0, 0.0, 0)
         self.pipeline: RemotePipeline | None = None
-        self.runner = None  # set once the controller's model is loaded
+        self.executor = None  # set once the controller's model is loaded
         self.here = None  # the in-process pipeline of every layer, while no placement over workers fits
         self.pending_joins: list[Device] = []
         self.broken = False  # the last placement failed to apply: try again at the next check
@@ -95,7 +95,6 @@ class ClusterManager:
         if self.here is not None:  # back from serving every layer here
             self.here.close()
             self.here = None
-            self.runner.pipeline = self.pipeline
         try:
             for ref in refs:
                 self.pipeline.assign(ref)
@@ -109,9 +108,8 @@ class ClusterManager:
             # Even after a failed assignment the old routing is void (some workers hold new layers): route by
             # the new plan, whose sessions' opens check each worker's layers, until the next check re-plans.
             self.pipeline.replace(refs)
-            if self.runner is not None:
-                self.runner.placement_changed()
-                self.runner.cuts = prefill_cuts(self.settings, plan)
+            if self.executor is not None:
+                self.executor.replace(self.pipeline, prefill_cuts(self.settings, plan))
             self.plan = plan
         for s in plan.stages:
             log.info("worker %s (%s) holds layers [%d, %d)", s.device, self.members[s.device].url, s.first, s.last)
@@ -144,7 +142,7 @@ class ClusterManager:
                 self.metrics.replans.labels(reason, "kept").inc()
                 return False
             try:
-                await self.runner.call(self.apply, plan)
+                await self.executor.call(self.apply, plan)
             except Exception as exc:
                 log.error("re-plan (%s) could not be applied: %s", reason, exc)
                 self.metrics.replans.labels(reason, "failed").inc()
@@ -157,12 +155,12 @@ class ClusterManager:
             return True
 
     async def recover(self, error: Exception, generation: int) -> bool:
-        """A forward call failed (`error`) in work begun under placement `generation` (ModelRunner.recover):
+        """A forward call failed (`error`) in work begun under placement `generation` (Engine.recover):
         look at every worker now, re-plan without those that do not answer (or, when all answer, assign the
         same placement again, which clears whatever the failure left half done), so that the work runs again on
         the new placement. False when no placement fits the workers left."""
         async with self.recovering:  # one look at a time; the others find the placement changed
-            if self.runner.generation != generation:
+            if self.executor.generation != generation:
                 return True
             log.warning("a stage failed (%s): checking the workers", error)
             alive = await self.answering(list(self.members), self.probe_s)
@@ -174,7 +172,7 @@ class ClusterManager:
                 log.warning("lost worker(s) %s mid-generation", ", ".join(lost))
             replanned = await self.replan("worker_lost" if lost else "stage_failed", force=True)
             self._gauges()
-            return replanned or self.runner.generation != generation
+            return replanned or self.executor.generation != generation
 
     @property
     def probe_s(self) -> float:
@@ -204,11 +202,9 @@ class ClusterManager:
             self.here = local_pipeline(files, self.settings.dtype, self.settings.kv_cache_gib,
                                        prefault=self.settings.kv_prefault, kv=self.settings.kv_format)
             self.pipeline.replace([])
-            self.runner.pipeline = self.here
-            self.runner.cuts = None
-            self.runner.placement_changed()
+            self.executor.replace(self.here, None)
 
-        await self.runner.call(take_over)
+        await self.executor.call(take_over)
         self.plan = replace(self.plan, stages=[])
         return True
 

@@ -8,14 +8,16 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 
 from edgespec.decoding.decide import Route, Trigger
+from edgespec.decoding.embedding import embed
 from edgespec.decoding.grammar import Grammar, GrammarError, Grammars
+from edgespec.decoding.headsplit import LazyEngine
 from edgespec.decoding.policy import UnknownPolicyError, select_policy
 from edgespec.decoding.types import GenerationRequest, SamplingParams, TokenEvent
-from edgespec.model.admission import QueueFullError
-from edgespec.model.embedding import embed
+from edgespec.engine.admission import QueueFullError
+from edgespec.engine.engine import Engine
+from edgespec.engine.executor import SessionLostError
 from edgespec.model.kv_pool import CapacityError
 from edgespec.model.load import LoadedModel
-from edgespec.model.runner import SessionLostError
 from edgespec.model.stage import StageFailure
 from edgespec.server import structured
 from edgespec.server.chat_input import ChatDelta, ChatInput
@@ -23,6 +25,7 @@ from edgespec.server.errors import APIError
 from edgespec.server.metrics import Metrics
 from edgespec.server.protocol import CompletionRequest, EmbeddingRequest, SamplingFields
 from edgespec.server.reasoning import ThinkBlock, ThinkSplitter, think_block
+from edgespec.server.replanner import ClusterManager
 from edgespec.server.settings import ServeSettings
 from edgespec.server.tool_output import AnswerReader, call_extractor
 from edgespec.server.tool_prompt import ChatTemplate
@@ -35,10 +38,11 @@ MIN_TOP_P = 1e-6
 class CompletionService:
     """Validates requests against the served model and runs them through a decoding policy."""
 
-    def __init__(self, loaded: LoadedModel, policies: dict, settings: ServeSettings, metrics: Metrics,
-                 cluster=None):
-        self.loaded = loaded
-        self.cluster = cluster  # server.replanner.ClusterManager when the layers live on workers
+    def __init__(self, loaded: LoadedModel, engine: Engine, policies: dict, settings: ServeSettings,
+                 metrics: Metrics, cluster: ClusterManager | None = None, headsplit: LazyEngine | None = None):
+        self.loaded, self.engine = loaded, engine
+        self.cluster = cluster  # when the layers live on workers
+        self.headsplit = headsplit  # the headsplit policy's engine, when the server has HeadSplit
         self.tokenizer = loaded.tokenizer
         self.policies = policies
         self.settings = settings
@@ -167,7 +171,7 @@ class CompletionService:
             raise APIError(400, f"unknown option(s) {', '.join(unknown)} for decoding policy {chosen.name!r} "
                                 f"(accepted: {accepted})", "decoding", "invalid_policy_option")
         try:
-            getattr(chosen, "check", lambda _: None)(options)
+            chosen.check(options)
         except ValueError as exc:
             raise APIError(400, f"decoding policy {chosen.name!r}: {exc}", "decoding", "invalid_policy_option") from exc
         if chosen.name == "outline" and grammar is not None:
@@ -194,7 +198,7 @@ class CompletionService:
         self.metrics.prompt_tokens.inc(len(gen.prompt_ids))
         tokens = 0
         try:
-            async with model_errors(), aclosing(policy.generate(gen, self.loaded.runner, self.tokenizer)) as events:
+            async with model_errors(), aclosing(policy.generate(gen, self.engine, self.tokenizer)) as events:
                 async for event in events:
                     tokens += len(event.token_ids)
                     if event.stats is not None:
@@ -202,7 +206,7 @@ class CompletionService:
                     yield event
         finally:
             self.metrics.in_flight.dec()
-            self.metrics.kv_bytes.set(self.loaded.runner.kv_bytes())
+            self.metrics.kv_bytes.set(self.engine.executor.kv_bytes())
 
     async def deltas(self, gen: GenerationRequest, reader: AnswerReader) -> AsyncIterator[ChatDelta]:
         """generate()'s events as the answer's thinking, content and calls."""
@@ -236,7 +240,7 @@ class CompletionService:
         tokens = sum(map(len, ids))
         self.metrics.prompt_tokens.inc(tokens)
         async with model_errors():
-            return await embed(self.loaded.runner, ids), tokens
+            return await embed(self.engine, ids), tokens
 
 
 @asynccontextmanager

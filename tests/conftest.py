@@ -82,11 +82,11 @@ def tiny(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_loaded(tiny):
-    """That model in-process (float32). Tests that swap its runner's pipeline, cuts or prefix cache put them back."""
+    """That model in-process (float32). Tests that replace its executor's pipeline or cuts put them back."""
     from edgespec.model.load import load_local
     from edgespec.model.source import resolve_model
     from edgespec.model.thread import ModelThread
 
     model = load_local(resolve_model(tiny), "float32", 1.0, ModelThread(1))
     yield model
-    model.runner.close()
+    model.executor.close()

@@ -24,7 +24,8 @@ def controller_app(model: str, **settings):
     from edgespec.model.source import resolve_model
     from edgespec.model.thread import ModelThread
     from edgespec.server.app import create_app
-    from edgespec.server.boot import runner_options
+    from edgespec.server.boot import build_engine
+    from edgespec.server.replanner import prefill_cuts
     from edgespec.server.metrics import Metrics
     from edgespec.server.service import CompletionService
     from edgespec.server.settings import ServeSettings
@@ -33,10 +34,10 @@ def controller_app(model: str, **settings):
               "medusa": "off", "kv_cache_gib": 0.25, **settings}
     config = ServeSettings(**values)
     loaded = load_local(resolve_model(model), config.dtype, config.kv_cache_gib, ModelThread(1),
-                        runner_options(config, None), kv=config.kv_format)
+                        prefill_cuts(config, None), kv=config.kv_format)
     policies = build_policies(default=config.policy)
-    service = CompletionService(loaded, policies, config, Metrics())
-    # no on_shutdown: several clients may enter the app's lifespan in turn; the caller closes service.loaded.runner
+    service = CompletionService(loaded, build_engine(config, loaded.executor, None), policies, config, Metrics())
+    # no on_shutdown: several clients may enter the app's lifespan in turn; the caller closes service.engine
     return create_app(service), service
 
 
@@ -108,7 +109,7 @@ def serves_a_chat_completion(model: str, name: str, tokens: int = 6, **settings)
         assert r.json()["usage"]["completion_tokens"] == tokens
     finally:
         client.close()
-        service.loaded.runner.close()
+        service.engine.close()
 
 
 def assert_error_object(response, where: str = "") -> dict:

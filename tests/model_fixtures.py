@@ -168,7 +168,7 @@ def make_medusa_heads(folder: Path | str, out: Path, vocab: list[int], tree: lis
     return out
 
 
-def continuation_table(runner, prompt: list[int], sampling: dict, length: int) -> dict[tuple[int, ...], float]:
+def continuation_table(executor, prompt: list[int], sampling: dict, length: int) -> dict[tuple[int, ...], float]:
     """The target's exact distribution over its `length`-token continuations of `prompt` under the sampling
     settings `sampling` (keep the support small: top_k), enumerated with one forward pass per prefix."""
     import asyncio
@@ -177,12 +177,12 @@ def continuation_table(runner, prompt: list[int], sampling: dict, length: int) -
     from edgespec.decoding.types import SamplingParams
 
     async def build() -> dict:
-        session = await runner.open(len(prompt) + length + 1)
-        sampler = Sampler(SamplingParams(**sampling), runner.cfg.vocab_size)
+        session = await executor.open_own(len(prompt) + length + 1)
+        sampler = Sampler(SamplingParams(**sampling), executor.cfg.vocab_size)
         table = {}
 
         async def expand(prefix: list[int], prob: float) -> None:
-            p = sampler.probs((await runner.forward(session, torch.tensor([prompt + prefix]), start=0))[0, -1])
+            p = sampler.probs((await executor.forward(session, torch.tensor([prompt + prefix]), start=0))[0, -1])
             for t in torch.nonzero(p).flatten().tolist():
                 if len(prefix) + 1 == length:
                     table[(*prefix, t)] = prob * float(p[t])
@@ -193,7 +193,7 @@ def continuation_table(runner, prompt: list[int], sampling: dict, length: int) -
             await expand([], 1.0)
             return table
         finally:
-            await runner.release(session)
+            await executor.release_own(session)
 
     return asyncio.run(build())
 

@@ -34,7 +34,7 @@ class WorkerRef:
 
 
 class RemotePipeline:
-    """Workers in layer order, used as one Stage by the ModelRunner."""
+    """Workers in layer order, used as one StagePipeline by the Executor."""
 
     def __init__(self, workers: list[WorkerRef], token: str, model: str | None, dtype: str, timeout_s: float = 60.0,
                  on_hop=None, kv_format: str = "float32"):

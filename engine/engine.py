@@ -1,10 +1,10 @@
 """The engine: the one place where a sequence's tokens are produced, in steps shared by every running sequence.
 
-A policy writes each request as a program: a generator, run on the model thread, that yields the rows it
-feeds next (`Rows`: its plan), receives the pass's output (`Out`) and decides what to keep of it (its
-accept: the tokens, and a KV operation such as a truncation or a tree commit), and yields the events to
-stream. Each step the engine takes every running program's rows, runs them as one forward pass through the
-stages (a ragged batch: each sequence's rows at its own slots and positions, with its own mask), and hands
+A policy writes each request as a program (engine/program.py): a generator, run on the model thread, that
+yields the rows it feeds next (`Rows`: its plan), receives the pass's output (`Out`) and decides what to keep
+of it (its accept: the tokens, and a KV operation such as a `Truncate` or a tree's `Commit`), and yields the
+events to stream. Each step the engine takes every running program's rows, runs them as one forward pass
+through the stages (a ragged batch: each sequence's rows at its own slots and positions, with its own mask), and hands
 every program its part; the programs then sample with their own parameters and plan the next step, still
 on the model thread, so the next step needs nothing from the event loop. A program that needs a proposer's
 work between two steps (Medusa's heads on its last hidden state) yields a `Propose`: the engine answers every
@@ -18,92 +18,49 @@ in pipelined segments). Each row's result is bitwise what its sequence alone wou
 row-invariant and each query row attends over exactly its slots: tests/test_exact_format.py), so sharing
 steps changes no answer.
 
-A step that a stage failure voids (a lost worker) is run again: the event loop has the runner re-place the
-stages (ModelRunner.recover), every session is rebuilt from its tokens on the new placement, and the same
-bits come out, so a stream goes on with the tokens it would have had.
+The engine owns the requests' sessions (engine/sessions.py): it opens a job's session (admission, a start from
+cached blocks), builds its program with a read-only view of it, applies the KV operations the program yields
+(a truncation, a tree commit) and, however the sequence ends, keeps its blocks for prefix reuse and releases
+it. Its passes go through the executor (engine/executor.py), one way: programs never reach the stages.
+
+A step that a stage failure voids (a lost worker) is run again: the event loop has the stages re-placed
+(`recover`, the cluster's), every session is rebuilt from its tokens on the new placement, and the same bits
+come out, so a stream goes on with the tokens it would have had.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from edgespec.engine.admission import Admission
+from edgespec.engine.executor import Executor, Work
+from edgespec.engine.prefix import PrefixCache
+from edgespec.engine.program import Commit, Job, Out, Program, Propose, Rows, SequenceView, Truncate
+from edgespec.engine.session import Session
+from edgespec.engine.sessions import Sessions
 from edgespec.model.stage import ClusterFault, StageFailure
 
 _END = object()
 
-
-@dataclass
-class Rows:
-    """What a sequence feeds next: token ids at cache slots start.. (None: the session's end).
-
-    positions [1, T] default to the slots, mask bool [1, T, start+T] to causal; last_only: the logits of the
-    last row only; features: the last layer's hidden states [1, T, H] too (a feature drafter reads them)."""
-
-    ids: list[int]
-    start: int | None = None
-    positions: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
-    last_only: bool = False
-    features: bool = False
-
-    @property
-    def plain(self) -> bool:
-        """A run of tokens at consecutive slots and positions (with last_only, one that may go in chunks)."""
-        return self.positions is None and self.mask is None
-
-
-@dataclass(frozen=True)
-class Work:
-    """One sequence's rows in a pass, resolved: ids at slots start.., positions [1, T] or None (the slots),
-    mask [1, T, start+T] or None (causal)."""
-
-    session: object  # model.runner.Session
-    ids: list[int]
-    start: int
-    positions: torch.Tensor | None
-    mask: torch.Tensor | None
-    last_only: bool
-    features: bool
-
-
-@dataclass
-class Out:
-    """A pass's output for one sequence: logits float32 [1, T or 1, V]; hidden [1, T, H] with features; the
-    pass's time, and how many sequences and token rows it carried."""
-
-    logits: torch.Tensor
-    hidden: torch.Tensor | None
-    seconds: float
-    sequences: int
-    rows: int
-
-
-@dataclass(frozen=True)
-class Propose:
-    """A program's request for a proposer's work before its next rows: `proposer.propose_batch(requests)`
-    answers the requests of every sequence that asks it between the same two steps, in one call (one read of
-    its weights for all of them), each answer what the request alone would get; the program receives its
-    answer as the value of its `yield`."""
-
-    proposer: object
-    request: object
-
-
-Program = Generator["Rows | Propose | object", "Out | object | None", None]
+# recover(error, generation): awaited on the event loop when a stage failed in work begun under that placement
+# generation (a lost worker): re-places the stages unless that happened since, and returns whether the work may
+# run again
+Recover = Callable[[Exception, int], Awaitable[bool]]
 
 
 @dataclass
 class _Sequence:
-    session: object  # model.runner.Session
-    program: Program
+    job: Job
+    session: Session
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     index: int = 0  # its place in the group it was started with (Engine.run_group)
+    program: Program | None = None  # built at its first step, on the model thread
     rows: Rows | None = None  # the rows planned for the next step
     asking: Propose | None = None  # a proposal it waits for before it plans them
     done: int = 0  # of a long prompt's rows: how many earlier steps have fed
@@ -115,9 +72,15 @@ class _Sequence:
     def emit(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, item))
 
+    def close(self) -> None:
+        if self.program is not None:
+            self.program.close()
+
 
 class Engine:
-    """Runs the programs of every running sequence of one ModelRunner in shared steps."""
+    """Runs every request's program in shared steps, over one executor; owns their sessions. prefix: the
+    prefix cache (None: every prompt computed); admission: the queue of requests waiting for KV room;
+    recover: the cluster's re-placement after a stage failure (None: stage failures are final)."""
 
     # Rows per step while a prompt goes in beside other sequences: the prompt's chunk is what the others'
     # rows leave of STEP_ROWS, and at least MIN_CHUNK. On a 2-core AVX2 EPYC a prompt row costs about 2.5 ms
@@ -127,34 +90,69 @@ class Engine:
     # (bench/concurrency.py). Fewer rows trade the one for the other.
     STEP_ROWS = 16
     MIN_CHUNK = 4
+    RECOVERIES = 3  # re-placements tried for one piece of work before its stage failure is final
 
-    def __init__(self, runner):
-        self.runner = runner
+    def __init__(self, executor: Executor, prefix: PrefixCache | None = None, admission: Admission | None = None,
+                 recover: Recover | None = None):
+        self.executor = executor
+        self.thread = executor.thread
+        self._recover_hook = recover
+        self.sessions = Sessions(executor, prefix, admission or Admission(), self.recover)
         self.live: list[_Sequence] = []  # running sequences (pruned on the event loop)
         self.task: asyncio.Task | None = None
         self.shared_steps = self.shared_calls = 0  # steps that carried several sequences, and the sequences
 
-    def running(self, besides=None) -> int:
+    @property
+    def cfg(self):
+        """The served model's configuration (model.config.ModelConfig)."""
+        return self.executor.cfg
+
+    @property
+    def prefix(self) -> PrefixCache | None:
+        return self.sessions.prefix
+
+    @property
+    def admission(self) -> Admission:
+        return self.sessions.admission
+
+    @property
+    def recovers(self) -> bool:
+        """Whether a stage failure can be recovered from by re-placing the stages (a cluster with workers)."""
+        return self._recover_hook is not None
+
+    async def recover(self, error: Exception, generation: int) -> None:
+        """A stage failed with `error` in work begun under placement `generation` (event loop): re-place the
+        stages so that the work can run again, or raise ClusterFault when it cannot."""
+        if self._recover_hook is None or not isinstance(error, StageFailure):
+            raise error
+        if not await self._recover_hook(error, generation):
+            raise ClusterFault(f"{error}; and no placement of the model fits the devices left") from error
+
+    def running(self, besides: Session | None = None) -> int:
         """How many sequences are running now (other than the one of session `besides`)."""
         return sum(1 for s in self.live if not s.finished and s.session is not besides)
 
-    async def run(self, session, program: Program) -> AsyncIterator:
-        """Run `program` for `session` in the engine's steps; yields what it yields besides Rows. Raises what
+    async def run(self, job: Job) -> AsyncIterator:
+        """Run `job`: yields what its program yields besides its rows and KV operations. Raises what the open,
         the program or its passes raised. Leaving early (a cancelled request) stops the program at the next
-        step, on the model thread."""
-        async for _, item in self.run_group([(session, program)]):
+        step, on the model thread; its session is kept for prefix reuse and released however it ends."""
+        async for _, item in self.run_group([job]):
             yield item
 
-    async def run_group(self, members: list[tuple[object, Program]]) -> AsyncIterator[tuple[int, object]]:
-        """Run several (session, program) pairs together (outline's points): yields (index, item) for what
-        each program yields besides Rows, in the order they were yielded, until every program has ended.
-        The first error raised by any of them is raised here, and leaving stops them all."""
+    async def run_group(self, jobs: list[Job]) -> AsyncIterator[tuple[int, object]]:
+        """Run several jobs together (outline's points, a decision's scores): yields (index, item) for what
+        each program yields, in the order they were yielded, until every program has ended. Each job starts as
+        soon as its session is open (a later one may start from the blocks an earlier one computes). The first
+        error raised by any of them is raised here, and leaving stops them all."""
         queue, loop = asyncio.Queue(), asyncio.get_running_loop()
-        seqs = [_Sequence(session, program, queue, loop, index) for index, (session, program) in enumerate(members)]
-        self.live += seqs
-        self._wake()
-        left = len(seqs)
+        seqs: list[_Sequence] = []
         try:
+            for index, job in enumerate(jobs):
+                session = await self.sessions.open(job.capacity, job.prompt)
+                seqs.append(_Sequence(job, session, queue, loop, index))
+                self.live.append(seqs[-1])
+                self._wake()
+            left = len(seqs)
             while left:
                 index, item = await queue.get()
                 if item is _END:
@@ -165,7 +163,12 @@ class Engine:
                 yield index, item
         finally:
             for seq in seqs:
-                seq.cancelled = True
+                seq.cancelled = True  # stopped on the model thread before the release below runs there
+            await self.sessions.release_all([seq.session for seq in seqs])
+
+    def view(self, session: Session) -> SequenceView:
+        """What a program may read of its session."""
+        return SequenceView(session, lambda: self.executor.wire(session), lambda: self.running(besides=session))
 
     def _wake(self) -> None:
         if self.task is None or self.task.done():
@@ -177,13 +180,13 @@ class Engine:
                 self.live = [s for s in self.live if not s.finished]
                 if not self.live:
                     return
-                fault = await self.runner.thread.run(self._steps)
+                fault = await self.thread.run(self._steps)
                 if fault is not None:  # a stage failed (a lost worker): re-place the stages, then step again
                     batch, error, generation = fault
                     try:
-                        await self.runner.recover(error, generation)
+                        await self.recover(error, generation)
                     except Exception as exc:
-                        await self.runner.thread.run(self._fail, batch, exc)
+                        await self.thread.run(self._fail, batch, exc)
         except BaseException as exc:  # the model thread is gone (shutdown): fail whoever still waits
             for seq in self.live:
                 if not seq.finished:
@@ -204,11 +207,13 @@ class Engine:
             batch = [s for s in self.live if not s.finished and s.rows is not None]
             if not batch:
                 return None
-            generation = self.runner.generation
+            generation = self.executor.generation
             error = self._step(batch)
+            if self.prefix is not None:
+                self.prefix.progress()
             if error is not None:
                 return batch, error, generation
-            if self.runner.thread.pending():
+            if self.thread.pending():
                 return None
 
     def _fail(self, batch: list[_Sequence], error: Exception) -> None:
@@ -216,15 +221,22 @@ class Engine:
         for seq in batch:
             if not seq.finished:
                 self._finish(seq, error)
-                seq.program.close()
+                seq.close()
 
     def _ready(self, seq: _Sequence) -> None:
-        # a new or cancelled sequence: run it to its first rows, or end it
+        # a new or cancelled sequence: build its program and run it to its first rows, or end it
         if seq.finished:
             return
         if seq.cancelled:
             self._finish(seq, _END)
-            seq.program.close()
+            seq.close()
+        elif seq.program is None:
+            try:
+                seq.program = seq.job.start(self.view(seq.session))
+            except Exception as exc:
+                self._finish(seq, exc)
+                return
+            self._advance(seq, None)
         elif seq.rows is None and seq.asking is None:
             self._advance(seq, None)
 
@@ -248,12 +260,17 @@ class Engine:
                     self._advance(seq, answer)
 
     def _advance(self, seq: _Sequence, value) -> None:
-        # Send the program its output (or a proposal's answer) and run it to its next Rows or Propose,
-        # emitting what it yields on the way.
+        # Send the program its output (or a proposal's answer) and run it to its next Rows or Propose, applying
+        # the KV operations and emitting the events it yields on the way.
         try:
             item = seq.program.send(value)
             while not isinstance(item, Rows | Propose):
-                seq.emit(item)
+                if isinstance(item, Truncate):
+                    self.executor.truncate(seq.session, item.length)
+                elif isinstance(item, Commit):
+                    self.executor.commit(seq.session, item.kept, item.dest, item.tokens)
+                else:
+                    seq.emit(item)
                 item = seq.program.send(None)
             if isinstance(item, Propose):
                 seq.asking = item
@@ -270,7 +287,7 @@ class Engine:
         seq.finished, seq.rows, seq.asking = True, None, None
         seq.emit(last)
 
-    def _step(self, batch: list[_Sequence]) -> None:
+    def _step(self, batch: list[_Sequence]) -> StageFailure | None:
         # beside others, a prompt (a plain run wanting the last row's logits) longer than a chunk gets what the
         # other rows leave of the step
         crowded = self.running() > 1
@@ -314,9 +331,9 @@ class Engine:
         # on the new placement first); a sequence whose steps keep failing ends with the error instead.
         for seq in batch:
             seq.faults += 1
-            if seq.faults > self.runner.RECOVERIES:
-                self._finish(seq, ClusterFault(f"{error} (still failing after {self.runner.RECOVERIES} re-placements)"))
-                seq.program.close()
+            if seq.faults > self.RECOVERIES:
+                self._finish(seq, ClusterFault(f"{error} (still failing after {self.RECOVERIES} re-placements)"))
+                seq.close()
         return error if any(not seq.finished for seq in batch) else None
 
     def _work(self, seq: _Sequence, chunk: int | None) -> Work:
@@ -330,27 +347,30 @@ class Engine:
             return Work(session, ids[:chunk], start, None, None, True, rows.features)
         return Work(session, ids, start, rows.positions, rows.mask, rows.last_only, rows.features)
 
-    def _pass(self, works: list) -> list | StageFailure:
+    def _pass(self, works: list[Work]) -> list | StageFailure:
         # Every work's (logits, hidden) or exception: one pass over all of them; when that fails, each alone,
         # so that one sequence's error (its KV budget, say) fails no other. A stage failure fails the step (the
-        # stages are re-placed and it runs again) where the runner can recover, else the works it hit.
-        runner = self.runner
+        # stages are re-placed and it runs again) where the cluster can recover, else the works it hit.
+        executor = self.executor
         if len(works) > 1:
             try:
-                return runner.forward_rows(works)
+                return executor.forward_rows(works)
             except StageFailure as exc:
-                if runner.recovers:
+                if self.recovers:
                     return exc
             except Exception:
                 pass
         results = []
         for work in works:
             try:
-                results.append(runner.forward_work(work))
+                results.append(executor.forward_work(work))
             except StageFailure as exc:
-                if runner.recovers:
+                if self.recovers:
                     return exc
                 results.append(exc)
             except Exception as exc:
                 results.append(exc)
         return results
+
+    def close(self) -> None:
+        self.executor.close()

@@ -13,27 +13,26 @@ import asyncio
 
 import torch
 
-from edgespec.model.engine import Rows
+from edgespec.engine.engine import Engine
+from edgespec.engine.program import Job, Rows, SequenceView
+from edgespec.model.stack import TokenEnds
 
 
-async def embed(runner, inputs: list[list[int]]) -> list[list[float]]:
+async def embed(engine: Engine, inputs: list[list[int]]) -> list[list[float]]:
     """One unit vector of hidden_size floats per input (token ids, each non-empty)."""
-    return list(await asyncio.gather(*(_one(runner, ids) for ids in inputs)))
+    ends = engine.executor.ends
+    return list(await asyncio.gather(*(_one(engine, ends, ids) for ids in inputs)))
 
 
-async def _one(runner, ids: list[int]) -> list[float]:
-    session = await runner.open(len(ids))
-    try:
-        events = [e async for e in runner.engine.run(session, _program(runner, ids))]
-        return events[-1]
-    finally:
-        await runner.release(session)
+async def _one(engine: Engine, ends: TokenEnds, ids: list[int]) -> list[float]:
+    events = [e async for e in engine.run(Job(len(ids), lambda seq: _program(ends, seq, ids)))]
+    return events[-1]
 
 
-def _program(runner, ids: list[int]):
+def _program(ends: TokenEnds, seq: SequenceView, ids: list[int]):
     # the engine's program (on the model thread): the input in one plan, its states pooled
     out = yield Rows(ids, last_only=True, features=True)
     with torch.inference_mode():
-        states = runner.ends.norm(out.hidden[0].to(runner.ends.dtype)).float()  # [T, H]
+        states = ends.norm(out.hidden[0].to(ends.dtype)).float()  # [T, H]
         mean = states.mean(dim=0)  # [H]
         yield (mean / mean.norm().clamp_min(1e-12)).tolist()

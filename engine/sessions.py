@@ -1,0 +1,127 @@
+"""The engine's sessions: opening one (admission by KV budget, a start from cached blocks), and what happens
+when it ends (its blocks kept for prefix reuse, then released), however it ends.
+
+An open forks the prefix cache's holder that shares the longest prefix with the prompt (engine/prefix.py), or
+waits while a running sequence still computes a longer one. When the stages' pools cannot reserve the new
+session's blocks, kept prefixes are dropped, least recently used first; then, while other sessions hold
+caches, the request waits for one to be released (engine/admission.py): QueueFullError when the queue is full
+or the wait runs out, CapacityError when nothing else holds room to give. A lost worker during an open has the
+stages re-placed and the open tried again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from edgespec.engine.admission import Admission
+from edgespec.engine.executor import Executor
+from edgespec.engine.prefix import PrefixCache, known
+from edgespec.engine.session import Session
+from edgespec.model.kv_pool import CapacityError
+from edgespec.model.stage import StageFailure
+
+Recover = Callable[[Exception, int], Awaitable[None]]
+
+
+class Sessions:
+    """Every session the engine holds (kept prefixes aside), over one executor."""
+
+    RECOVERIES = 3  # re-placements tried for one open before its stage failure is final
+
+    def __init__(self, executor: Executor, prefix: PrefixCache | None, admission: Admission, recover: Recover):
+        self.executor, self.prefix, self.admission, self._recover = executor, prefix, admission, recover
+        self.held: set[str] = set()
+
+    async def open(self, capacity: int, prompt: list[int] | None) -> Session:
+        """A new session with room for `capacity` slots, reserved on every stage's KV pool; with `prompt`,
+        started from the cached blocks holding its longest prefix (session.cached of its slots)."""
+        run, prefix = self.executor.thread.run, self.prefix
+        joined = None  # when the request joined the admission queue
+        failures = 0
+        session = None
+        try:
+            while True:
+                if prefix is not None and prompt:
+                    while (computing := prefix.pending(prompt, self.executor.generation)) is not None:
+                        await computing  # a running sequence is computing more of this prompt: share it
+                try:
+                    session = self.executor.new_session(capacity)
+                    await run(self._open, session, prompt)
+                    self.held.add(session.id)
+                    if joined is not None:
+                        self.admission.leave(joined, admitted=True)
+                    return session
+                except CapacityError as exc:
+                    evicted = prefix.pop_lru() if prefix else None
+                    if evicted is not None:
+                        await self.executor.thread.run_shielded(self.executor.release, evicted)
+                        continue
+                    if not self.held:
+                        raise
+                    joined = self.admission.join(exc) if joined is None else joined
+                    await self.admission.wait(joined, exc)
+                except StageFailure as exc:  # a lost worker: open again on the placement without it
+                    failures += 1
+                    if failures > self.RECOVERIES:
+                        raise
+                    await self._recover(exc, session.generation)
+        except BaseException:  # a cancelled await may still have opened the cache on the model thread
+            if joined is not None:
+                self.admission.leave(joined, admitted=False)
+            if session is not None:
+                await self.executor.thread.run_shielded(self._drop, session)
+            raise
+
+    def _open(self, session: Session, prompt: list[int] | None) -> None:
+        # model thread: fork the best holder, or open empty; a running sequence is a holder from now on
+        executor, prefix = self.executor, self.prefix
+        for stale in prefix.stale(executor.generation) if prefix is not None else []:
+            executor.release(stale)
+        found = prefix.best(prompt, executor.generation) if prefix is not None and prompt else None
+        if found is not None:
+            executor.fork(found[0], session, found[1])
+            session.cached = found[1]
+        else:
+            executor.open(session)
+        if prefix is not None:
+            prefix.claim(session, prompt)
+
+    async def release_all(self, sessions: list[Session]) -> None:
+        """End the sessions, however their sequences ended: each one's known tokens' blocks are kept for
+        prefix reuse, then it is released. One task that runs to its end: under an anyio cancel scope (a
+        streamed response whose client left) every await of a `finally` is cancelled again, so releasing them
+        one await after another left all but the first held (measured: an abandoned outline stream kept 3-5
+        blocks)."""
+        async def each() -> None:
+            for session in sessions:
+                await self.executor.thread.run(self._release, session)
+                # only now: `open` takes an empty `held` for "nothing else will give room back" (a request that
+                # cannot fit even an idle pool), and the blocks were not back in the pool before the release
+                self.held.discard(session.id)
+                self.admission.released()
+
+        await asyncio.shield(each())
+
+    def _release(self, session: Session) -> None:
+        # model thread: keep a session of its known tokens (sharing its blocks), then release it
+        executor, prefix = self.executor, self.prefix
+        freed = [session]
+        if prefix is not None:
+            prefix.drop(session)
+            n = known(session)
+            if session.generation == executor.generation and n >= prefix.min_tokens:
+                kept = executor.new_session(n)
+                try:
+                    executor.fork(session, kept, n)
+                    freed += prefix.keep(kept, executor.session_bytes(kept))
+                except Exception:  # no room for its one partial block, a worker lost: only the reuse is lost
+                    freed.append(kept)
+        for s in freed:
+            executor.release(s)
+
+    def _drop(self, session: Session) -> None:
+        # model thread: a session whose open did not complete (cancelled)
+        if self.prefix is not None:
+            self.prefix.drop(session)
+        self.executor.release(session)
