@@ -145,22 +145,20 @@ def load_served_model(settings: ServeSettings, metrics: Metrics
         profile = obtain_profile(settings, files, devices, config.token, thread, profile_options)
         context = min(settings.plan_context, ModelConfig.from_folder(files.folder).max_position_embeddings)
         options = PlanOptions(context=context, concurrency=settings.plan_concurrency)
-        manager = ClusterManager(settings, config, devices, profile, metrics, options, profile_options)
-        manager.pipeline = RemotePipeline([], config.token, settings.model, settings.dtype, settings.stage_timeout_s,
-                                          metrics.observe_hop, settings.kv_format)
-        if devices:
-            log.info("placement (%s): %s", settings.placement,
-                     ", ".join(f"{s.device} [{s.first}, {s.last})" for s in manager.plan.stages))
-            manager.apply(manager.plan)
-            loaded = load_with_pipeline(files, settings.dtype, manager.pipeline, thread,
-                                        cuts=prefill_cuts(settings, manager.plan), kv=settings.kv_format)
+        remote = RemotePipeline([], config.token, settings.model, settings.dtype, settings.stage_timeout_s,
+                                metrics.observe_hop, settings.kv_format)
+        if devices:  # routed through the workers once the plan is applied below
+            loaded = load_with_pipeline(files, settings.dtype, remote, thread, kv=settings.kv_format)
         else:  # --discover found none: every layer here, as after losing every worker, until one joins
             loaded = load_local(files, settings.dtype, settings.kv_cache_gib, thread, prefill_cuts(settings, None),
                                 settings.kv_prefault, settings.kv_format)
-            manager.here = loaded.executor.pipeline
-        manager.executor = loaded.executor
-        if settings.discover:
-            manager.watch = partial(watching, token=config.token)
+        watch = partial(watching, token=config.token) if settings.discover else None
+        manager = ClusterManager(settings, config, devices, profile, metrics, options, profile_options,
+                                 loaded.executor, remote, watch)
+        if devices:
+            log.info("placement (%s): %s", settings.placement,
+                     ", ".join(f"{s.device} [{s.first}, {s.last})" for s in manager.plan.stages))
+            thread.run_sync(manager.apply, manager.plan)
         engine = build_engine(settings, loaded.executor, manager)
         observe_engine(engine, metrics)
     except BaseException:

@@ -16,12 +16,16 @@ import asyncio
 import contextlib
 import logging
 import math
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, replace
 
 import httpx
 
+from edgespec.engine.executor import Executor
 from edgespec.model.load import local_pipeline
 from edgespec.model.source import resolve_model
+from edgespec.model.stage import StagePipeline
 from edgespec.planning.plan import InfeasibleError, Plan, PlanOptions, even_plan, make_plan
 from edgespec.planning.profile import ClusterProfile
 from edgespec.server.metrics import Metrics
@@ -34,6 +38,10 @@ from edgespec.workers.profiler import Device, ProfileOptions, profile_workers
 log = logging.getLogger(__name__)
 MISSES_TO_LOSE = 2
 RESTARTS = 5
+
+
+# an async context manager factory run beside the checks (LAN discovery: server/discovery.py's watching)
+Watch = Callable[["ClusterManager"], AbstractAsyncContextManager]
 
 
 @dataclass
@@ -62,23 +70,24 @@ class ClusterManager:
     """Membership, profile and placement of a distributed controller."""
 
     def __init__(self, settings: ServeSettings, config: ClusterConfig, devices: list[Device], profile: ClusterProfile,
-                 metrics: Metrics, options: PlanOptions, profile_options: ProfileOptions):
+                 metrics: Metrics, options: PlanOptions, profile_options: ProfileOptions, executor: Executor,
+                 pipeline: RemotePipeline, watch: Watch | None = None):
+        """executor: the controller's, routed through `pipeline` (the workers) once a plan is applied (`apply`),
+        or through an in-process pipeline of every layer while there are no workers (`serve --discover` found
+        none yet); watch: an async context manager factory run beside the checks (LAN discovery)."""
         self.settings, self.config, self.profile, self.metrics = settings, config, profile, metrics
         self.options, self.profile_options = options, profile_options
         # the workers' URLs now (a cached profile may name old ones of the same workers)
         self.members = {d.name: Member(d.name, d.url) for d in devices}
-        # no workers (`serve --discover` found none yet): the controller holds every layer (`here`, set by
-        # boot.py) until one joins
         self.plan: Plan = self.make_plan(profile) if devices else Plan(profile.model.name, [], 0.0, 0.0, 0.0, 0)
-        self.pipeline: RemotePipeline | None = None
-        self.executor = None  # set once the controller's model is loaded
-        self.here = None  # the in-process pipeline of every layer, while no placement over workers fits
+        self.executor, self.pipeline, self.watch = executor, pipeline, watch
+        # the in-process pipeline of every layer, while no placement over workers fits
+        self.here: StagePipeline | None = executor.pipeline if executor.pipeline is not pipeline else None
         self.pending_joins: list[Device] = []
         self.broken = False  # the last placement failed to apply: try again at the next check
         self.lock = asyncio.Lock()
         self.recovering = asyncio.Lock()
         self.wake = asyncio.Event()  # nudge(): check now, not at the next interval
-        self.watch = None  # an async context manager factory run beside the checks: LAN discovery (--discover)
 
     # planning
 
@@ -108,8 +117,7 @@ class ClusterManager:
             # Even after a failed assignment the old routing is void (some workers hold new layers): route by
             # the new plan, whose sessions' opens check each worker's layers, until the next check re-plans.
             self.pipeline.replace(refs)
-            if self.executor is not None:
-                self.executor.replace(self.pipeline, prefill_cuts(self.settings, plan))
+            self.executor.replace(self.pipeline, prefill_cuts(self.settings, plan))
             self.plan = plan
         for s in plan.stages:
             log.info("worker %s (%s) holds layers [%d, %d)", s.device, self.members[s.device].url, s.first, s.last)
