@@ -25,6 +25,7 @@ from edgespec.model.config import ModelConfig
 class MedusaPolicy:
     name = "medusa"
     options = frozenset({"tree", "acceptance", "posterior_threshold", "posterior_alpha", "step_tokens"})
+    lane = "layers"  # the engine's lane its jobs run on
 
     def __init__(self, heads: MedusaModel | None):
         """heads: trained Medusa heads for the served model (decoding/medusa_heads.py), or None (the policy then

@@ -15,13 +15,10 @@ from edgespec.model.config import ModelConfig
 class NaivePolicy:
     name = "naive"
     options = frozenset()
+    lane = "layers"  # the engine's lane its jobs run on
 
     def check(self, options: dict) -> None:
         """Raise ValueError for option values this policy cannot use (it takes none)."""
-
-    def summary(self, seq: SequenceView) -> dict:
-        """Figures of the sequence to add to the final statistics (on the model thread)."""
-        return {}
 
     def capacity(self, request: GenerationRequest, cfg: ModelConfig) -> int:
         return len(request.prompt_ids) + request.max_tokens
@@ -44,7 +41,7 @@ class NaivePolicy:
             stats.tokens_emitted(1, seq.wire())
             logprobs = [logprob] if logprob else []
             if pushed.finish_reason:
-                final = stats.as_dict(seq.wire()) | self.summary(seq)
+                final = stats.as_dict(seq.wire()) | seq.figures()
                 yield TokenEvent([token], pushed.text, pushed.finish_reason, logprobs, final)
                 return
             yield TokenEvent([token], pushed.text, None, logprobs)

@@ -32,13 +32,13 @@ class DecodingPolicy(Protocol):
 
 def build_policies(draft_models: dict | None = None, default_drafter: str | None = None,
                    draft_k: tuple[int, int, int] = (4, 1, 8), medusa=None,
-                   default: str = "naive", headsplit=None, headsplit_epsilon: float = 0.05
+                   default: str = "naive", headsplit: bool = False, headsplit_epsilon: float = 0.05
                    ) -> dict[str, DecodingPolicy]:
     """Every policy this build has, by name; draft_models: drafter weights by name (decoding.draft_model,
     decoding.eagle); draft_k: the draft length to start from and its bounds; medusa: Medusa heads
     (decoding.medusa_heads), without which `medusa` refuses requests and says why; default: the server's
-    default policy, which `outline` falls back to; headsplit: the `headsplit` engine (decoding.headsplit.LazyEngine),
-    without which `headsplit` refuses requests."""
+    default policy, which `outline` falls back to; headsplit: whether the engine has HeadSplit's lane
+    (server/boot.py), without which `headsplit` refuses requests."""
     from edgespec.decoding.auto import AutoPolicy
     from edgespec.decoding.headsplit import HeadSplitPolicy
     from edgespec.decoding.medusa import MedusaPolicy

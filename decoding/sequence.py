@@ -33,6 +33,7 @@ class Prepared:
 
 class SequencePolicy(Protocol):
     name: str
+    lane: str  # the engine's lane its jobs run on (engine/engine.py)
 
     def capacity(self, request: GenerationRequest, cfg: ModelConfig) -> int:
         """Cache slots the request may write: its prompt, its tokens and any scratch rows (drafts, a tree)."""
@@ -68,7 +69,7 @@ def job(policy: SequencePolicy, request: GenerationRequest, cfg: ModelConfig, te
             prepared.append(ready)
         return ready.program
 
-    return Job(policy.capacity(request, cfg), begin, request.prompt_ids)
+    return Job(policy.capacity(request, cfg), begin, request.prompt_ids, policy.lane)
 
 
 async def run_alone(policy: SequencePolicy, request: GenerationRequest, engine: Engine, tokenizer):

@@ -23,6 +23,7 @@ from edgespec.model.config import ModelConfig
 class SpeculativePolicy:
     name = "speculative"
     options = frozenset({"drafter", "k"})
+    lane = "layers"  # the engine's lane its jobs run on
 
     def __init__(self, models: dict | None = None, default: str | None = None, k: int = 4, k_min: int = 0,
                  k_max: int = 8):

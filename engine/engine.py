@@ -23,16 +23,20 @@ cached blocks), builds its program with a read-only view of it, applies the KV o
 (a truncation, a tree commit) and, however the sequence ends, keeps its blocks for prefix reuse and releases
 it. Its passes go through the executor (engine/executor.py), one way: programs never reach the stages.
 
-A step that a stage failure voids (a lost worker) is run again: the event loop has the stages re-placed
-(`recover`, the cluster's), every session is rebuilt from its tokens on the new placement, and the same bits
-come out, so a stream goes on with the tokens it would have had.
+Jobs run on a lane: an executor and the sessions held on it (engine/sessions.py). The layer pipeline is the
+engine's first lane; HeadSplit's blocks are another (`headsplit`), built at its first job: each step runs every
+lane's sequences, one pass per lane, on the one model thread.
+
+A step that a stage failure voids (a lost worker) is run again: the event loop has the lane's stages
+re-placed (its `recover`, the cluster's), every session is rebuilt from its tokens on the new placement, and the
+same bits come out, so a stream goes on with the tokens it would have had.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,22 +44,19 @@ import torch
 from edgespec.engine.admission import Admission
 from edgespec.engine.executor import Executor, Work
 from edgespec.engine.prefix import PrefixCache
-from edgespec.engine.program import Commit, Job, Out, Program, Propose, Rows, SequenceView, Truncate
+from edgespec.engine.program import Commit, Job, Out, Program, Propose, Rows, SequenceView, Speculate, Truncate
 from edgespec.engine.session import Session
-from edgespec.engine.sessions import Sessions
+from edgespec.engine.sessions import Recover, Sessions
 from edgespec.model.stage import ClusterFault, StageFailure
 
 _END = object()
-
-# recover(error, generation): awaited on the event loop when a stage failed in work begun under that placement
-# generation (a lost worker): re-places the stages unless that happened since, and returns whether the work may
-# run again
-Recover = Callable[[Exception, int], Awaitable[bool]]
+LAYERS = "layers"  # the engine's first lane: the layer pipeline
 
 
 @dataclass
 class _Sequence:
     job: Job
+    lane: Sessions
     session: Session
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
@@ -78,9 +79,10 @@ class _Sequence:
 
 
 class Engine:
-    """Runs every request's program in shared steps, over one executor; owns their sessions. prefix: the
-    prefix cache (None: every prompt computed); admission: the queue of requests waiting for KV room;
-    recover: the cluster's re-placement after a stage failure (None: stage failures are final)."""
+    """Runs every request's program in shared steps; owns their sessions. Its first lane is `executor` (the
+    layer pipeline) with `prefix` (its prefix cache; None: every prompt computed), `admission` (the queue of
+    requests waiting for its KV room) and `recover` (the cluster's re-placement after a stage failure; None:
+    stage failures are final); `lanes`: other lanes by name, each built (blocking) at its first job."""
 
     # Rows per step while a prompt goes in beside other sequences: the prompt's chunk is what the others'
     # rows leave of STEP_ROWS, and at least MIN_CHUNK. On a 2-core AVX2 EPYC a prompt row costs about 2.5 ms
@@ -90,14 +92,15 @@ class Engine:
     # (bench/concurrency.py). Fewer rows trade the one for the other.
     STEP_ROWS = 16
     MIN_CHUNK = 4
-    RECOVERIES = 3  # re-placements tried for one piece of work before its stage failure is final
 
     def __init__(self, executor: Executor, prefix: PrefixCache | None = None, admission: Admission | None = None,
-                 recover: Recover | None = None):
+                 recover: Recover | None = None, lanes: dict[str, Callable[[], Sessions]] | None = None):
         self.executor = executor
         self.thread = executor.thread
-        self._recover_hook = recover
-        self.sessions = Sessions(executor, prefix, admission or Admission(), self.recover)
+        self.sessions = Sessions(executor, prefix, admission, recover)
+        self.lanes: dict[str, Sessions] = {LAYERS: self.sessions}
+        self._builders = dict(lanes or {})
+        self._building: asyncio.Lock | None = None
         self.live: list[_Sequence] = []  # running sequences (pruned on the event loop)
         self.task: asyncio.Task | None = None
         self.shared_steps = self.shared_calls = 0  # steps that carried several sequences, and the sequences
@@ -115,18 +118,24 @@ class Engine:
     def admission(self) -> Admission:
         return self.sessions.admission
 
-    @property
-    def recovers(self) -> bool:
-        """Whether a stage failure can be recovered from by re-placing the stages (a cluster with workers)."""
-        return self._recover_hook is not None
+    def has_lane(self, name: str) -> bool:
+        """Whether jobs may run on lane `name` (built or not yet)."""
+        return name in self.lanes or name in self._builders
 
-    async def recover(self, error: Exception, generation: int) -> None:
-        """A stage failed with `error` in work begun under placement `generation` (event loop): re-place the
-        stages so that the work can run again, or raise ClusterFault when it cannot."""
-        if self._recover_hook is None or not isinstance(error, StageFailure):
-            raise error
-        if not await self._recover_hook(error, generation):
-            raise ClusterFault(f"{error}; and no placement of the model fits the devices left") from error
+    def built(self, name: str) -> Sessions | None:
+        """Lane `name` if it has been built (its first job came), else None."""
+        return self.lanes.get(name)
+
+    async def lane(self, name: str) -> Sessions:
+        """Lane `name`, built now (on a thread) if this is its first job."""
+        if name not in self.lanes:
+            if name not in self._builders:
+                raise ValueError(f"this engine has no lane {name!r}")
+            self._building = self._building or asyncio.Lock()
+            async with self._building:
+                if name not in self.lanes:
+                    self.lanes[name] = await asyncio.to_thread(self._builders[name])
+        return self.lanes[name]
 
     def running(self, besides: Session | None = None) -> int:
         """How many sequences are running now (other than the one of session `besides`)."""
@@ -148,8 +157,9 @@ class Engine:
         seqs: list[_Sequence] = []
         try:
             for index, job in enumerate(jobs):
-                session = await self.sessions.open(job.capacity, job.prompt)
-                seqs.append(_Sequence(job, session, queue, loop, index))
+                lane = await self.lane(job.lane)
+                session = await lane.open(job.capacity, job.prompt)
+                seqs.append(_Sequence(job, lane, session, queue, loop, index))
                 self.live.append(seqs[-1])
                 self._wake()
             left = len(seqs)
@@ -163,12 +173,15 @@ class Engine:
                 yield index, item
         finally:
             for seq in seqs:
-                seq.cancelled = True  # stopped on the model thread before the release below runs there
-            await self.sessions.release_all([seq.session for seq in seqs])
+                seq.cancelled = True  # stopped on the model thread before the releases below run there
+            for lane in {id(seq.lane): seq.lane for seq in seqs}.values():
+                await lane.release_all([seq.session for seq in seqs if seq.lane is lane])
 
-    def view(self, session: Session) -> SequenceView:
-        """What a program may read of its session."""
-        return SequenceView(session, lambda: self.executor.wire(session), lambda: self.running(besides=session))
+    def _view(self, seq: _Sequence) -> SequenceView:
+        # what a program may read of its session
+        executor, session = seq.lane.executor, seq.session
+        return SequenceView(session, lambda: executor.wire(session), lambda: self.running(besides=session),
+                            lambda: executor.figures(session))
 
     def _wake(self) -> None:
         if self.task is None or self.task.done():
@@ -182,9 +195,9 @@ class Engine:
                     return
                 fault = await self.thread.run(self._steps)
                 if fault is not None:  # a stage failed (a lost worker): re-place the stages, then step again
-                    batch, error, generation = fault
+                    lane, batch, error, generation = fault
                     try:
-                        await self.recover(error, generation)
+                        await lane.recover(error, generation)
                     except Exception as exc:
                         await self.thread.run(self._fail, batch, exc)
         except BaseException as exc:  # the model thread is gone (shutdown): fail whoever still waits
@@ -196,10 +209,11 @@ class Engine:
 
     # on the model thread
 
-    def _steps(self) -> tuple[list[_Sequence], Exception, int] | None:
-        # Steps back to back while every running sequence has rows and no other job waits for the thread. A step
-        # that a stage failure voided ends them: (its sequences, the error, the placement generation it ran
-        # under), for the event loop to re-place the stages; its sequences keep their rows for the next step.
+    def _steps(self) -> tuple[Sessions, list[_Sequence], Exception, int] | None:
+        # Steps back to back while every running sequence has rows and no other job waits for the thread; a
+        # step is a pass per lane. A pass that a stage failure voided ends them: (its lane, its sequences, the
+        # error, the placement generation it ran under), for the event loop to re-place the lane's stages; its
+        # sequences keep their rows for the next step.
         while True:
             for seq in self.live:
                 self._ready(seq)
@@ -207,12 +221,14 @@ class Engine:
             batch = [s for s in self.live if not s.finished and s.rows is not None]
             if not batch:
                 return None
-            generation = self.executor.generation
-            error = self._step(batch)
-            if self.prefix is not None:
-                self.prefix.progress()
-            if error is not None:
-                return batch, error, generation
+            for lane in {id(seq.lane): seq.lane for seq in batch}.values():
+                part = [seq for seq in batch if seq.lane is lane]
+                generation = lane.executor.generation
+                error = self._step(lane, part)
+                if lane.prefix is not None:
+                    lane.prefix.progress()
+                if error is not None:
+                    return lane, part, error, generation
             if self.thread.pending():
                 return None
 
@@ -232,7 +248,7 @@ class Engine:
             seq.close()
         elif seq.program is None:
             try:
-                seq.program = seq.job.start(self.view(seq.session))
+                seq.program = seq.job.start(self._view(seq))
             except Exception as exc:
                 self._finish(seq, exc)
                 return
@@ -266,9 +282,11 @@ class Engine:
             item = seq.program.send(value)
             while not isinstance(item, Rows | Propose):
                 if isinstance(item, Truncate):
-                    self.executor.truncate(seq.session, item.length)
+                    seq.lane.executor.truncate(seq.session, item.length)
                 elif isinstance(item, Commit):
-                    self.executor.commit(seq.session, item.kept, item.dest, item.tokens)
+                    seq.lane.executor.commit(seq.session, item.kept, item.dest, item.tokens)
+                elif isinstance(item, Speculate):
+                    seq.lane.executor.speculate(seq.session, item.epsilon)
                 else:
                     seq.emit(item)
                 item = seq.program.send(None)
@@ -287,7 +305,7 @@ class Engine:
         seq.finished, seq.rows, seq.asking = True, None, None
         seq.emit(last)
 
-    def _step(self, batch: list[_Sequence]) -> StageFailure | None:
+    def _step(self, lane: Sessions, batch: list[_Sequence]) -> StageFailure | None:
         # beside others, a prompt (a plain run wanting the last row's logits) longer than a chunk gets what the
         # other rows leave of the step
         crowded = self.running() > 1
@@ -297,7 +315,7 @@ class Engine:
         chunk = max(self.MIN_CHUNK, (self.STEP_ROWS - others) // max(1, sum(long)))
         works = [self._work(seq, chunk if cut else None) for seq, cut in zip(batch, long, strict=True)]
         began = time.perf_counter()
-        results = self._pass(works)
+        results = self._pass(lane, works)
         if isinstance(results, StageFailure):
             return self._fault(batch, results)
         seconds = time.perf_counter() - began
@@ -329,10 +347,11 @@ class Engine:
     def _fault(self, batch: list[_Sequence], error: StageFailure) -> StageFailure | None:
         # The step is void (its slots are rewritten when it runs again: every session is rebuilt from its tokens
         # on the new placement first); a sequence whose steps keep failing ends with the error instead.
+        tries = Sessions.RECOVERIES
         for seq in batch:
             seq.faults += 1
-            if seq.faults > self.RECOVERIES:
-                self._finish(seq, ClusterFault(f"{error} (still failing after {self.RECOVERIES} re-placements)"))
+            if seq.faults > tries:
+                self._finish(seq, ClusterFault(f"{error} (still failing after {tries} re-placements)"))
                 seq.close()
         return error if any(not seq.finished for seq in batch) else None
 
@@ -347,16 +366,17 @@ class Engine:
             return Work(session, ids[:chunk], start, None, None, True, rows.features)
         return Work(session, ids, start, rows.positions, rows.mask, rows.last_only, rows.features)
 
-    def _pass(self, works: list[Work]) -> list | StageFailure:
+    @staticmethod
+    def _pass(lane: Sessions, works: list[Work]) -> list | StageFailure:
         # Every work's (logits, hidden) or exception: one pass over all of them; when that fails, each alone,
         # so that one sequence's error (its KV budget, say) fails no other. A stage failure fails the step (the
         # stages are re-placed and it runs again) where the cluster can recover, else the works it hit.
-        executor = self.executor
+        executor = lane.executor
         if len(works) > 1:
             try:
                 return executor.forward_rows(works)
             except StageFailure as exc:
-                if self.recovers:
+                if lane.recovers:
                     return exc
             except Exception:
                 pass
@@ -365,7 +385,7 @@ class Engine:
             try:
                 results.append(executor.forward_work(work))
             except StageFailure as exc:
-                if self.recovers:
+                if lane.recovers:
                     return exc
                 results.append(exc)
             except Exception as exc:
@@ -373,4 +393,8 @@ class Engine:
         return results
 
     def close(self) -> None:
+        """Close every lane: the other lanes' pipelines, then the first lane's executor (and the model thread)."""
+        for name, lane in self.lanes.items():
+            if name != LAYERS:
+                lane.executor.pipeline.close()
         self.executor.close()

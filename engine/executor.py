@@ -108,6 +108,14 @@ class Executor:
         session.length = dest + len(kept)
         session.tokens = list(tokens)
 
+    def speculate(self, session: Session, epsilon: float) -> None:
+        """The session's tolerance where the stages speculate between layers (HeadSplit)."""
+        self.pipeline.speculate(session.id, epsilon)
+
+    def figures(self, session: Session) -> dict:
+        """What the stages count of the session, for its statistics."""
+        return self.pipeline.figures(session.id)
+
     def session_bytes(self, session: Session) -> int:
         """The session's KV bytes: the stages' count where they keep one, else estimated from its length."""
         nbytes = self.pipeline.session_bytes(session.id)

@@ -86,6 +86,14 @@ class Commit:
     tokens: list[int]
 
 
+@dataclass(frozen=True)
+class Speculate:
+    """The sequence's tolerance where its executor speculates between layers (HeadSplit: a layer's early start
+    on the previous layer's Z is kept when ||Z - X|| / ||X|| < epsilon; 0 never keeps); ignored elsewhere."""
+
+    epsilon: float
+
+
 Program = Generator[Any, Any, None]
 
 
@@ -93,8 +101,8 @@ class SequenceView:
     """What a program may read of its sequence: the engine's session, read-only."""
 
     def __init__(self, session: Session, wire: Callable[[], dict[str, tuple[int, int]]],
-                 others: Callable[[], int]):
-        self._session, self._wire, self._others = session, wire, others
+                 others: Callable[[], int], figures: Callable[[], dict]):
+        self._session, self._wire, self._others, self._figures = session, wire, others, figures
 
     @property
     def id(self) -> str:
@@ -131,13 +139,19 @@ class SequenceView:
         """How many other sequences run in the engine now (whose steps this one's share)."""
         return self._others()
 
+    def figures(self) -> dict:
+        """What the executor's stages count of this sequence, for its statistics (HeadSplit's speculations)."""
+        return self._figures()
+
 
 @dataclass(frozen=True)
 class Job:
     """A sequence to run: `start(view)` builds its program on the model thread once its session is open with
     room for `capacity` slots; `prompt`, the ids its first rows will write from slot 0, lets the session start
-    from cached blocks that hold a prefix of them (None: compute every row, as embeddings need)."""
+    from cached blocks that hold a prefix of them (None: compute every row, as embeddings need); `lane`, the
+    engine's lane it runs on (engine/engine.py: the layer pipeline, or HeadSplit's blocks)."""
 
     capacity: int
     start: Callable[[SequenceView], Program]
     prompt: list[int] | None = None
+    lane: str = "layers"

@@ -1,5 +1,6 @@
-"""The engine's sessions: opening one (admission by KV budget, a start from cached blocks), and what happens
-when it ends (its blocks kept for prefix reuse, then released), however it ends.
+"""The engine's sessions on one executor (a lane of the engine: the layer pipeline, or HeadSplit's blocks):
+opening one (admission by KV budget, a start from cached blocks), what happens when it ends (its blocks kept
+for prefix reuse, then released), however it ends, and the executor's recovery when a stage fails.
 
 An open forks the prefix cache's holder that shares the longest prefix with the prompt (engine/prefix.py), or
 waits while a running sequence still computes a longer one. When the stages' pools cannot reserve the new
@@ -19,19 +20,39 @@ from edgespec.engine.executor import Executor
 from edgespec.engine.prefix import PrefixCache, known
 from edgespec.engine.session import Session
 from edgespec.model.kv_pool import CapacityError
-from edgespec.model.stage import StageFailure
+from edgespec.model.stage import ClusterFault, StageFailure
 
-Recover = Callable[[Exception, int], Awaitable[None]]
+# recover(error, generation): awaited on the event loop when a stage failed in work begun under that placement
+# generation (a lost worker): re-places the stages unless that happened since, and returns whether the work may
+# run again
+Recover = Callable[[Exception, int], Awaitable[bool]]
 
 
 class Sessions:
-    """Every session the engine holds (kept prefixes aside), over one executor."""
+    """Every session the engine holds on one executor (kept prefixes aside). prefix: its prefix cache (None:
+    every prompt computed); admission: the queue of requests waiting for its KV room; recover: the cluster's
+    re-placement after a stage failure (None: stage failures are final)."""
 
-    RECOVERIES = 3  # re-placements tried for one open before its stage failure is final
+    RECOVERIES = 3  # re-placements tried for one piece of work before its stage failure is final
 
-    def __init__(self, executor: Executor, prefix: PrefixCache | None, admission: Admission, recover: Recover):
-        self.executor, self.prefix, self.admission, self._recover = executor, prefix, admission, recover
+    def __init__(self, executor: Executor, prefix: PrefixCache | None = None, admission: Admission | None = None,
+                 recover: Recover | None = None):
+        self.executor, self.prefix, self._recover = executor, prefix, recover
+        self.admission = admission or Admission()
         self.held: set[str] = set()
+
+    @property
+    def recovers(self) -> bool:
+        """Whether a stage failure can be recovered from by re-placing the stages (a cluster with workers)."""
+        return self._recover is not None
+
+    async def recover(self, error: Exception, generation: int) -> None:
+        """A stage failed with `error` in work begun under placement `generation` (event loop): re-place the
+        stages so that the work can run again, or raise ClusterFault when it cannot."""
+        if self._recover is None or not isinstance(error, StageFailure):
+            raise error
+        if not await self._recover(error, generation):
+            raise ClusterFault(f"{error}; and no placement of the model fits the devices left") from error
 
     async def open(self, capacity: int, prompt: list[int] | None) -> Session:
         """A new session with room for `capacity` slots, reserved on every stage's KV pool; with `prompt`,
@@ -65,7 +86,7 @@ class Sessions:
                     failures += 1
                     if failures > self.RECOVERIES:
                         raise
-                    await self._recover(exc, session.generation)
+                    await self.recover(exc, session.generation)
         except BaseException:  # a cancelled await may still have opened the cache on the model thread
             if joined is not None:
                 self.admission.leave(joined, admitted=False)

@@ -166,9 +166,17 @@ class HeadSplitPipeline:
         to rebuild them from their tokens, their tolerance, speculation counts and wire figures carry on."""
         self.carried = {s: (old.epsilons[s], old.stats[s], old.wire_stats.get(s)) for s in old.stats}
 
-    def set_epsilon(self, session: str, epsilon: float) -> None:
+    def speculate(self, session: str, epsilon: float) -> None:
         """The session's speculation tolerance from now on (a request's `epsilon`)."""
         self.epsilons[session] = epsilon
+
+    def figures(self, session: str) -> dict:
+        """The session's tolerance and speculations, and how many layers speculate."""
+        stats = self.stats[session]
+        return {"headsplit": {"epsilon": self.epsilons[session],
+                              "speculating_layers": sum(lp.speculate for lp in self.layers),
+                              "speculations_kept": sum(stats.kept),
+                              "speculations_discarded": sum(stats.discarded)}}
 
     def release(self, session: str) -> None:
         for device in self.devices.values():

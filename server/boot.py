@@ -10,7 +10,7 @@ from pathlib import Path
 
 from edgespec.decoding.draft_model import DraftModel
 from edgespec.decoding.eagle import FeatureDraftModel
-from edgespec.decoding.headsplit import LazyEngine
+from edgespec.decoding.headsplit import HEADSPLIT
 from edgespec.decoding.headsplit_profile import load_profile
 from edgespec.decoding.medusa_heads import MedusaModel
 from edgespec.decoding.target_fit import SHIPPED
@@ -18,6 +18,7 @@ from edgespec.engine.admission import Admission
 from edgespec.engine.engine import Engine
 from edgespec.engine.executor import Executor
 from edgespec.engine.prefix import PrefixCache
+from edgespec.engine.sessions import Sessions
 from edgespec.model.config import ModelConfig
 from edgespec.model.headsplit import HeadSplitPipeline
 from edgespec.model.kv_format import kv_format
@@ -77,13 +78,14 @@ def _profile(settings: ServeSettings, files: ModelFiles, devices: list[Device], 
     return profile
 
 
-def build_engine(settings: ServeSettings, executor: Executor, cluster: ClusterManager | None) -> Engine:
-    """The engine over `executor`: prefix reuse and admission from the settings; over workers, recovery by
-    re-placement."""
+def build_engine(settings: ServeSettings, loaded: LoadedModel, cluster: ClusterManager | None) -> Engine:
+    """The engine over the loaded model's executor: prefix reuse and admission from the settings; over
+    workers, recovery by re-placement; with HeadSplit, its lane (built at its first request)."""
     prefix = PrefixCache(int(settings.prefix_cache_mib * 2**20), settings.prefix_min_tokens) \
         if settings.prefix_cache_mib > 0 else None
     admission = Admission(settings.max_waiting, settings.queue_timeout_s)
-    return Engine(executor, prefix, admission, cluster.recover if cluster is not None else None)
+    lanes = {HEADSPLIT: partial(headsplit_lane, settings, loaded, cluster)} if settings.headsplit else {}
+    return Engine(loaded.executor, prefix, admission, cluster.recover if cluster is not None else None, lanes)
 
 
 def observe_engine(engine: Engine, metrics: Metrics) -> None:
@@ -126,7 +128,7 @@ def load_served_model(settings: ServeSettings, metrics: Metrics
     if not settings.local_workers and not settings.cluster and not settings.discover:
         loaded = load_local(files, settings.dtype, settings.kv_cache_gib, thread, prefill_cuts(settings, None),
                             settings.kv_prefault, settings.kv_format)
-        engine = build_engine(settings, loaded.executor, None)
+        engine = build_engine(settings, loaded, None)
         observe_engine(engine, metrics)
         return loaded, engine, None
     if settings.local_workers:
@@ -159,7 +161,7 @@ def load_served_model(settings: ServeSettings, metrics: Metrics
             log.info("placement (%s): %s", settings.placement,
                      ", ".join(f"{s.device} [{s.first}, {s.last})" for s in manager.plan.stages))
             thread.run_sync(manager.apply, manager.plan)
-        engine = build_engine(settings, loaded.executor, manager)
+        engine = build_engine(settings, loaded, manager)
         observe_engine(engine, metrics)
     except BaseException:
         config.stop()
@@ -167,36 +169,26 @@ def load_served_model(settings: ServeSettings, metrics: Metrics
     return loaded, engine, manager
 
 
-def headsplit_engine(settings: ServeSettings, loaded: LoadedModel, cluster: ClusterManager | None
-                     ) -> LazyEngine | None:
-    """The `headsplit` policy's engine, built at its first request: the planner's placement (from the shipped
-    HeadSplit profile's acceptance at the configured epsilon and block times, and the cluster profile's
-    memory and round trips plus its margin) over the workers, or over one in-process device."""
-    if not settings.headsplit:
-        return None
-
-    def build() -> Engine:
-        cfg, dtype = loaded.cfg, weight_format(settings.dtype)
-        record = load_profile(loaded.files.name, Path(settings.headsplit_profile) if settings.headsplit_profile
-                              else None)
-        card = head_card(model_card(cfg, loaded.files.name, dtype, loaded.files.gguf is not None,
-                                    kv_format(settings.kv_format)))
-        context = min(settings.plan_context, cfg.max_position_embeddings)
-        alphas = profiled_alphas(record, cfg.n_layers, settings.headsplit_epsilon)
-        admission = Admission(settings.max_waiting, settings.queue_timeout_s)
-        ends, thread = loaded.executor.ends, loaded.executor.thread
-        if cluster is None:
-            layers = place(profiled_devices(record, {"local": 2**62}, context), card, alphas, lambda a, b: 0.0,
-                           context)
-            pipe = HeadSplitPipeline.local(open_source(loaded.files), cfg, dtype, layers,
-                                           settings.headsplit_epsilon, int(settings.kv_cache_gib * 2**30),
-                                           kv_format(settings.kv_format))
-            return Engine(Executor(cfg, ends, pipe, thread), admission=admission)
-        devices = HeadSplitCluster(settings, cluster, record, card, alphas, cfg, context)
-        executor = Executor(cfg, ends, devices.pipeline(), thread)
-        return Engine(executor, admission=admission, recover=partial(devices.recover, executor))
-
-    return LazyEngine(build)
+def headsplit_lane(settings: ServeSettings, loaded: LoadedModel, cluster: ClusterManager | None) -> Sessions:
+    """The engine's HeadSplit lane, built (blocking) at the first `headsplit` request: the planner's placement
+    (from the shipped HeadSplit profile's acceptance at the configured epsilon and block times, and the cluster
+    profile's memory and round trips plus its margin) over the workers, or over one in-process device."""
+    cfg, dtype = loaded.cfg, weight_format(settings.dtype)
+    record = load_profile(loaded.files.name, Path(settings.headsplit_profile) if settings.headsplit_profile else None)
+    card = head_card(model_card(cfg, loaded.files.name, dtype, loaded.files.gguf is not None,
+                                kv_format(settings.kv_format)))
+    context = min(settings.plan_context, cfg.max_position_embeddings)
+    alphas = profiled_alphas(record, cfg.n_layers, settings.headsplit_epsilon)
+    admission = Admission(settings.max_waiting, settings.queue_timeout_s)
+    ends, thread = loaded.executor.ends, loaded.executor.thread
+    if cluster is None:
+        layers = place(profiled_devices(record, {"local": 2**62}, context), card, alphas, lambda a, b: 0.0, context)
+        pipe = HeadSplitPipeline.local(open_source(loaded.files), cfg, dtype, layers, settings.headsplit_epsilon,
+                                       int(settings.kv_cache_gib * 2**30), kv_format(settings.kv_format))
+        return Sessions(Executor(cfg, ends, pipe, thread), admission=admission)
+    devices = HeadSplitCluster(settings, cluster, record, card, alphas, cfg, context)
+    executor = Executor(cfg, ends, devices.pipeline(), thread)
+    return Sessions(executor, admission=admission, recover=partial(devices.recover, executor))
 
 
 def load_draft_models(settings: ServeSettings, loaded: LoadedModel) -> dict[str, DraftModel | FeatureDraftModel]:

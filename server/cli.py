@@ -277,7 +277,7 @@ def serve(args: argparse.Namespace) -> None:
     from edgespec.decoding.policy import build_policies
     from edgespec.model.allocator import tune_malloc
     from edgespec.server.app import create_app
-    from edgespec.server.boot import headsplit_engine, load_draft_models, load_medusa, load_served_model
+    from edgespec.server.boot import load_draft_models, load_medusa, load_served_model
     from edgespec.server.http_limits import uvicorn_http_options
     from edgespec.server.metrics import Metrics
     from edgespec.server.service import CompletionService
@@ -289,21 +289,18 @@ def serve(args: argparse.Namespace) -> None:
     loaded, engine, cluster = load_served_model(settings, metrics)
     drafts = load_draft_models(settings, loaded)
     medusa = load_medusa(settings, loaded)
-    heads = headsplit_engine(settings, loaded, cluster)
 
     def shutdown() -> None:
         # From the app's lifespan: uvicorn re-raises SIGTERM after its shutdown, so code after run() may not run.
-        if heads is not None:
-            heads.close()
         engine.close()
         if cluster is not None:
             cluster.config.stop()
 
     try:
         draft_k = (settings.draft_k, settings.draft_k_min, settings.draft_k_max)
-        policies = build_policies(drafts, settings.speculative_drafter, draft_k, medusa, settings.policy, heads,
-                                  settings.headsplit_epsilon)
-        service = CompletionService(loaded, engine, policies, settings, metrics, cluster, heads)
+        policies = build_policies(drafts, settings.speculative_drafter, draft_k, medusa, settings.policy,
+                                  settings.headsplit, settings.headsplit_epsilon)
+        service = CompletionService(loaded, engine, policies, settings, metrics, cluster)
         uvicorn.run(create_app(service, shutdown), host=settings.host, port=settings.port,
                     log_level=settings.log_level, **uvicorn_http_options(settings.max_header_bytes))
     finally:

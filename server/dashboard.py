@@ -16,6 +16,9 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from edgespec.decoding.headsplit import HEADSPLIT
+from edgespec.model.headsplit import HeadSplitPipeline
+
 HISTORY = 20  # plan changes and re-plan events the state keeps for the page's log
 
 
@@ -236,11 +239,10 @@ class Dashboard:
         return [controller, *workers]
 
     def _headsplit(self) -> list[HeadSplitLayer] | None:
-        # The headsplit policy's engine is built at its first request (decoding/headsplit.py, LazyEngine): until
-        # then there is no placement to show.
-        lazy = self.service.headsplit
-        pipeline = lazy.pipeline if lazy is not None else None
-        if pipeline is None:
+        # The engine's HeadSplit lane is built at the first headsplit request: until then there is no placement
+        lane = self.service.engine.built(HEADSPLIT)
+        pipeline = lane.executor.pipeline if lane is not None else None
+        if not isinstance(pipeline, HeadSplitPipeline):
             return None
         layers = pipeline.layers
         return [HeadSplitLayer(layer=i, groups={d: list(g) for d, g in lp.groups.items()}, proj=lp.proj, ffn=lp.ffn,

@@ -10,7 +10,6 @@ from contextlib import aclosing, asynccontextmanager
 from edgespec.decoding.decide import Route, Trigger
 from edgespec.decoding.embedding import embed
 from edgespec.decoding.grammar import Grammar, GrammarError, Grammars
-from edgespec.decoding.headsplit import LazyEngine
 from edgespec.decoding.policy import UnknownPolicyError, select_policy
 from edgespec.decoding.types import GenerationRequest, SamplingParams, TokenEvent
 from edgespec.engine.admission import QueueFullError
@@ -39,10 +38,9 @@ class CompletionService:
     """Validates requests against the served model and runs them through a decoding policy."""
 
     def __init__(self, loaded: LoadedModel, engine: Engine, policies: dict, settings: ServeSettings,
-                 metrics: Metrics, cluster: ClusterManager | None = None, headsplit: LazyEngine | None = None):
+                 metrics: Metrics, cluster: ClusterManager | None = None):
         self.loaded, self.engine = loaded, engine
         self.cluster = cluster  # when the layers live on workers
-        self.headsplit = headsplit  # the headsplit policy's engine, when the server has HeadSplit
         self.tokenizer = loaded.tokenizer
         self.policies = policies
         self.settings = settings

@@ -35,8 +35,9 @@ def controller_app(model: str, **settings):
     config = ServeSettings(**values)
     loaded = load_local(resolve_model(model), config.dtype, config.kv_cache_gib, ModelThread(1),
                         prefill_cuts(config, None), kv=config.kv_format)
-    policies = build_policies(default=config.policy)
-    service = CompletionService(loaded, build_engine(config, loaded.executor, None), policies, config, Metrics())
+    policies = build_policies(default=config.policy, headsplit=config.headsplit,
+                              headsplit_epsilon=config.headsplit_epsilon)
+    service = CompletionService(loaded, build_engine(config, loaded, None), policies, config, Metrics())
     # no on_shutdown: several clients may enter the app's lifespan in turn; the caller closes service.engine
     return create_app(service), service
 

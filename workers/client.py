@@ -166,6 +166,12 @@ class RemotePipeline:
     def wire(self, session: str) -> dict[str, tuple[int, int]]:
         return {link: (b, n) for link, (b, n) in self.wire_stats.get(session, {}).items()}
 
+    def speculate(self, session: str, epsilon: float) -> None:
+        """Nothing speculates in the layer pipeline."""
+
+    def figures(self, session: str) -> dict:
+        return {}
+
     def session_bytes(self, session: str) -> None:
         """Unknown here (the workers hold the caches): the runner estimates."""
         return None
