@@ -11,14 +11,16 @@ request whose prefix another running sequence is still computing waits for it (S
 computing it beside it. Kept holders are evicted least recently used: past `max_bytes`, and whenever the pool
 needs their blocks for a new session.
 
-State changes on the model thread (between passes: holders' tokens are then what their slots hold); the event
-loop reads claims and progress only to decide whether to wait, and the open itself matches again on the model
-thread.
+Holders' tokens change on the model thread (between passes they are what their slots hold); a running
+sequence's claim is made on the event loop as its open begins, so that a request arriving a moment later waits
+for it. The event loop reads claims and progress only to decide whether to wait: the open itself matches again
+on the model thread. The holders are guarded by a lock, taken by both threads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -54,17 +56,20 @@ class PrefixCache:
         self.max_bytes, self.min_tokens = max_bytes, min_tokens
         self.holders: OrderedDict[str, Holder] = OrderedDict()
         self.hits = self.reused_tokens = 0
+        self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Future | None = None  # set when a holder computed more or ended (event loop)
 
     @property
     def nbytes(self) -> int:
         """KV bytes of the kept holders."""
-        return sum(h.nbytes for h in self.holders.values() if h.kept)
+        with self._lock:
+            return sum(h.nbytes for h in self.holders.values() if h.kept)
 
     @property
     def kept(self) -> int:
-        return sum(h.kept for h in self.holders.values())
+        with self._lock:
+            return sum(h.kept for h in self.holders.values())
 
     # model thread
 
@@ -72,22 +77,25 @@ class PrefixCache:
         """The holder sharing the longest computed prefix with `prompt` under placement `generation` (at least
         min_tokens, and one prompt token left to compute), and that prefix's length; counted as a hit."""
         found, length = None, 0
-        for holder in self.holders.values():
-            session = holder.session
-            if session.generation == generation:
-                n = min(common_prefix(session.tokens[:known(session)], prompt), len(prompt) - 1)
-                if n > length:
-                    found, length = holder, n
-        if found is None or length < self.min_tokens:
-            return None
-        self.holders.move_to_end(found.session.id)
+        with self._lock:
+            for holder in self.holders.values():
+                session = holder.session
+                if session.generation == generation:
+                    n = min(common_prefix(session.tokens[:known(session)], prompt), len(prompt) - 1)
+                    if n > length:
+                        found, length = holder, n
+            if found is None or length < self.min_tokens:
+                return None
+            self.holders.move_to_end(found.session.id)
         self.hits += 1
         self.reused_tokens += length
         return found.session, length
 
     def claim(self, session: Session, prompt: list[int] | None) -> None:
-        """A running sequence's session: a holder from now on, computing `prompt`."""
-        self.holders[session.id] = Holder(session, False, tuple(prompt or ()))
+        """A running sequence's session, from the start of its open (event loop): a holder from now on,
+        computing `prompt`."""
+        with self._lock:
+            self.holders[session.id] = Holder(session, False, tuple(prompt or ()))
 
     def progress(self) -> None:
         """Holders computed more (after a step): wake the requests waiting for them."""
@@ -99,30 +107,35 @@ class PrefixCache:
         evicted to stay within max_bytes (to release); the new one itself if it alone is over it or too short."""
         if known(kept) < self.min_tokens or nbytes > self.max_bytes:
             return [kept]
-        self.holders[kept.id] = Holder(kept, True, nbytes=nbytes)
+        with self._lock:
+            self.holders[kept.id] = Holder(kept, True, nbytes=nbytes)
         evicted = []
         while self.nbytes > self.max_bytes:
             evicted.append(self.pop_lru())
         return evicted
 
     def drop(self, session: Session) -> None:
-        """The session is released: no longer a holder."""
-        if self.holders.pop(session.id, None) is not None:
+        """The session is released, or its open failed: no longer a holder."""
+        with self._lock:
+            dropped = self.holders.pop(session.id, None) is not None
+        if dropped:
             self.progress()
 
     def pop_lru(self) -> Session | None:
         """The least recently used kept session (to release when the pool needs its blocks), or None."""
-        for sid, holder in self.holders.items():
-            if holder.kept:
-                del self.holders[sid]
-                return holder.session
+        with self._lock:
+            for sid, holder in self.holders.items():
+                if holder.kept:
+                    del self.holders[sid]
+                    return holder.session
         return None
 
     def stale(self, generation: int) -> list[Session]:
         """The kept sessions cached under another placement (to release: their slots are gone)."""
-        gone = [h.session for h in self.holders.values() if h.kept and h.session.generation != generation]
-        for session in gone:
-            del self.holders[session.id]
+        with self._lock:
+            gone = [h.session for h in self.holders.values() if h.kept and h.session.generation != generation]
+            for session in gone:
+                del self.holders[session.id]
         return gone
 
     # event loop
@@ -131,13 +144,14 @@ class PrefixCache:
         """When a running sequence is still computing more of `prompt`'s prefix than any holder has computed:
         a future set when a holder computes more or ends, to match again then. None: open now."""
         have, coming = 0, 0
-        for holder in list(self.holders.values()):
-            session = holder.session
-            if session.generation != generation:
-                continue
-            have = max(have, common_prefix(session.tokens[:known(session)], prompt))
-            if holder.claim:
-                coming = max(coming, common_prefix(holder.claim, prompt))
+        with self._lock:
+            for holder in self.holders.values():
+                session = holder.session
+                if session.generation != generation:
+                    continue
+                have = max(have, common_prefix(session.tokens[:known(session)], prompt))
+                if holder.claim:
+                    coming = max(coming, common_prefix(holder.claim, prompt))
         coming = min(coming, len(prompt) - 1)
         if coming < self.min_tokens or coming <= have:
             return None

@@ -66,14 +66,18 @@ class Sessions:
                 if prefix is not None and prompt:
                     while (computing := prefix.pending(prompt, self.executor.generation)) is not None:
                         await computing  # a running sequence is computing more of this prompt: share it
+                session = self.executor.new_session(capacity)
+                if prefix is not None:  # a request arriving from now on waits for what this one computes
+                    prefix.claim(session, prompt)
                 try:
-                    session = self.executor.new_session(capacity)
                     await run(self._open, session, prompt)
                     self.held.add(session.id)
                     if joined is not None:
                         self.admission.leave(joined, admitted=True)
                     return session
                 except CapacityError as exc:
+                    if prefix is not None:
+                        prefix.drop(session)
                     evicted = prefix.pop_lru() if prefix else None
                     if evicted is not None:
                         await self.executor.thread.run_shielded(self.executor.release, evicted)
@@ -83,6 +87,8 @@ class Sessions:
                     joined = self.admission.join(exc) if joined is None else joined
                     await self.admission.wait(joined, exc)
                 except StageFailure as exc:  # a lost worker: open again on the placement without it
+                    if prefix is not None:
+                        prefix.drop(session)
                     failures += 1
                     if failures > self.RECOVERIES:
                         raise
@@ -95,7 +101,7 @@ class Sessions:
             raise
 
     def _open(self, session: Session, prompt: list[int] | None) -> None:
-        # model thread: fork the best holder, or open empty; a running sequence is a holder from now on
+        # model thread: fork the best holder, or open empty
         executor, prefix = self.executor, self.prefix
         for stale in prefix.stale(executor.generation) if prefix is not None else []:
             executor.release(stale)
@@ -105,8 +111,6 @@ class Sessions:
             session.cached = found[1]
         else:
             executor.open(session)
-        if prefix is not None:
-            prefix.claim(session, prompt)
 
     async def release_all(self, sessions: list[Session]) -> None:
         """End the sessions, however their sequences ended: each one's known tokens' blocks are kept for
