@@ -98,9 +98,11 @@ class PrefixCache:
             self.holders[session.id] = Holder(session, False, tuple(prompt or ()))
 
     def progress(self) -> None:
-        """Holders computed more (after a step): wake the requests waiting for them."""
-        if self._changed is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._wake)
+        """Holders computed more (after a step): wake the requests waiting for them, if any."""
+        changed, loop = self._changed, self._loop
+        if changed is not None and loop is not None and not changed.done():
+            self._changed = None  # one wake per wait: the next pending() makes a new future
+            loop.call_soon_threadsafe(self._wake, changed)
 
     def keep(self, kept: Session, nbytes: int) -> list[Session]:
         """A session of an ended sequence's known tokens, sharing its blocks: kept. Returns the kept sessions
@@ -160,6 +162,7 @@ class PrefixCache:
             self._changed = self._loop.create_future()
         return self._changed
 
-    def _wake(self) -> None:
-        if self._changed is not None and not self._changed.done():
-            self._changed.set_result(None)
+    @staticmethod
+    def _wake(changed: asyncio.Future) -> None:
+        if not changed.done():
+            changed.set_result(None)

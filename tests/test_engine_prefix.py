@@ -116,3 +116,15 @@ def test_kept_blocks_are_evicted_least_recently_used_when_the_pool_needs_them(ti
     tiny_loaded.executor.thread.run_sync(tiny_loaded.executor.release, evicted)
     for holder in list(prefix.holders.values()):
         tiny_loaded.executor.thread.run_sync(tiny_loaded.executor.release, holder.session)
+
+
+def test_a_wait_leaves_nothing_behind_for_later_event_loops(tiny_loaded, cold):
+    # a request that waited for another's prompt, then a job on a new event loop (tools and tests run an engine
+    # under several asyncio.run calls): no step may post to the loop that is gone
+    engine = Engine(tiny_loaded.executor, PrefixCache(2**30, min_tokens=8))
+
+    async def both():
+        return await asyncio.gather(*(collect(engine, greedy_job(SYSTEM + q, 6, {})) for q in QUESTIONS[:2]))
+
+    assert asyncio.run(both()) == [cold[0][0], cold[1][0]]
+    assert asyncio.run(collect(engine, greedy_job(SYSTEM + QUESTIONS[2], 6, {}))) == cold[2][0]

@@ -12,9 +12,9 @@ from edgespec.model.drift import acceptance, drift, speculating_forward, time_bl
 
 
 def test_drift_is_the_relative_change_the_ffn_makes(tiny_loaded):
-    stack = tiny_loaded.runner.pipeline.stages[0].stack
+    stack = tiny_loaded.executor.pipeline.stages[0].stack
     ids = torch.tensor([[(i * 7) % 50 + 100 for i in range(12)]])
-    hidden = tiny_loaded.runner.ends.embed_tokens(ids)  # [1, 12, H]
+    hidden = tiny_loaded.executor.ends.embed_tokens(ids)  # [1, 12, H]
     got = drift(stack, hidden)
     assert got.shape == (len(stack.layers), 12)
     with torch.inference_mode():  # by hand, from the plain layers
@@ -35,15 +35,15 @@ def test_alpha_reads_the_previous_layers_drift():
 
 
 def test_every_block_is_timed(tiny_loaded):
-    stack = tiny_loaded.runner.pipeline.stages[0].stack
+    stack = tiny_loaded.executor.pipeline.stages[0].stack
     times = time_blocks(stack, context=16, reps=2)
     assert set(times) == {"group_ms", "proj_ms", "ffn_ms"} and all(v > 0 for v in times.values())
 
 
 def test_speculation_at_epsilon_zero_is_exact_and_kept_speculation_is_not(tiny_loaded):
-    stack = tiny_loaded.runner.pipeline.stages[0].stack
+    stack = tiny_loaded.executor.pipeline.stages[0].stack
     ids = torch.tensor([[(i * 5) % 60 + 90 for i in range(10)]])
-    hidden = tiny_loaded.runner.ends.embed_tokens(ids)
+    hidden = tiny_loaded.executor.ends.embed_tokens(ids)
     with torch.inference_mode():
         exact = stack(hidden, torch.arange(10).unsqueeze(0), stack.new_cache(10), 0)
     every = [True] * len(stack.layers)

@@ -31,8 +31,8 @@ def placements(n_layers: int, speculate: bool) -> dict[str, list[LayerPlace]]:
 
 def exact_run(loaded, ids: list[int], prefill: int) -> list[torch.Tensor]:
     """Last-layer outputs of the plain stack: a prefill of `prefill` tokens, then one token at a time."""
-    stack = loaded.runner.pipeline.stages[0].stack
-    ends = loaded.runner.ends
+    stack = loaded.executor.pipeline.stages[0].stack
+    ends = loaded.executor.ends
     cache = stack.new_cache(len(ids))
     with torch.inference_mode():
         outs = [stack(ends.embed_tokens(torch.tensor([ids[:prefill]])), torch.arange(prefill)[None], cache, 0)]
@@ -42,7 +42,7 @@ def exact_run(loaded, ids: list[int], prefill: int) -> list[torch.Tensor]:
 
 
 def split_run(loaded, pipe: HeadSplitPipeline, ids: list[int], prefill: int, epsilon: float) -> list[torch.Tensor]:
-    ends = loaded.runner.ends
+    ends = loaded.executor.ends
     pipe.open("s", len(ids), epsilon=epsilon)
     with torch.inference_mode():
         outs = [pipe.forward("s", ends.embed_tokens(torch.tensor([ids[:prefill]])), torch.arange(prefill)[None], 0)]
@@ -89,8 +89,8 @@ def test_kept_speculation_is_the_speculating_pass(tiny_loaded, src):
     cfg = tiny_loaded.cfg
     pipe = HeadSplitPipeline.local(src, cfg, torch.float32, placements(cfg.n_layers, True)["2 devices"])
     got = torch.cat(split_run(tiny_loaded, pipe, IDS, 1, float("inf")), dim=1)  # [1, T, H]
-    stack = tiny_loaded.runner.pipeline.stages[0].stack
-    want, kept = speculating_forward(stack, tiny_loaded.runner.ends.embed_tokens(torch.tensor([IDS])), float("inf"),
+    stack = tiny_loaded.executor.pipeline.stages[0].stack
+    want, kept = speculating_forward(stack, tiny_loaded.executor.ends.embed_tokens(torch.tensor([IDS])), float("inf"),
                                      [True] * cfg.n_layers)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert pipe.stats["s"].kept == kept == [0] + [len(IDS)] * (cfg.n_layers - 1)

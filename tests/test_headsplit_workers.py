@@ -171,7 +171,7 @@ def test_tiny_over_two_workers(workers, tiny):
         assert httpx.post(url + path, content=body, headers=auth).status_code == 404, path
     link.close()
     # a lost peer: w0 gathers every layer and calls w1 over its link; once w1 is gone the step fails at once
-    # (a StageFailure for the runner to re-place on), not after the stage timeout
+    # (a StageFailure for the engine to re-place on), not after the stage timeout
     pipe = remote_headsplit(urls, token, spread(cfg, list(urls), False, one_proj=True), cfg, model=folder,
                             timeout_s=60)
     pipe.open("s", 8, epsilon=0.0)

@@ -320,7 +320,7 @@ def test_local_stage_budget_is_its_pool(blocks):
 
 
 def test_a_write_ends_the_cache_so_a_rejected_draft_needs_no_truncate(blocks):
-    """The runner truncates without calling a stage (ModelRunner.truncate): a forward written over a rejected
+    """The executor truncates without calling a stage (Executor.truncate): a forward written over a rejected
     draft's slots, and the steps after it, give the bits of a cache that never held the draft."""
     stage = LocalStage(blocks.stack, kv_budget_bytes=2**24)
     ids = tokens(14, 5)
