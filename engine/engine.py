@@ -50,6 +50,7 @@ from edgespec.engine.sessions import Recover, Sessions
 from edgespec.model.stage import ClusterFault, StageFailure
 
 _END = object()
+Passed = tuple[torch.Tensor, torch.Tensor | None]  # a sequence's part of a pass: logits, hidden with features
 LAYERS = "layers"  # the engine's first lane: the layer pipeline
 
 
@@ -65,7 +66,7 @@ class _Sequence:
     rows: Rows | None = None  # the rows planned for the next step
     asking: Propose | None = None  # a proposal it waits for before it plans them
     done: int = 0  # of a long prompt's rows: how many earlier steps have fed
-    earlier: list = field(default_factory=list)  # their hidden states [1, chunk, H], when features are wanted
+    earlier: list[torch.Tensor] = field(default_factory=list)  # their hidden states [1, chunk, H], with features
     cancelled: bool = False  # the consumer went away (a client that disconnected)
     finished: bool = False
     faults: int = 0  # steps of its that a stage failure voided since its last good one
@@ -153,7 +154,8 @@ class Engine:
         each program yields, in the order they were yielded, until every program has ended. Each job starts as
         soon as its session is open (a later one may start from the blocks an earlier one computes). The first
         error raised by any of them is raised here, and leaving stops them all."""
-        queue, loop = asyncio.Queue(), asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
         seqs: list[_Sequence] = []
         try:
             for index, job in enumerate(jobs):
@@ -218,17 +220,17 @@ class Engine:
             for seq in self.live:
                 self._ready(seq)
             self._answer()
-            batch = [s for s in self.live if not s.finished and s.rows is not None]
+            batch = [(s, rows) for s in self.live if not s.finished and (rows := s.rows) is not None]
             if not batch:
                 return None
-            for lane in {id(seq.lane): seq.lane for seq in batch}.values():
-                part = [seq for seq in batch if seq.lane is lane]
+            for lane in {id(seq.lane): seq.lane for seq, _ in batch}.values():
+                part = [(seq, rows) for seq, rows in batch if seq.lane is lane]
                 generation = lane.executor.generation
                 error = self._step(lane, part)
                 if lane.prefix is not None:
                     lane.prefix.progress()
                 if error is not None:
-                    return lane, part, error, generation
+                    return lane, [seq for seq, _ in part], error, generation
             if self.thread.pending():
                 return None
 
@@ -259,27 +261,30 @@ class Engine:
     def _answer(self) -> None:
         # Every proposal asked since the last step, one batched call per proposer; the answers run the programs
         # on to their rows (or to more proposals, answered in turn).
-        while asking := [s for s in self.live if s.asking is not None and not s.finished]:
-            by_proposer: dict[int, list[_Sequence]] = {}
-            for seq in asking:
-                by_proposer.setdefault(id(seq.asking.proposer), []).append(seq)
+        while asking := [(s, p) for s in self.live if (p := s.asking) is not None and not s.finished]:
+            by_proposer: dict[int, list[tuple[_Sequence, Propose]]] = {}
+            for seq, propose in asking:
+                by_proposer.setdefault(id(propose.proposer), []).append((seq, propose))
             for group in by_proposer.values():
-                proposer = group[0].asking.proposer
+                proposer = group[0][1].proposer
                 try:
-                    answers = proposer.propose_batch([s.asking.request for s in group])
+                    answers = proposer.propose_batch([propose.request for _, propose in group])
                 except Exception as exc:
-                    for seq in group:
+                    for seq, _ in group:
                         self._finish(seq, exc)
                     continue
-                for seq, answer in zip(group, answers, strict=True):
+                for (seq, _), answer in zip(group, answers, strict=True):
                     seq.asking = None
                     self._advance(seq, answer)
 
     def _advance(self, seq: _Sequence, value) -> None:
         # Send the program its output (or a proposal's answer) and run it to its next Rows or Propose, applying
         # the KV operations and emitting the events it yields on the way.
+        program = seq.program
+        if program is None:  # (built before its first advance: _ready)
+            raise RuntimeError("a sequence advanced before its program was built")
         try:
-            item = seq.program.send(value)
+            item = program.send(value)
             while not isinstance(item, Rows | Propose):
                 if isinstance(item, Truncate):
                     seq.lane.executor.truncate(seq.session, item.length)
@@ -289,7 +294,7 @@ class Engine:
                     seq.lane.executor.speculate(seq.session, item.epsilon)
                 else:
                     seq.emit(item)
-                item = seq.program.send(None)
+                item = program.send(None)
             if isinstance(item, Propose):
                 seq.asking = item
                 return
@@ -305,22 +310,22 @@ class Engine:
         seq.finished, seq.rows, seq.asking = True, None, None
         seq.emit(last)
 
-    def _step(self, lane: Sessions, batch: list[_Sequence]) -> StageFailure | None:
-        # beside others, a prompt (a plain run wanting the last row's logits) longer than a chunk gets what the
-        # other rows leave of the step
+    def _step(self, lane: Sessions, batch: list[tuple[_Sequence, Rows]]) -> StageFailure | None:
+        # One pass of the lane's sequences (each with its planned rows). Beside others, a prompt (a plain run
+        # wanting the last row's logits) longer than a chunk gets what the other rows leave of the step.
         crowded = self.running() > 1
-        long = [crowded and s.rows.plain and s.rows.last_only and len(s.rows.ids) - s.done > self.MIN_CHUNK
-                for s in batch]
-        others = sum(len(s.rows.ids) - s.done for s, cut in zip(batch, long, strict=True) if not cut)
+        long = [crowded and rows.plain and rows.last_only and len(rows.ids) - s.done > self.MIN_CHUNK
+                for s, rows in batch]
+        others = sum(len(rows.ids) - s.done for (s, rows), cut in zip(batch, long, strict=True) if not cut)
         chunk = max(self.MIN_CHUNK, (self.STEP_ROWS - others) // max(1, sum(long)))
-        works = [self._work(seq, chunk if cut else None) for seq, cut in zip(batch, long, strict=True)]
+        works = [self._work(seq, rows, chunk if cut else None) for (seq, rows), cut in zip(batch, long, strict=True)]
         began = time.perf_counter()
         results = self._pass(lane, works)
         if isinstance(results, StageFailure):
-            return self._fault(batch, results)
+            return self._fault([seq for seq, _ in batch], results)
         seconds = time.perf_counter() - began
         step_rows = sum(len(w.ids) for w in works)
-        for seq, work, result in zip(batch, works, results, strict=True):
+        for (seq, rows), work, result in zip(batch, works, results, strict=True):
             session = seq.session
             if isinstance(result, Exception):
                 self._finish(seq, result)
@@ -329,13 +334,12 @@ class Engine:
             session.passes += 1
             session.shared_with += len(batch) - 1
             logits, hidden = result
-            rows = seq.rows
             if len(work.ids) < len(rows.ids) - seq.done:  # a chunk of a long prompt: more to feed
                 seq.done += len(work.ids)
-                if rows.features:
+                if hidden is not None:  # with features: every chunk's hidden states are kept
                     seq.earlier.append(hidden)
                 continue
-            if seq.earlier:
+            if seq.earlier and hidden is not None:
                 hidden = torch.cat([*seq.earlier, hidden], dim=1)
             seq.rows, seq.done, seq.earlier, seq.faults = None, 0, [], 0
             self._advance(seq, Out(logits, hidden, seconds, len(batch), step_rows))
@@ -355,9 +359,10 @@ class Engine:
                 seq.close()
         return error if any(not seq.finished for seq in batch) else None
 
-    def _work(self, seq: _Sequence, chunk: int | None) -> Work:
+    @staticmethod
+    def _work(seq: _Sequence, rows: Rows, chunk: int | None) -> Work:
         # the sequence's rows for this step: all of them, or the next `chunk` of a plain run
-        rows, session = seq.rows, seq.session
+        session = seq.session
         # a later chunk goes on from where the earlier ones ended
         start = rows.start if seq.done == 0 and rows.start is not None else session.length
         ids = rows.ids[seq.done:]
@@ -367,20 +372,20 @@ class Engine:
         return Work(session, ids, start, rows.positions, rows.mask, rows.last_only, rows.features)
 
     @staticmethod
-    def _pass(lane: Sessions, works: list[Work]) -> list | StageFailure:
+    def _pass(lane: Sessions, works: list[Work]) -> list[Passed | Exception] | StageFailure:
         # Every work's (logits, hidden) or exception: one pass over all of them; when that fails, each alone,
         # so that one sequence's error (its KV budget, say) fails no other. A stage failure fails the step (the
         # stages are re-placed and it runs again) where the cluster can recover, else the works it hit.
         executor = lane.executor
         if len(works) > 1:
             try:
-                return executor.forward_rows(works)
+                return list(executor.forward_rows(works))
             except StageFailure as exc:
                 if lane.recovers:
                     return exc
             except Exception:
                 pass
-        results = []
+        results: list[Passed | Exception] = []
         for work in works:
             try:
                 results.append(executor.forward_work(work))

@@ -112,8 +112,8 @@ class PrefixCache:
         with self._lock:
             self.holders[kept.id] = Holder(kept, True, nbytes=nbytes)
         evicted = []
-        while self.nbytes > self.max_bytes:
-            evicted.append(self.pop_lru())
+        while self.nbytes > self.max_bytes and (oldest := self.pop_lru()) is not None:
+            evicted.append(oldest)
         return evicted
 
     def drop(self, session: Session) -> None:
