@@ -16,7 +16,7 @@ check), DIR/requests.jsonl (every request the soak made and how it ended), DIR/s
 benchmark, not a CI test: measure alone, the machine's load changes the request rates (the checks do not
 depend on them).
 
-Flushing the prefix cache: finished prompts' KV stays in the pool for reuse (model/prefix.py), so the pool's
+Flushing the prefix cache: finished prompts' KV stays in the pool for reuse (engine/prefix.py), so the pool's
 used blocks at idle depend on what ran last. To compare like with like the soak flushes it through the API, by
 memory pressure: enough concurrent completions that each reserve the whole context (max_tokens: what the
 context leaves) and end at their first token (a logit bias on the end token) to exceed the pool, which drops

@@ -36,9 +36,9 @@ def measure_verify_cost(model: str | None, heads: Path, sizes) -> dict[int, floa
 
 def _measure(model: str | None, heads_path: Path, sizes: list[int], context: int = 300, reps: int = 15):
     loaded = load_local(resolve_model(model), "bfloat16", 1.0, ModelThread(os.cpu_count() or 1))
-    runner = loaded.executor
-    heads = runner.thread.run_sync(MedusaModel.load, heads_path, runner.ends)
-    ids = runner.thread.run_sync(lambda: torch.randint(100, 20000, (1, context + max(sizes))))
+    executor = loaded.executor
+    heads = executor.thread.run_sync(MedusaModel.load, heads_path, executor.ends)
+    ids = executor.thread.run_sync(lambda: torch.randint(100, 20000, (1, context + max(sizes))))
 
     def tree_step(logits, hidden):  # the policy's work after a tree pass: two nodes' argmax, the Medusa heads
         for node in range(2):
@@ -46,11 +46,11 @@ def _measure(model: str | None, heads_path: Path, sizes: list[int], context: int
         return heads.propose_batch([(hidden[0, 1], 4)])[0]
 
     async def measure() -> dict[int, float]:
-        session = await runner.open_own(context + max(sizes) + 1)
+        session = await executor.open_own(context + max(sizes) + 1)
         try:
-            await runner.forward(session, ids[:, :context], last_only=True)
+            await executor.forward(session, ids[:, :context], last_only=True)
             chains = {n: Tree([[0] * d for d in range(1, n)]) for n in sizes}  # n nodes: the root and a chain
-            inputs = {n: await runner.call(lambda c=c: (c.positions(context), c.mask(context)))
+            inputs = {n: await executor.call(lambda c=c: (c.positions(context), c.mask(context)))
                       for n, c in chains.items()}
             times = {n: [] for n in sizes}
             for _ in range(reps):
@@ -58,21 +58,21 @@ def _measure(model: str | None, heads_path: Path, sizes: list[int], context: int
                     positions, mask = inputs[n]
                     t0 = time.perf_counter()
                     if n == 1:
-                        await runner.forward(session, ids[:, context:context + n], context, last_only=True,
+                        await executor.forward(session, ids[:, context:context + n], context, last_only=True,
                                              then=lambda logits: int(logits[0, -1].argmax()))
                     else:
-                        await runner.forward(session, ids[:, context:context + n], context, positions, mask,
+                        await executor.forward(session, ids[:, context:context + n], context, positions, mask,
                                              then=tree_step, features=True)
                     times[n].append(time.perf_counter() - t0)
-                    runner.truncate(session, context)
+                    executor.truncate(session, context)
             return {n: statistics.median(v) for n, v in times.items()}
         finally:
-            await runner.release_own(session)
+            await executor.release_own(session)
 
     try:
         return asyncio.run(measure())
     finally:
-        runner.close()
+        executor.close()
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ class MedusaModel:
     @torch.inference_mode()
     def propose_batch(self, requests: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
         """(hidden [H], top) per sequence (a last-layer output, before the final norm) -> each head's `top`
-        best ids [K, top] per sequence: the engine's batched proposer (model/engine.py's Propose). The heads
+        best ids [K, top] per sequence: the engine's batched proposer (engine/program.py's Propose). The heads
         and the restricted LM head run once over every sequence's row: their kernels are row-invariant, so each
         sequence gets the bits it gets alone, and the head's rows are read once per step, not once per
         sequence."""

@@ -162,7 +162,7 @@ class HeadSplitPipeline:
         self.steps[session] = 0
 
     def adopt(self, old: HeadSplitPipeline) -> None:
-        """Take over the sessions of `old`, a placement that lost a device: when the runner opens them here again
+        """Take over the sessions of `old`, a placement that lost a device: when the executor opens them here again
         to rebuild them from their tokens, their tolerance, speculation counts and wire figures carry on."""
         self.carried = {s: (old.epsilons[s], old.stats[s], old.wire_stats.get(s)) for s in old.stats}
 
@@ -192,7 +192,7 @@ class HeadSplitPipeline:
         return {link: (b, n) for link, (b, n) in self.wire_stats.get(session, {}).items()}
 
     def session_bytes(self, session: str) -> None:
-        """Not tracked per session across the devices: the runner estimates."""
+        """Not tracked per session across the devices: the executor estimates."""
         return None
 
     def forward_segments(self, session: str, hidden: torch.Tensor, start: int, cuts: list[int]) -> torch.Tensor:

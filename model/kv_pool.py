@@ -1,7 +1,7 @@
 """A stage's KV pool: every sequence's keys and values live in fixed-size blocks preallocated at load.
 
 The pool is the stage's admission budget. A session reserves, at its open, the blocks its capacity may need, so
-a request that does not fit is refused before it starts (the runner queues it, model/admission.py) and a
+a request that does not fit is refused before it starts (the engine queues it, engine/admission.py) and a
 running one never runs out mid-stream. Blocks are reference-counted: a session forked from another (prefix
 reuse, outline's points after their shared prompt) reads the parent's blocks in place and copies a shared
 block only when it first writes into it. Storage is `torch.empty`, so the operating system commits a block's

@@ -173,7 +173,7 @@ class RemotePipeline:
         return {}
 
     def session_bytes(self, session: str) -> None:
-        """Unknown here (the workers hold the caches): the runner estimates."""
+        """Unknown here (the workers hold the caches): the executor estimates."""
         return None
 
     def kv_bytes(self) -> int:
