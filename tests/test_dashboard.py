@@ -12,11 +12,14 @@ import re
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
+from unittest.mock import Mock
 
 import httpx
 import pytest
 from inprocess import LoopClient, controller_app
 
+from edgespec.decoding.headsplit import HEADSPLIT
+from edgespec.model.headsplit import HeadSplitPipeline
 from edgespec.planning.headsplit import LayerPlace
 
 KEY = "dash-key"
@@ -31,7 +34,7 @@ def served(tiny):
     c = LoopClient(app)
     yield c, service
     c.close()
-    service.loaded.runner.close()
+    service.engine.close()
 
 
 @pytest.fixture
@@ -66,14 +69,14 @@ def test_replans_show_as_events_and_headsplit_groups_per_device(served):
     assert {"reason": "memory", "outcome": "kept", "count": 1.0} in state["replans"]
     assert [(e["kind"], e["text"]) for e in state["events"]][-1] == ("replan", "memory: kept")
 
-    # a HeadSplit placement, once the policy has built its runner: in-process its one device is "local"
+    # a HeadSplit placement, once the engine has built its HeadSplit lane: in-process its one device is "local"
     layers = [LayerPlace({"local": [0, 1]}, "local", "local"), LayerPlace({"local": [0], "w": [1]}, "w", "local", True)]
-    pipeline = SimpleNamespace(layers=layers)
-    service.policies["headsplit"] = SimpleNamespace(runner=SimpleNamespace(runner=SimpleNamespace(pipeline=pipeline)))
+    pipeline = Mock(spec=HeadSplitPipeline, layers=layers)
+    service.engine.lanes[HEADSPLIT] = SimpleNamespace(executor=SimpleNamespace(pipeline=pipeline))
     try:
         state = client.get("/dashboard/state").json()
     finally:
-        del service.policies["headsplit"]
+        del service.engine.lanes[HEADSPLIT]
     assert state["headsplit"][1] == {"layer": 1, "groups": {"local": [0], "w": [1]}, "proj": "w", "ffn": "local",
                                      "speculate": True}
     assert state["devices"][0]["head_groups"] == 3

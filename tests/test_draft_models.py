@@ -17,6 +17,7 @@ from edgespec.decoding.eagle import FeatureDraftModel
 from edgespec.decoding.naive import NaivePolicy
 from edgespec.decoding.speculative import SpeculativePolicy
 from edgespec.decoding.types import GenerationRequest, SamplingParams
+from edgespec.engine.engine import Engine
 from edgespec.model.load import load_local, load_tokenizer
 from edgespec.model.source import resolve_model
 from edgespec.model.thread import ModelThread
@@ -40,14 +41,14 @@ def folders(tmp_path_factory):
 def loaded(folders):
     model = load_local(resolve_model(str(folders[0])), "float32", 1.0, ModelThread(1))
     yield model
-    model.runner.close()
+    model.executor.close()
 
 
 @pytest.fixture(scope="module")
 def drafts(folders, loaded):
-    run = loaded.runner.thread.run_sync
+    run = loaded.executor.thread.run_sync
     eagle = make_feature_drafter(folders[0], folders[0].parent / "eagle.safetensors")
-    return {"eagle": run(FeatureDraftModel.load, "eagle", eagle, loaded.runner.ends),
+    return {"eagle": run(FeatureDraftModel.load, "eagle", eagle, loaded.executor.ends),
             "self": run(DraftModel.load, "self", str(folders[0]), "float32", loaded.tokenizer),
             "other": run(DraftModel.load, "other", str(folders[1]), "float32", loaded.tokenizer),
             "layerskip": run(DraftModel.load, "layerskip", str(folders[0]), "float32", None, [0, 3])}
@@ -58,7 +59,7 @@ def generate(policy, loaded, max_tokens, options=None, **sampling):
                                 frozenset(), policy.name, options or {})
 
     async def collect():
-        return [e async for e in policy.generate(request, loaded.runner, loaded.tokenizer)]
+        return [e async for e in policy.generate(request, Engine(loaded.executor), loaded.tokenizer)]
 
     events = asyncio.run(collect())
     return [t for e in events for t in e.token_ids], events[-1].stats
@@ -78,7 +79,7 @@ def test_model_drafters_give_naive_greedy_tokens(loaded, drafts, drafter):
 def test_sampled_continuations_follow_the_target_distribution(loaded, drafts, drafter):
     # two-token continuations at temperature 0.8, top_k 3: nine outcomes, enumerated exactly from the target
     params = {"temperature": 0.8, "top_k": 3}
-    table = continuation_table(loaded.runner, PROMPT, params, 2)
+    table = continuation_table(loaded.executor, PROMPT, params, 2)
     policy = SpeculativePolicy(drafts)
     n = 1500
     counts = {key: 0 for key in table}

@@ -18,6 +18,7 @@ from edgespec.decoding.naive import NaivePolicy
 from edgespec.decoding.speculative import SpeculativePolicy
 from edgespec.decoding.target_fit import SHIPPED
 from edgespec.decoding.types import GenerationRequest, SamplingParams
+from edgespec.engine.engine import Engine
 from edgespec.model.config import ModelConfig
 from edgespec.model.load import load_local
 from edgespec.model.source import resolve_model
@@ -96,14 +97,14 @@ def test_weights_for_another_model_are_refused(target, tmp_path):
 def smollm2():
     model = load_local(resolve_model(None), "auto", 1.0, ModelThread(1))  # the default format, as served
     yield model
-    model.runner.close()
+    model.executor.close()
 
 
 @pytest.mark.slow
 def test_shipped_drafter_gives_smollm2_greedy_tokens(smollm2):
-    ends = smollm2.runner.ends
-    models = {"eagle": smollm2.runner.thread.run_sync(FeatureDraftModel.load, "eagle",
-                                                       sorted(SHIPPED.glob("*-eagle.safetensors"))[0], ends)}
+    ends = smollm2.executor.ends
+    models = {"eagle": smollm2.executor.thread.run_sync(FeatureDraftModel.load, "eagle",
+                                                         sorted(SHIPPED.glob("*-eagle.safetensors"))[0], ends)}
     tokenizer = smollm2.tokenizer
     text = tokenizer.apply_chat_template([{"role": "user", "content": "How can I improve my time management skills?"}],
                                          tokenize=False, add_generation_prompt=True)
@@ -114,7 +115,7 @@ def test_shipped_drafter_gives_smollm2_greedy_tokens(smollm2):
                                     options)
 
         async def collect():
-            return [e async for e in policy.generate(request, smollm2.runner, smollm2.tokenizer)]
+            return [e async for e in policy.generate(request, Engine(smollm2.executor), smollm2.tokenizer)]
 
         events = asyncio.run(collect())
         return [t for e in events for t in e.token_ids], events[-1].stats

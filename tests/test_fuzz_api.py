@@ -27,7 +27,7 @@ FUZZ = settings(max_examples=30, deadline=None, derandomize=True, suppress_healt
 def app(tiny):
     app, service = controller_app(tiny, api_key=[API_KEY], served_model_name=MODEL)
     yield app
-    service.loaded.runner.close()
+    service.engine.close()
 
 
 @pytest.fixture(scope="module")

@@ -84,7 +84,7 @@ def test_a_turn_end_stops_the_answer(model):
         assert out["usage"]["completion_tokens"] == 6
     finally:
         client.close()
-        service.loaded.runner.close()
+        service.engine.close()
 
 
 def test_llama_cpps_exceptions():

@@ -24,6 +24,7 @@ from edgespec.decoding.sampling import Sampler
 from edgespec.decoding.speculative import SpeculativePolicy
 from edgespec.decoding.types import GenerationRequest, SamplingParams
 from edgespec.decoding.verify import verify
+from edgespec.engine.engine import Engine
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["on", "room", "level"],
           "properties": {"on": {"type": "boolean"}, "room": {"enum": ["kitchen", "hall", "living room"]},
@@ -45,7 +46,7 @@ def generate(policy, loaded, prompt, max_tokens=60, options=None, grammar=None, 
                                 policy.name, options or {}, grammar, trigger)
 
     async def collect():
-        return [e async for e in policy.generate(request, loaded.runner, loaded.tokenizer)]
+        return [e async for e in policy.generate(request, Engine(loaded.executor), loaded.tokenizer)]
 
     events = asyncio.run(collect())
     return [t for e in events for t in e.token_ids], "".join(e.text for e in events), events[-1]
@@ -61,7 +62,7 @@ def heads(tiny, tiny_loaded, naive_json, tmp_path_factory):
     # heads over the tokens naive emits and as many others: they propose allowed and forbidden tokens alike
     vocab = sorted(set(naive_json[0]) | set(range(1000, 1000 + len(set(naive_json[0])))))
     path = make_medusa_heads(tiny, tmp_path_factory.mktemp("medusa") / "heads.safetensors", vocab, WIDE)
-    return tiny_loaded.runner.thread.run_sync(MedusaModel.load, path, tiny_loaded.runner.ends)
+    return tiny_loaded.executor.thread.run_sync(MedusaModel.load, path, tiny_loaded.executor.ends)
 
 
 def test_a_random_model_under_a_grammar_writes_valid_json(naive_json):

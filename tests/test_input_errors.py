@@ -25,7 +25,7 @@ def served(tiny):
     client = LoopClient(app)
     yield client, service
     client.close()
-    service.loaded.runner.close()
+    service.engine.close()
 
 
 @pytest.fixture

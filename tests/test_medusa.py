@@ -20,6 +20,7 @@ from edgespec.decoding.medusa_tree import Tree, grow_tree
 from edgespec.decoding.naive import NaivePolicy
 from edgespec.decoding.target_fit import SHIPPED
 from edgespec.decoding.types import GenerationRequest, SamplingParams
+from edgespec.engine.engine import Engine
 
 PROMPT = [(i % 7) + 100 for i in range(30)]
 WIDE = [[0], [1], [2], [3], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 1, 0], [1, 0, 0]]
@@ -31,7 +32,7 @@ def generate(policy, loaded, prompt, max_tokens, options=None, stop=(), **sampli
                                 frozenset(), policy.name, options or {})
 
     async def collect():
-        return [e async for e in policy.generate(request, loaded.runner, loaded.tokenizer)]
+        return [e async for e in policy.generate(request, Engine(loaded.executor), loaded.tokenizer)]
 
     events = asyncio.run(collect())
     return [t for e in events for t in e.token_ids], events[-1]
@@ -47,7 +48,7 @@ def heads(tiny, tiny_loaded, naive_tokens, tmp_path_factory):
     # a vocabulary of the tokens naive emits plus as many others: the random heads then hit now and then
     vocab = sorted(set(naive_tokens) | set(range(1000, 1000 + len(set(naive_tokens)))))
     path = make_medusa_heads(tiny, tmp_path_factory.mktemp("medusa") / "heads.safetensors", vocab, WIDE)
-    return tiny_loaded.runner.thread.run_sync(MedusaModel.load, path, tiny_loaded.runner.ends)
+    return tiny_loaded.executor.thread.run_sync(MedusaModel.load, path, tiny_loaded.executor.ends)
 
 
 def test_tree_layout_mask_and_positions():
@@ -83,25 +84,25 @@ def test_grown_tree_takes_the_likeliest_paths():
 
 
 def test_a_tree_pass_gives_each_node_its_paths_logits(tiny_loaded):
-    runner = tiny_loaded.runner
+    executor = tiny_loaded.executor
     tree = Tree(WIDE)
     node_tokens = [5, *range(200, 200 + len(WIDE))]
 
     async def passes():
-        session = await runner.open(64)
+        session = await executor.open_own(64)
         try:
-            await runner.forward(session, torch.tensor([PROMPT]))
+            await executor.forward(session, torch.tensor([PROMPT]))
             start = len(PROMPT)
-            got = await runner.forward(session, torch.tensor([node_tokens]), start, tree.positions(start),
-                                       tree.mask(start))
+            got = await executor.forward(session, torch.tensor([node_tokens]), start, tree.positions(start),
+                                         tree.mask(start))
             want = []
             for node in range(len(tree)):
                 seq = [node_tokens[n] for n in tree.ancestors[node]]
-                runner.truncate(session, start)
-                want.append((await runner.forward(session, torch.tensor([seq]), start))[0, -1])
+                executor.truncate(session, start)
+                want.append((await executor.forward(session, torch.tensor([seq]), start))[0, -1])
             return got[0], torch.stack(want)
         finally:
-            await runner.release(session)
+            await executor.release_own(session)
 
     got, want = asyncio.run(passes())
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -130,11 +131,11 @@ def test_sampled_continuations_follow_the_target_distribution(tiny, tiny_loaded,
     # three-token continuations at temperature 0.8, top_k 3: 27 outcomes, enumerated exactly from the target;
     # the heads propose only the ids of that support, so the third token often comes from a tree node
     params = {"temperature": 0.8, "top_k": 3}
-    runner = tiny_loaded.runner
-    table = continuation_table(runner, PROMPT, params, 3)
+    executor = tiny_loaded.executor
+    table = continuation_table(executor, PROMPT, params, 3)
     vocab = sorted({t for key in table for t in key})
     path = make_medusa_heads(tiny, tmp_path / "support.safetensors", vocab, [[0], [1], [2], [0, 0], [1, 0]], seed=3)
-    policy = MedusaPolicy(runner.thread.run_sync(MedusaModel.load, path, runner.ends))
+    policy = MedusaPolicy(executor.thread.run_sync(MedusaModel.load, path, executor.ends))
     n = 1500
     counts = {key: 0 for key in table}
     accepted = 0
@@ -172,14 +173,14 @@ def test_heads_for_another_model_are_refused(tiny, tiny_loaded, tmp_path):
     make_tiny_model(other, seed=9, vocab_size=49152, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
     path = make_medusa_heads(other, tmp_path / "other.safetensors", [1, 2, 3], [[0]])
     with pytest.raises(ValueError, match="another model"):
-        MedusaModel.load(path, tiny_loaded.runner.ends)
+        MedusaModel.load(path, tiny_loaded.executor.ends)
     deep = make_medusa_heads(tiny, tmp_path / "deep.safetensors", [1, 2, 3], [[0], [0, 0], [0, 0, 0]], n_heads=2)
     with pytest.raises(ValueError, match="3 deep"):
-        MedusaModel.load(deep, tiny_loaded.runner.ends)
+        MedusaModel.load(deep, tiny_loaded.executor.ends)
     shipped = sorted(SHIPPED.glob("*-medusa.safetensors"))
     assert shipped, "the trained heads for SmolLM2 ship with the package"
     with pytest.raises(ValueError, match="hidden size 576"):
-        MedusaModel.load(shipped[0], tiny_loaded.runner.ends)
+        MedusaModel.load(shipped[0], tiny_loaded.executor.ends)
     run = subprocess.run([sys.executable, "-m", "edgespec.server.cli", "serve", "--model", str(tiny), "--port", "0",
                           "--medusa", str(path)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "trained for another model" in run.stderr

@@ -1,7 +1,8 @@
 """The outline policy: requests it cannot serve fall back and say why (tiny model); on SmolLM2 in the served
-format the points of a real outline, each a sequence forked from the prompt they share and decoded in the
-engine's shared steps, each get exactly the tokens expanding them alone gives, and the answer streams point
-by point in order; the shared budget gives what one point leaves to the others."""
+format the points of a real outline, each a sequence started from the blocks of the prompt they share (the
+prefix cache) and decoded in the engine's shared steps, each get exactly the tokens expanding them alone
+gives, and the answer streams point by point in order; the shared budget gives what one point leaves to the
+others."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from edgespec.decoding.outline import OutlinePolicy, chat_ids, common_prefix
 from edgespec.decoding.outline_points import SharedBudget
 from edgespec.decoding.outline_text import cut_outline, expansion_messages, outline_messages, parse_outline
 from edgespec.decoding.types import GenerationRequest, SamplingParams
+from edgespec.engine.engine import Engine
+from edgespec.engine.prefix import PrefixCache
 from edgespec.model.load import load_local
 from edgespec.model.source import resolve_model
 from edgespec.model.thread import ModelThread
@@ -25,7 +28,14 @@ def run(policy, loaded, prompt, max_tokens, question=None, options=None):
                                 policy.name, (options or {}) | ({"question": question} if question else {}))
 
     async def collect():
-        return [e async for e in policy.generate(request, loaded.runner, loaded.tokenizer)]
+        # as served: the points share their prompt's blocks through the prefix cache (a fresh one each run, so
+        # that a run alone computes its whole prompt)
+        engine = Engine(loaded.executor, PrefixCache(2**28))
+        try:
+            return [e async for e in policy.generate(request, engine, loaded.tokenizer)]
+        finally:  # the kept blocks go back to the shared model's pool (the engine is dropped, not closed)
+            while (kept := engine.prefix.pop_lru()) is not None:
+                await loaded.executor.thread.run(loaded.executor.release, kept)
 
     return asyncio.run(collect())
 
@@ -107,7 +117,7 @@ def test_requests_outline_cannot_serve_fall_back(tiny_loaded, question):
 def smollm2():
     model = load_local(resolve_model(None), "auto", 1.0, ModelThread(2))  # the default format, as served
     yield model
-    model.runner.close()
+    model.executor.close()
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +128,7 @@ def verifiers(smollm2):
     from edgespec.decoding.target_fit import SHIPPED
 
     path = next(SHIPPED.glob("smollm2-135m-instruct-medusa.safetensors"))
-    heads = smollm2.runner.thread.run_sync(MedusaModel.load, path, smollm2.runner.ends)
+    heads = smollm2.executor.thread.run_sync(MedusaModel.load, path, smollm2.executor.ends)
     return {"medusa": MedusaPolicy(heads), "speculative": SpeculativePolicy()}
 
 

@@ -8,7 +8,7 @@ import sys
 
 
 def test_the_distribution_has_one_import_name(tmp_path):
-    code = ("import importlib.util as u, edgespec.server.cli, edgespec.model.engine; "
+    code = ("import importlib.util as u, edgespec.server.cli, edgespec.engine.engine; "
             "print(*(u.find_spec(n) is None for n in ('model', 'server', 'workers', 'decoding', 'planning')))")
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr

@@ -145,12 +145,13 @@ def test_medusa_over_workers_equals_naive(tiny, tiny_loaded, tmp_path):
 
     from edgespec.decoding.naive import NaivePolicy
     from edgespec.decoding.types import GenerationRequest, SamplingParams
+    from edgespec.engine.engine import Engine
 
     prompt = [(i % 7) + 100 for i in range(30)]
     request = GenerationRequest(prompt, 40, SamplingParams(temperature=0.0))
 
     async def naive():
-        return [t async for e in NaivePolicy().generate(request, tiny_loaded.runner, tiny_loaded.tokenizer)
+        return [t async for e in NaivePolicy().generate(request, Engine(tiny_loaded.executor), tiny_loaded.tokenizer)
                 for t in e.token_ids]
 
     tokens = asyncio.run(naive())

@@ -109,7 +109,7 @@ def qwen3(tmp_path_factory):
     client = LoopClient(app)
     yield client, tok, service
     client.close()
-    service.loaded.runner.close()
+    service.engine.close()
 
 
 def chat(client, **body) -> dict:

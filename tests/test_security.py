@@ -74,7 +74,7 @@ def controller(tiny, tmp_path_factory):
     client = LoopClient(app)
     yield client, service
     client.close()
-    service.loaded.runner.close()
+    service.engine.close()
 
 
 def test_every_api_key_opens_the_v1_routes_and_nothing_else_does(controller, compared):

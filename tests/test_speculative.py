@@ -15,6 +15,7 @@ from edgespec.decoding.drafters import NgramDrafter
 from edgespec.decoding.naive import NaivePolicy
 from edgespec.decoding.speculative import SpeculativePolicy
 from edgespec.decoding.types import GenerationRequest, SamplingParams
+from edgespec.engine.engine import Engine
 
 # Repetitive prompts: the n-gram drafter finds matches, so runs of accepted drafts happen.
 PROMPTS = [[(i % 7) + 100 for i in range(40)], [5, 6, 7, 8] * 6 + [9, 10], list(range(300, 340))]
@@ -25,7 +26,7 @@ def run(policy, tiny_loaded, prompt, max_tokens=40, stop=(), options=None, **sam
                                 frozenset(), policy.name, options or {})
 
     async def collect():
-        return [e async for e in policy.generate(request, tiny_loaded.runner, tiny_loaded.tokenizer)]
+        return [e async for e in policy.generate(request, Engine(tiny_loaded.executor), tiny_loaded.tokenizer)]
 
     events = asyncio.run(collect())
     return [t for e in events for t in e.token_ids], "".join(e.text for e in events), events[-1]

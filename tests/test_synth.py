@@ -109,14 +109,14 @@ def forward_with_layers(folder: Path, weights: str, ids: list[int]) -> tuple[tor
     try:
         outputs = []
         hooks = [layer.register_forward_hook(lambda _m, _i, out: outputs.append(out.detach().clone()))
-                 for stage in model.runner.pipeline.stages for layer in stage.stack.layers]
+                 for stage in model.executor.pipeline.stages for layer in stage.stack.layers]
 
         async def run() -> torch.Tensor:
-            session = await model.runner.open(len(ids))
+            session = await model.executor.open_own(len(ids))
             try:
-                return await model.runner.forward(session, torch.tensor([ids]))
+                return await model.executor.forward(session, torch.tensor([ids]))
             finally:
-                await model.runner.release(session)
+                await model.executor.release_own(session)
 
         logits = asyncio.run(run())
         for h in hooks:
@@ -124,7 +124,7 @@ def forward_with_layers(folder: Path, weights: str, ids: list[int]) -> tuple[tor
         assert model.cfg.vocab_size == VOCAB
         return logits, outputs
     finally:
-        model.runner.close()
+        model.executor.close()
 
 
 @pytest.mark.parametrize(("key", "weights"), [("q4_1-a", "auto"), ("q4_1-a", "q8_0"), ("float32-a", "float32"),

@@ -230,7 +230,7 @@ def llama(tmp_path_factory):
     sdk, loop, service, tok = serve(tmp_path_factory.mktemp("llama32"), TEMPLATES["3.2"])
     yield sdk, tok, service
     loop.close()
-    service.loaded.runner.close()
+    service.engine.close()
 
 
 def create(sdk, messages=ASKED, **body):
@@ -347,5 +347,5 @@ def test_a_template_without_tools_gets_the_polyfill(tmp_path):
         assert "<tool_call>[" in service.tokenizer.decode(prompt)  # SmolLM2's trained block, in the system turn
     finally:
         loop.close()
-        service.loaded.runner.close()
+        service.engine.close()
 
