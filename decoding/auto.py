@@ -17,6 +17,9 @@ class AutoPolicy:
         """outline: the outline policy; default: the policy for everything else."""
         self.outline, self.default = outline, default
 
+    def check(self, options: dict) -> None:
+        """`question` is checked as every policy's (server/service.py)."""
+
     async def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
         question = request.policy_options.get("question")
         if request.grammar is not None:

@@ -15,6 +15,9 @@ class NaivePolicy:
     name = "naive"
     options = frozenset()
 
+    def check(self, options: dict) -> None:
+        """No options to check."""
+
     def summary(self, model: ModelRunner, session) -> dict:
         """Figures of the session to add to the final statistics (on the model thread)."""
         return {}

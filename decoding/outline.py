@@ -73,8 +73,7 @@ class OutlinePolicy:
         verify = options.get("verify", "none")
         if verify not in self.verifiers:
             raise ValueError(f"verify must be one of {', '.join(sorted(self.verifiers))}, got {verify!r}")
-        if hasattr(self.verifiers[verify], "check"):
-            self.verifiers[verify].check({})
+        self.verifiers[verify].check({})
 
     @staticmethod
     def _point_options(verify: str, points: int, pass_tokens: int) -> dict:

@@ -23,6 +23,10 @@ class DecodingPolicy(Protocol):
     name: str
     options: frozenset[str]  # the policy options a request may set in its `decoding` object
 
+    def check(self, options: dict) -> None:
+        """Raise ValueError for option values this policy cannot use (the names are checked against `options`
+        before)."""
+
     def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer) -> AsyncIterator[TokenEvent]:
         """Async generator of events; the last one has a finish_reason and the statistics."""
 

@@ -167,7 +167,7 @@ class CompletionService:
             raise APIError(400, f"unknown option(s) {', '.join(unknown)} for decoding policy {chosen.name!r} "
                                 f"(accepted: {accepted})", "decoding", "invalid_policy_option")
         try:
-            getattr(chosen, "check", lambda _: None)(options)
+            chosen.check(options)
         except ValueError as exc:
             raise APIError(400, f"decoding policy {chosen.name!r}: {exc}", "decoding", "invalid_policy_option") from exc
         if chosen.name == "outline" and grammar is not None:
