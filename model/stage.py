@@ -19,11 +19,12 @@ from edgespec.model.stack import LayerStack
 
 
 class StageFailure(RuntimeError):
-    """A stage failed, timed out or could not be reached (a worker, say); `status` is the HTTP status to report."""
+    """A stage failed, timed out or could not be reached (a worker, say); `status` is the HTTP status to report,
+    `code` the worker's own error code where a worker refused (workers/errors.py: "not_assigned", say)."""
 
-    def __init__(self, message: str, status: int = 502):
+    def __init__(self, message: str, status: int = 502, code: str | None = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.code = status, code
 
 
 class ClusterFault(StageFailure):

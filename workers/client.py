@@ -84,7 +84,7 @@ class RemotePipeline:
             try:
                 self.links.request([(w.name, w.url)], header | {"layers": [w.first, w.last]})
             except StageFailure as exc:
-                if getattr(exc, "code", None) != "not_assigned":
+                if exc.code != "not_assigned":
                     raise
                 self.assign(w)  # the worker restarted: give it its layers back, then open again
                 self.links.request([(w.name, w.url)], header | {"layers": [w.first, w.last]})
