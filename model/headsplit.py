@@ -108,7 +108,7 @@ class HeadSplitPipeline:
 
     A device has `start_attend(session, layer, x, positions, start, mask, step)` and `start_ffn(layer, z)`, each
     returning a pending call whose `result()` is the tensor (or raises the device's failure), and `open`,
-    `release`. With `gathered`, the devices are workers that run the schedule themselves (`run` at each layer's
+    `release`, `kv_bytes` (0 for a worker's: the worker counts its own). With `gathered`, the devices are workers that run the schedule themselves (`run` at each layer's
     projection device, which calls its peers directly): the controller hands a step to the first layer's
     projection worker and gets the last layer's output back, with one more hop only where the projection device
     changes. `close()` frees what reaching the devices holds.
@@ -191,7 +191,7 @@ class HeadSplitPipeline:
         return segments_in_turn(self, session, hidden, start, cuts)
 
     def kv_bytes(self) -> int:
-        return sum(getattr(d, "kv_bytes", lambda: 0)() for d in self.devices.values())
+        return sum(d.kv_bytes() for d in self.devices.values())
 
     def pool_blocks(self) -> tuple[int, int]:
         return 0, 0  # a device holds each session's groups in caches of their own (model/head_blocks.py)
