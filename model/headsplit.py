@@ -108,7 +108,8 @@ class HeadSplitPipeline:
 
     A device has `start_attend(session, layer, x, positions, start, mask, step)` and `start_ffn(layer, z)`, each
     returning a pending call whose `result()` is the tensor (or raises the device's failure), and `open`,
-    `release`, `kv_bytes` (0 for a worker's: the worker counts its own). With `gathered`, the devices are workers that run the schedule themselves (`run` at each layer's
+    `release`, `kv_bytes` (0 for a worker's: the worker counts its own).
+    With `gathered`, the devices are workers that run the schedule themselves (`run` at each layer's
     projection device, which calls its peers directly): the controller hands a step to the first layer's
     projection worker and gets the last layer's output back, with one more hop only where the projection device
     changes. `close()` frees what reaching the devices holds.

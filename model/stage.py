@@ -168,7 +168,7 @@ class LocalStage:
 class Pipeline:
     """Stages in layer order, used as one stage: each stage's output is the next one's input."""
 
-    def __init__(self, stages: list):
+    def __init__(self, stages: list[LocalStage]):
         self.stages = stages
 
     def forward(self, session, hidden, positions, start, mask=None):
@@ -181,21 +181,21 @@ class Pipeline:
             hidden = stage.forward_batch(entries, hidden, positions)
         return hidden
 
-    def _each(self, op: str, *args) -> None:
-        for stage in self.stages:
-            getattr(stage, op)(*args)
-
     def open(self, session: str, capacity: int) -> None:
-        self._each("open", session, capacity)
+        for stage in self.stages:
+            stage.open(session, capacity)
 
     def commit(self, session: str, kept: list[int], dest: int) -> None:
-        self._each("commit", session, kept, dest)
+        for stage in self.stages:
+            stage.commit(session, kept, dest)
 
     def fork(self, session: str, child: str, prefix_len: int, capacity: int) -> None:
-        self._each("fork", session, child, prefix_len, capacity)
+        for stage in self.stages:
+            stage.fork(session, child, prefix_len, capacity)
 
     def release(self, session: str) -> None:
-        self._each("release", session)
+        for stage in self.stages:
+            stage.release(session)
 
     def forward_segments(self, session: str, hidden: torch.Tensor, start: int, cuts: list[int]) -> torch.Tensor:
         return segments_in_turn(self, session, hidden, start, cuts)  # in-process nothing overlaps them
