@@ -17,6 +17,7 @@ from contextlib import aclosing
 from edgespec.decoding.naive import NaivePolicy
 from edgespec.decoding.types import GenerationRequest
 from edgespec.model.runner import ModelRunner
+from edgespec.planning.headsplit import LayerPlace
 
 
 class LazyRunner:
@@ -32,6 +33,10 @@ class LazyRunner:
             if self.runner is None:
                 self.runner = await asyncio.to_thread(self.build)
             return self.runner
+
+    def placement(self) -> list[LayerPlace] | None:
+        """Where the blocks are now (re-placements included); None until the runner is built."""
+        return None if self.runner is None else self.runner.pipeline.layers
 
     def close(self) -> None:
         if self.runner is not None:
@@ -51,6 +56,10 @@ class HeadSplitPolicy(NaivePolicy):
         eps = options.get("epsilon", self.epsilon)
         if isinstance(eps, bool) or not isinstance(eps, int | float) or not math.isfinite(eps) or eps < 0:
             raise ValueError(f"epsilon must be a finite number >= 0, got {eps!r}")
+
+    def placement(self) -> list[LayerPlace] | None:
+        """Where the blocks are now; None until the first request built them, or without HeadSplit."""
+        return None if self.runner is None else self.runner.placement()
 
     def generate(self, request: GenerationRequest, model: ModelRunner, tokenizer):
         return self._generate(request, tokenizer)

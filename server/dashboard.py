@@ -16,6 +16,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from edgespec.decoding.headsplit import HeadSplitPolicy
+
 HISTORY = 20  # plan changes and re-plan events the state keeps for the page's log
 
 
@@ -239,9 +241,8 @@ class Dashboard:
     def _headsplit(self) -> list[HeadSplitLayer] | None:
         # The headsplit policy's runner is built at its first request (decoding/headsplit.py, LazyRunner): until
         # then there is no placement to show.
-        lazy = getattr(self.service.policies.get("headsplit"), "runner", None)
-        pipeline = getattr(getattr(lazy, "runner", None), "pipeline", None)
-        layers = getattr(pipeline, "layers", None)
+        policy = self.service.policies.get("headsplit")
+        layers = policy.placement() if isinstance(policy, HeadSplitPolicy) else None
         if not layers:
             return None
         return [HeadSplitLayer(layer=i, groups={d: list(g) for d, g in lp.groups.items()}, proj=lp.proj, ffn=lp.ffn,
