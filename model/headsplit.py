@@ -36,7 +36,7 @@ from edgespec.model.config import ModelConfig
 from edgespec.model.drift import relative_drift
 from edgespec.model.head_blocks import HeadBlocks, attn_out_norms
 from edgespec.model.kv_format import FLOAT32, KVFormat
-from edgespec.model.stage import forward_each, segments_in_turn
+from edgespec.model.stage import WireFigures, forward_each, segments_in_turn
 from edgespec.model.weights import TensorSource
 from edgespec.planning.headsplit import LayerPlace
 
@@ -102,7 +102,7 @@ class SpeculationStats:
     discarded: list[int] = field(default_factory=list)
 
 
-class HeadSplitPipeline:
+class HeadSplitPipeline(WireFigures):
     """The HeadSplit schedule over a placement's devices (HeadBlocks in-process, or worker proxies with the same
     calls), with the Stage seam's open / forward / release.
 
@@ -179,14 +179,6 @@ class HeadSplitPipeline:
         self.wire_stats.pop(session, None)
         self.lengths.pop(session, None)
         self.steps.pop(session, None)
-
-    def wire(self, session: str) -> dict[str, tuple[int, int]]:
-        """Bytes and requests per link that the session's steps have sent so far (workers only)."""
-        return {link: (b, n) for link, (b, n) in self.wire_stats.get(session, {}).items()}
-
-    def session_bytes(self, session: str) -> None:
-        """Not tracked per session across the devices: the runner estimates."""
-        return None
 
     def forward_segments(self, session: str, hidden: torch.Tensor, start: int, cuts: list[int]) -> torch.Tensor:
         return segments_in_turn(self, session, hidden, start, cuts)

@@ -78,6 +78,22 @@ def segments_in_turn(stage, session: str, hidden: torch.Tensor, start: int, cuts
     return torch.cat(outs, dim=1)
 
 
+class WireFigures:
+    """The per-session figures of a pipeline whose devices may be workers (workers/client.py's RemotePipeline,
+    model/headsplit.py's HeadSplitPipeline): what its steps sent over each link, counted by the pipeline in
+    `wire_stats`, and no per-session KV bytes (the caches are spread over the devices: the runner estimates)."""
+
+    wire_stats: dict[str, dict[str, list[int]]]  # session -> link -> [bytes, requests]
+
+    def wire(self, session: str) -> dict[str, tuple[int, int]]:
+        """Bytes and requests per link that the session's steps have sent so far (workers only)."""
+        return {link: (b, n) for link, (b, n) in self.wire_stats.get(session, {}).items()}
+
+    def session_bytes(self, session: str) -> None:
+        """Not known here: the runner estimates."""
+        return None
+
+
 class Stage(Protocol):
     """Decoder layers plus per-session KV caches."""
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import httpx
 import torch
 
-from edgespec.model.stage import StageFailure
+from edgespec.model.stage import StageFailure, WireFigures
 from edgespec.workers.frames import pack
 from edgespec.workers.uplink import Uplinks
 from edgespec.workers.wire import BatchMessage, decode, encode, encode_batch
@@ -33,7 +33,7 @@ class WorkerRef:
     last: int
 
 
-class RemotePipeline:
+class RemotePipeline(WireFigures):
     """Workers in layer order, used as one Stage by the ModelRunner."""
 
     def __init__(self, workers: list[WorkerRef], token: str, model: str | None, dtype: str, timeout_s: float = 60.0,
@@ -162,13 +162,6 @@ class RemotePipeline:
         self.links.mailbox.drop(session)
         for w in self.workers:
             self.links.link(w.name, w.url).send_if_linked(pack({"op": "release", "session": session}))
-
-    def wire(self, session: str) -> dict[str, tuple[int, int]]:
-        return {link: (b, n) for link, (b, n) in self.wire_stats.get(session, {}).items()}
-
-    def session_bytes(self, session: str) -> None:
-        """Unknown here (the workers hold the caches): the runner estimates."""
-        return None
 
     def kv_bytes(self) -> int:
         return 0  # held on the workers: see their /info
