@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgespec.workers.auth import bearer_ok, proof
 from edgespec.workers.bodies import AssignBody, LinkBody, ProfileBody
+from edgespec.workers.counted_body import CountedBody
 from edgespec.workers.discovery import announced
 from edgespec.workers.errors import ERRORS
 from edgespec.workers.head_relay import HeadRelay
@@ -88,25 +89,16 @@ class _TokenAndLimits:
         if length and length.isdigit() and int(length) > limit:
             await too_large(scope, receive, send)
             return
-        received, exceeded = 0, False
-
-        async def receive_counted():
-            nonlocal received, exceeded
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    exceeded = True
-                    raise BodyError(f"more than {limit} bytes")  # answered below, whatever the app made of it
-            return message
+        # answered below, whatever the app made of it
+        body = CountedBody(receive, limit, lambda: BodyError(f"more than {limit} bytes"))
 
         async def send_checked(message):
-            if not exceeded:
+            if not body.exceeded:
                 await send(message)
             elif message["type"] == "http.response.start":
                 await too_large(scope, receive, send)
 
-        await self.app(scope, receive_counted, send_checked)
+        await self.app(scope, body.receive, send_checked)
 
 
 def create_worker_app(settings: WorkerSettings) -> FastAPI:
