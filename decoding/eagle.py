@@ -98,6 +98,7 @@ class FeatureDrafter:
     """One request's drafter: its own one-layer KV cache, and the target's features at accepted positions."""
 
     on_model_thread = True
+    reads_features = True
 
     def __init__(self, model: FeatureDraftModel, params: SamplingParams, capacity: int):
         self.model, self.name = model, model.name

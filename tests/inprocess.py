@@ -25,8 +25,8 @@ def controller_app(model: str, **settings):
     from edgespec.model.thread import ModelThread
     from edgespec.server.app import create_app
     from edgespec.server.boot import build_engine
-    from edgespec.server.replanner import prefill_cuts
     from edgespec.server.metrics import Metrics
+    from edgespec.server.replanner import prefill_cuts
     from edgespec.server.service import CompletionService
     from edgespec.server.settings import ServeSettings
 

@@ -17,6 +17,7 @@ import httpx
 import pytest
 from inprocess import LoopClient, controller_app
 
+from edgespec.decoding.headsplit import HeadSplitPolicy, LazyRunner
 from edgespec.planning.headsplit import LayerPlace
 
 KEY = "dash-key"
@@ -68,8 +69,9 @@ def test_replans_show_as_events_and_headsplit_groups_per_device(served):
 
     # a HeadSplit placement, once the policy has built its runner: in-process its one device is "local"
     layers = [LayerPlace({"local": [0, 1]}, "local", "local"), LayerPlace({"local": [0], "w": [1]}, "w", "local", True)]
-    pipeline = SimpleNamespace(layers=layers)
-    service.policies["headsplit"] = SimpleNamespace(runner=SimpleNamespace(runner=SimpleNamespace(pipeline=pipeline)))
+    lazy = LazyRunner(build=lambda: None)  # a runner already built, over a pipeline of that placement:
+    lazy.runner = SimpleNamespace(pipeline=SimpleNamespace(layers=layers))
+    service.policies["headsplit"] = HeadSplitPolicy(lazy)
     try:
         state = client.get("/dashboard/state").json()
     finally:
