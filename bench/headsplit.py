@@ -55,9 +55,10 @@ from edgespec.bench.headsplit_net import (
     worker_cpus,
 )
 from edgespec.bench.headsplit_sim import depth_alphas, predict_setting
-from edgespec.decoding.distill_data import generate_answers, training_prompts
-from edgespec.decoding.headsplit_profile import held_out_perplexity, load_profile
+from edgespec.decoding.headsplit_profile import load_profile
 from edgespec.decoding.outline import chat_ids
+from edgespec.decoding.training.distill_data import generate_answers, training_prompts
+from edgespec.decoding.training.profile_headsplit import held_out_perplexity
 from edgespec.model.config import ModelConfig
 from edgespec.model.source import ModelFiles, resolve_model
 from edgespec.model.stack import LayerStack, TokenEnds

@@ -85,6 +85,7 @@ class ModelDrafter:
     """One request's drafter over a DraftModel."""
 
     on_model_thread = True
+    reads_features = False
 
     def __init__(self, model: DraftModel, params: SamplingParams, capacity: int):
         self.model, self.name = model, model.name
@@ -119,3 +120,6 @@ class ModelDrafter:
                 logits = self._feed(drafts[-1:])
         # greedy drafts are point masses: the rule needs no distributions
         return drafts, None if self.greedy or not qs else torch.stack(qs)
+
+    def observe(self, start: int, hidden: torch.Tensor) -> None:
+        """Reads no features: the draft model computes its own."""

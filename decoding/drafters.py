@@ -1,7 +1,8 @@
 """Drafters: cheap proposals of the next K tokens for speculative decoding.
 
 A drafter sees the whole sequence so far (prompt and output) and returns up to K token ids, and the
-distributions it drew them from, or None when its proposals are point masses (no probabilities).
+distributions it drew them from, or None when its proposals are point masses (no probabilities). The drafters:
+NgramDrafter here, decoding/draft_model.py's ModelDrafter, decoding/eagle.py's FeatureDrafter.
 """
 
 from __future__ import annotations
@@ -12,10 +13,18 @@ import torch
 
 
 class Drafter(Protocol):
+    """What speculative decoding asks of a drafter (decoding/speculative.py)."""
+
     name: str
+    on_model_thread: bool  # it computes with a model (on the model thread): skipped in a step shared with others
+    reads_features: bool  # it follows the target's last hidden states: the target's passes return them for observe
 
     def propose(self, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
         """Up to k draft tokens continuing `tokens`, and their distributions [k, V] (or None: point masses)."""
+
+    def observe(self, start: int, hidden: torch.Tensor) -> None:
+        """The target's last-layer outputs hidden [T, H] at positions start..start+T-1 (accepted ones only);
+        called only where reads_features."""
 
 
 class NgramDrafter:
@@ -26,6 +35,8 @@ class NgramDrafter:
     ends, so a lookup costs the same however long the context is."""
 
     name = "ngram"
+    on_model_thread = False
+    reads_features = False
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n
@@ -45,18 +56,5 @@ class NgramDrafter:
                 return tokens[e:e + k], None
         return [], None
 
-
-class LookupFirst:
-    """n-gram prompt lookup where the sequence's last n tokens occurred before (a copy in progress), else the
-    model drafter `fallback`. Which one proposed is a per-step choice, so the rule stays exact either way."""
-
-    def __init__(self, fallback, n: int = 3):
-        self.fallback, self.lookup = fallback, NgramDrafter(max_n=n, min_n=n)
-        self.name = f"{fallback.name}+ngram"
-        self.on_model_thread = getattr(fallback, "on_model_thread", False)
-        if hasattr(fallback, "observe"):  # a feature drafter follows the target's hidden states either way
-            self.observe = fallback.observe
-
-    def propose(self, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
-        drafts, q = self.lookup.propose(tokens, k)
-        return (drafts, q) if drafts else self.fallback.propose(tokens, k)
+    def observe(self, start: int, hidden: torch.Tensor) -> None:
+        """Reads no features."""

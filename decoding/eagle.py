@@ -11,7 +11,7 @@ At draft index i the drafter reads (g_{i-1}, embedding of x_i) and predicts g_i,
 The head is restricted to the `vocab` ids the target most often emits (its full 49k-row head costs as much as
 eight of its layers); drafts outside it are simply never proposed, which keeps the rule exact.
 
-Trained by `edgespec train-drafter` (decoding/train_drafter.py); the file holds the fc and layer weights,
+Trained by `edgespec train-drafter` (decoding/training/train_drafter.py); the file holds the fc and layer weights,
 the vocabulary ids and a fingerprint of the target's embedding, checked at load.
 """
 
@@ -98,6 +98,7 @@ class FeatureDrafter:
     """One request's drafter: its own one-layer KV cache, and the target's features at accepted positions."""
 
     on_model_thread = True
+    reads_features = True
 
     def __init__(self, model: FeatureDraftModel, params: SamplingParams, capacity: int):
         self.model, self.name = model, model.name

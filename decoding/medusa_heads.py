@@ -8,7 +8,7 @@ verification pass returns anyway.
 
 The readout is restricted to the `vocab` ids the target most often emits (the full 49k-row head would cost
 K times what one of its layers costs per step); ids outside it are never proposed, which only makes a tree
-miss where the heads might have hit. Trained by `edgespec train-medusa` (decoding/train_medusa.py); the file
+miss where the heads might have hit. Trained by `edgespec train-medusa` (decoding/training/train_medusa.py); the file
 holds the blocks, the vocabulary, the default candidate tree and a fingerprint of the target, checked at load.
 """
 

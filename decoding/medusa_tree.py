@@ -1,4 +1,5 @@
-"""Medusa's candidate tree: its layout, the attention mask and positions of a tree pass, and how to choose one.
+"""Medusa's candidate tree: its layout, and the attention mask and positions of a tree pass (train-medusa
+chooses the default one: decoding/training/train_medusa.py).
 
 A tree is a list of paths of top-k ranks: [1, 0] is "head 1's second-best token, then head 2's best". Node 0
 is the root, the token the target chose last (not cached yet); node i > 0 is paths[i - 1] in the order
@@ -64,21 +65,3 @@ class Tree:
     def positions(self, start: int) -> torch.Tensor:
         """RoPE positions of the nodes: [1, T], start + depth."""
         return (start + torch.tensor(self.depths)).unsqueeze(0)
-
-
-def grow_tree(path_freq, size: int) -> list[tuple[list[int], float]]:
-    """Medusa's greedy tree construction: from the root, repeatedly add the child of a node already in the tree
-    whose path has the highest estimated acceptance, `size` times. path_freq(path) -> the share of positions
-    at which the target's tokens follow `path` (all its ranks right at once). Returns the paths in the order
-    added, each with its share; the sum of the shares of a tree's nodes is its expected accepted length."""
-    chosen: list[tuple[list[int], float]] = []
-    frontier = {(0,): path_freq([0])}
-    while frontier and len(chosen) < size:
-        best = max(frontier, key=lambda p: (frontier[p], -len(p)))
-        share = frontier.pop(best)
-        if share <= 0:
-            break
-        chosen.append((list(best), share))
-        frontier[(*best, 0)] = path_freq([*best, 0])  # its first child
-        frontier[(*best[:-1], best[-1] + 1)] = path_freq([*best[:-1], best[-1] + 1])  # its next sibling
-    return chosen

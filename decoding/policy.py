@@ -24,7 +24,8 @@ class DecodingPolicy(Protocol):
     options: frozenset[str]  # the policy options a request may set in its `decoding` object
 
     def check(self, options: dict) -> None:
-        """Raise ValueError for option values this policy cannot use."""
+        """Raise ValueError for option values this policy cannot use (the names are checked against `options`
+        before)."""
 
     def generate(self, request: GenerationRequest, engine: Engine, tokenizer) -> AsyncIterator[TokenEvent]:
         """Async generator of events; the last one has a finish_reason and the statistics."""

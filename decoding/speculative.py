@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from edgespec.decoding.draft_cost import DraftCosts, DraftLength, PassCosts, prior_costs
-from edgespec.decoding.drafters import NgramDrafter
+from edgespec.decoding.drafters import Drafter, NgramDrafter
 from edgespec.decoding.sampling import Sampler
 from edgespec.decoding.sequence import Prepared, run_alone, start
 from edgespec.decoding.stats import StepStats, push_run
@@ -71,7 +71,7 @@ class SpeculativePolicy:
         # (measured: naive decoding fell from 39 to 23 tokens/s for the rest of the process's life).
         name = options.get("drafter", self.default)
         chain = self.drafters[name](request.sampling, seq.capacity)
-        observe = next((d.observe for d in chain if hasattr(d, "observe")), None)  # reads the target's features
+        observe = next((d.observe for d in chain if d.reads_features), None)  # reads the target's features
         seeded = request.sampling.seed is not None and not request.sampling.greedy
         costs = prior_costs() if seeded else (self.passes, self.draft_costs)  # seeded: the same K every time
         length = DraftLength(*costs, self.k, self.k_min, max(self.k_max, options.get("k", 0)), options.get("k"))
@@ -80,7 +80,7 @@ class SpeculativePolicy:
         program = self.program(request, seq, chain, observe, seeded, length, sampler, text, stats)
         return Prepared(program, stats)
 
-    def program(self, request: GenerationRequest, seq: SequenceView, chain: list, observe, seeded: bool,
+    def program(self, request: GenerationRequest, seq: SequenceView, chain: list[Drafter], observe, seeded: bool,
                 length: DraftLength, sampler: Sampler, text: TextStream, stats: StepStats):
         """The engine's program: the prompt, then per step the last token and the drafts (its plan), verified
         by the acceptance rule, the rejected slots truncated (its accept)."""
@@ -125,13 +125,13 @@ class SpeculativePolicy:
                 length.update(d.name, len(drafts) if d is drafter else 0, verdict.accepted)
             step = list(zip(verdict.tokens, lps, strict=True))
 
-    def _draft(self, chain: list, length: DraftLength, tokens: list[int], budget: int, stats: StepStats,
+    def _draft(self, chain: list[Drafter], length: DraftLength, tokens: list[int], budget: int, stats: StepStats,
                crowded: bool = False, besides: int = 0):
         """Ask the chain's drafters in turn for as many tokens as pays for each (possibly none): -> (the drafter
         whose drafts they are or None, drafts, their distributions [K, V] or None). `crowded`: skip the drafters
         that compute on the model thread; besides: the other sequences' rows expected in the step."""
         for drafter in chain:
-            model_work = getattr(drafter, "on_model_thread", False)
+            model_work = drafter.on_model_thread
             k = length.choose(drafter.name, budget, besides) if budget > 0 and not (crowded and model_work) else 0
             if k == 0:
                 continue

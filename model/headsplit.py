@@ -36,7 +36,7 @@ from edgespec.model.config import ModelConfig
 from edgespec.model.drift import relative_drift
 from edgespec.model.head_blocks import HeadBlocks, attn_out_norms
 from edgespec.model.kv_format import FLOAT32, KVFormat
-from edgespec.model.stage import forward_each, segments_in_turn
+from edgespec.model.stage import WireFigures, forward_each, segments_in_turn
 from edgespec.model.weights import TensorSource
 from edgespec.planning.headsplit import LayerPlace
 
@@ -102,13 +102,14 @@ class SpeculationStats:
     discarded: list[int] = field(default_factory=list)
 
 
-class HeadSplitPipeline:
+class HeadSplitPipeline(WireFigures):
     """The HeadSplit schedule over a placement's devices (HeadBlocks in-process, or worker proxies with the same
     calls), with the Stage seam's open / forward / release.
 
     A device has `start_attend(session, layer, x, positions, start, mask, step)` and `start_ffn(layer, z)`, each
     returning a pending call whose `result()` is the tensor (or raises the device's failure), and `open`,
-    `release`. With `gathered`, the devices are workers that run the schedule themselves (`run` at each layer's
+    `release`, `kv_bytes` (0 for a worker's: the worker counts its own).
+    With `gathered`, the devices are workers that run the schedule themselves (`run` at each layer's
     projection device, which calls its peers directly): the controller hands a step to the first layer's
     projection worker and gets the last layer's output back, with one more hop only where the projection device
     changes. `close()` frees what reaching the devices holds.
@@ -187,19 +188,11 @@ class HeadSplitPipeline:
         self.lengths.pop(session, None)
         self.steps.pop(session, None)
 
-    def wire(self, session: str) -> dict[str, tuple[int, int]]:
-        """Bytes and requests per link that the session's steps have sent so far (workers only)."""
-        return {link: (b, n) for link, (b, n) in self.wire_stats.get(session, {}).items()}
-
-    def session_bytes(self, session: str) -> None:
-        """Not tracked per session across the devices: the executor estimates."""
-        return None
-
     def forward_segments(self, session: str, hidden: torch.Tensor, start: int, cuts: list[int]) -> torch.Tensor:
         return segments_in_turn(self, session, hidden, start, cuts)
 
     def kv_bytes(self) -> int:
-        return sum(getattr(d, "kv_bytes", lambda: 0)() for d in self.devices.values())
+        return sum(d.kv_bytes() for d in self.devices.values())
 
     def pool_blocks(self) -> tuple[int, int]:
         return 0, 0  # a device holds each session's groups in caches of their own (model/head_blocks.py)

@@ -126,10 +126,12 @@ class Blocks(Kernel):
     def __init__(self, w: Q4 | Q8 | Interleaved, bias=None):
         w = w if isinstance(w, Interleaved) else Interleaved.of(w)
         super().__init__(*w.shape, bias, w.words, w.d, *([] if w.m is None else [w.m]))
+        if w.m is None:  # a Q8 without offsets: `m` is None, as in Interleaved
+            self.register_buffer("m", None, persistent=False)
 
     def interleaved(self) -> Interleaved:
         """The weight's tensors (shared, not copied)."""
-        return Interleaved(self.words, self.d, getattr(self, "m", None), self.out_features)
+        return Interleaved(self.words, self.d, self.m, self.out_features)
 
     def dense(self):
         return self.interleaved().dequantize()

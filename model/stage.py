@@ -19,11 +19,12 @@ from edgespec.model.stack import LayerStack
 
 
 class StageFailure(RuntimeError):
-    """A stage failed, timed out or could not be reached (a worker, say); `status` is the HTTP status to report."""
+    """A stage failed, timed out or could not be reached (a worker, say); `status` is the HTTP status to report,
+    `code` the worker's own error code where a worker refused (workers/errors.py: "not_assigned", say)."""
 
-    def __init__(self, message: str, status: int = 502):
+    def __init__(self, message: str, status: int = 502, code: str | None = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.code = status, code
 
 
 class ClusterFault(StageFailure):
@@ -75,6 +76,22 @@ def segments_in_turn(stage, session: str, hidden: torch.Tensor, start: int, cuts
     outs = [stage.forward(session, hidden[:, a:b], torch.arange(start + a, start + b)[None], start + a)
             for a, b in itertools.pairwise([0, *cuts])]
     return torch.cat(outs, dim=1)
+
+
+class WireFigures:
+    """The per-session figures of a pipeline whose devices may be workers (workers/client.py's RemotePipeline,
+    model/headsplit.py's HeadSplitPipeline): what its steps sent over each link, counted by the pipeline in
+    `wire_stats`, and no per-session KV bytes (the caches are spread over the devices: the executor estimates)."""
+
+    wire_stats: dict[str, dict[str, list[int]]]  # session -> link -> [bytes, requests]
+
+    def wire(self, session: str) -> dict[str, tuple[int, int]]:
+        """Bytes and requests per link that the session's steps have sent so far (workers only)."""
+        return {link: (b, n) for link, (b, n) in self.wire_stats.get(session, {}).items()}
+
+    def session_bytes(self, session: str) -> None:
+        """Not known here: the executor estimates."""
+        return None
 
 
 class Stage(Protocol):
@@ -191,7 +208,7 @@ class LocalStage:
 class Pipeline:
     """Stages in layer order, used as one stage: each stage's output is the next one's input."""
 
-    def __init__(self, stages: list):
+    def __init__(self, stages: list[LocalStage]):
         self.stages = stages
 
     def forward(self, session, hidden, positions, start, mask=None):
@@ -204,21 +221,21 @@ class Pipeline:
             hidden = stage.forward_batch(entries, hidden, positions)
         return hidden
 
-    def _each(self, op: str, *args) -> None:
-        for stage in self.stages:
-            getattr(stage, op)(*args)
-
     def open(self, session: str, capacity: int) -> None:
-        self._each("open", session, capacity)
+        for stage in self.stages:
+            stage.open(session, capacity)
 
     def commit(self, session: str, kept: list[int], dest: int) -> None:
-        self._each("commit", session, kept, dest)
+        for stage in self.stages:
+            stage.commit(session, kept, dest)
 
     def fork(self, session: str, child: str, prefix_len: int, capacity: int) -> None:
-        self._each("fork", session, child, prefix_len, capacity)
+        for stage in self.stages:
+            stage.fork(session, child, prefix_len, capacity)
 
     def release(self, session: str) -> None:
-        self._each("release", session)
+        for stage in self.stages:
+            stage.release(session)
 
     def forward_segments(self, session: str, hidden: torch.Tensor, start: int, cuts: list[int]) -> torch.Tensor:
         return segments_in_turn(self, session, hidden, start, cuts)  # in-process nothing overlaps them

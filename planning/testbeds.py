@@ -240,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     vocab, ref = args.reference_vocab, reference.model
     if vocab is None and ref.ends_params == SMOLLM2_VOCAB * ref.hidden_size + ref.hidden_size:
         vocab = SMOLLM2_VOCAB  # the embedded default model, tied: its whole ends are one vocab x hidden matrix
-    for part in ("layer_ms", "embed_ms", "head_ms"):
-        curve = getattr(reference.controller, part)
+    controller = reference.controller
+    for part, curve in (("layer_ms", controller.layer_ms), ("embed_ms", controller.embed_ms),
+                        ("head_ms", controller.head_ms)):
         if curve is not None and (bad := noisy_points(curve)):
             print(f"warning: {args.reference}: {part} at (tokens, context) {bad} is over 2x slower than at larger "
                   "points: a noisy measurement that the derived profiles inherit; profile again on an idle machine",

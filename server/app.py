@@ -29,6 +29,7 @@ from edgespec.server.service import CompletionService
 from edgespec.server.streaming import collect, respond, response_events, started
 from edgespec.workers.auth import any_bearer_ok, bearer_ok
 from edgespec.workers.cluster import cluster_health
+from edgespec.workers.counted_body import CountedBody
 
 
 class _LimitsAndCounts:
@@ -48,26 +49,16 @@ class _LimitsAndCounts:
             return
         status = 500
         limit = self.settings.max_request_bytes
-        received = 0
-        exceeded = False
 
         def too_large(size: str) -> APIError:
             return APIError(413, f"request body of {size} bytes exceeds the limit of {limit}", None,
                             "body_too_large")
 
-        async def receive_counted():
-            nonlocal received, exceeded
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    exceeded = True
-                    raise too_large(f"more than {limit}")  # the app's answer is replaced by a 413 below
-            return message
+        body = CountedBody(receive, limit, lambda: too_large(f"more than {limit}"))
 
         async def send_counted(message):
             nonlocal status
-            if exceeded:  # whatever the app made of the aborted body (FastAPI: a 400), the client gets a 413
+            if body.exceeded:  # whatever the app made of the aborted body (FastAPI: a 400), the client gets a 413
                 if message["type"] == "http.response.start":
                     status = 413
                     await error_response(too_large(f"more than {limit}"))(scope, receive, send)
@@ -81,7 +72,7 @@ class _LimitsAndCounts:
             if length and length.isdigit() and int(length) > limit:
                 await error_response(too_large(length))(scope, receive, send_counted)
             else:
-                await self.app(scope, receive_counted, send_counted)
+                await self.app(scope, body.receive, send_counted)
         finally:
             if scope["path"].startswith("/v1/"):
                 route = scope.get("route")  # the template, so that arbitrary paths make no new series

@@ -1,10 +1,17 @@
-"""`edgespec` command line: serve, worker, profile, plan, bench, bench-peer, eval-formats, ..."""
+"""`edgespec` command line: serve, worker, profile, plan, bench, bench-peer, eval-formats, ...
+
+The benchmarks (bench/) and the offline training tools (decoding/training/) are imported only inside the
+functions of their own commands, so that `serve` and `worker` never load them (tests/test_layout.py). bench/ is
+not installed with the package: its commands run from a checkout of the repository.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from edgespec.planning.cli import add_plan_parser
@@ -338,44 +345,63 @@ def plan(args: argparse.Namespace) -> None:
     sys.exit(run_plan(args))
 
 
+@contextmanager
+def _from_checkout(command: str) -> Iterator[None]:
+    """Around a benchmark's import: bench/ ships with a checkout of the repository, not with the installed
+    package, so where it is missing the command says where to run it instead of a traceback."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        if exc.name != "edgespec.bench":
+            raise
+        print(f"edgespec {command}: the benchmarks (bench/) are not installed with edgespec; run this command from "
+              "a checkout of its repository, in its test environment (`make install-test`, then "
+              f"`.venv/bin/edgespec {command} ...`)", file=sys.stderr)
+        sys.exit(2)
+
+
 def bench(args: argparse.Namespace) -> None:
-    from edgespec.bench.run import run_bench
+    with _from_checkout(args.command):
+        from edgespec.bench.run import run_bench
 
     run_bench(args)
 
 
 def eval_formats(args: argparse.Namespace) -> None:
-    from edgespec.bench.formats import run
+    with _from_checkout(args.command):
+        from edgespec.bench.formats import run
 
     run(args)
 
 
 def bench_peer(args: argparse.Namespace) -> None:
-    from edgespec.bench.versus import run_versus
+    with _from_checkout(args.command):
+        from edgespec.bench.versus import run_versus
 
     run_versus(args)
 
 
 def train_drafter(args: argparse.Namespace) -> None:
-    from edgespec.decoding.train_drafter import train
+    from edgespec.decoding.training.train_drafter import train
 
     train(args)
 
 
 def train_medusa(args: argparse.Namespace) -> None:
-    from edgespec.decoding.train_medusa import train
+    from edgespec.decoding.training.train_medusa import train
 
     train(args)
 
 
 def profile_headsplit(args: argparse.Namespace) -> None:
-    from edgespec.decoding.headsplit_profile import profile
+    from edgespec.decoding.training.profile_headsplit import profile
 
     profile(args)
 
 
 def compare_headsplit(args: argparse.Namespace) -> None:
-    from edgespec.bench.headsplit import run
+    with _from_checkout(args.command):
+        from edgespec.bench.headsplit import run
 
     run(args)
 

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from edgespec.model.kv_format import KVFormatName
+from edgespec.workers.settings import comma_separated
 
 
 def read_key_file(path: str) -> list[str]:
@@ -108,10 +109,7 @@ class ServeSettings(BaseSettings):
     @field_validator("api_key", mode="before")
     @classmethod
     def _split_keys(cls, v):
-        if v is None:
-            return []
-        items = [v] if isinstance(v, str) else list(v)
-        return [k.strip() for item in items for k in str(item).split(",") if k.strip()]
+        return comma_separated(v)
 
     @field_validator("api_key_file")
     @classmethod

@@ -16,9 +16,10 @@ from processes import REPO, tiny_chat_model
 
 from edgespec.decoding.medusa import MedusaPolicy
 from edgespec.decoding.medusa_heads import MedusaModel
-from edgespec.decoding.medusa_tree import Tree, grow_tree
+from edgespec.decoding.medusa_tree import Tree
 from edgespec.decoding.naive import NaivePolicy
 from edgespec.decoding.target_fit import SHIPPED
+from edgespec.decoding.training.train_medusa import grow_tree
 from edgespec.decoding.types import GenerationRequest, SamplingParams
 from edgespec.engine.engine import Engine
 

@@ -138,6 +138,17 @@ def test_worker_refuses_before_reading_bodies(worker):
         assert r.status_code == 413 and assert_error_object(r)["code"] == "body_too_large", (path, r.text)
 
 
+def test_worker_counts_a_body_without_content_length(worker):
+    async def chunks():  # no Content-Length: the size is only known as the body arrives (3 x 32 KiB, over 64 KiB)
+        for _ in range(3):
+            yield b" " * 2**15
+
+    r = worker.post("/assign", content=chunks(), headers={"content-type": "application/json",
+                                                          "authorization": f"Bearer {TOKEN}"})
+    assert "content-length" not in r.request.headers
+    assert r.status_code == 413 and assert_error_object(r)["code"] == "body_too_large", r.text
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

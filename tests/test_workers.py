@@ -16,8 +16,11 @@ import websockets
 from links import TestLink
 from processes import REPO, greedy, model_id, start_server, start_worker
 
+from edgespec.model.kv_pool import CapacityError
+from edgespec.model.stage import StageFailure
 from edgespec.workers.host import StageHost, StepError
 from edgespec.workers.settings import WorkerSettings
+from edgespec.workers.uplink import refusal
 from edgespec.workers.wire import BatchMessage, decode, decode_batch, encode, encode_batch
 
 PROMPTS = ["Name three rivers.", "Write a haiku about the sea, please, with care."]
@@ -364,6 +367,15 @@ def test_a_batch_message_gives_each_session_its_bits_alone_and_is_applied_once(t
         host.forward_batch(BatchMessage([("a", 6, 1, 4), ("b", 8, 1, 3)], torch.randn(2, 64),
                                         torch.tensor([6, 8]), [None, None]))
     assert host.steps == {"a": 3, "b": 3, "a1": 3, "b1": 3}
+
+
+def test_a_refusal_keeps_the_workers_code():
+    # the client re-assigns a worker that answers not_assigned (it restarted), by this code
+    failure = refusal("w0", {"status": 409, "code": "not_assigned", "message": "no layers assigned"})
+    assert type(failure) is StageFailure and (failure.status, failure.code) == (502, "not_assigned")
+    assert str(failure) == "worker w0: no layers assigned"
+    assert refusal("w0", {"status": 500}).code is None
+    assert isinstance(refusal("w0", {"status": 507, "code": "kv_cache_full"}), CapacityError)  # as in-process
 
 
 def test_the_batch_message_is_checked(worker):

@@ -18,13 +18,12 @@ import websockets
 from fastapi import Depends, FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from edgespec.model.kv_format import KVFormatName
-from edgespec.model.timing import CONTEXTS, TOKENS
 from edgespec.workers.auth import bearer_ok, proof
+from edgespec.workers.bodies import AssignBody, LinkBody, ProfileBody
+from edgespec.workers.counted_body import CountedBody
 from edgespec.workers.discovery import announced
 from edgespec.workers.errors import ERRORS
 from edgespec.workers.head_relay import HeadRelay
@@ -35,31 +34,6 @@ from edgespec.workers.relay import ws_url
 from edgespec.workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class AssignBody(Strict):
-    model: str | None = None
-    first: int = Field(ge=0, lt=2**31)
-    last: int = Field(ge=1, lt=2**31)
-    dtype: str = "float32"
-    kv_format: KVFormatName = "float32"
-
-
-class ProfileBody(Strict):
-    model: str | None = None
-    dtype: str = "float32"
-    tokens: list[int] = Field(default_factory=lambda: list(TOKENS), min_length=1, max_length=32)
-    contexts: list[int] = Field(default_factory=lambda: list(CONTEXTS), min_length=1, max_length=16)
-    reps: int = Field(3, ge=1, le=50)
-
-
-class LinkBody(Strict):
-    target: str = Field(min_length=1, description="base URL of another worker")
-    reps: int = Field(5, ge=1, le=50)
 
 
 class BodyError(ValueError):
@@ -115,25 +89,16 @@ class _TokenAndLimits:
         if length and length.isdigit() and int(length) > limit:
             await too_large(scope, receive, send)
             return
-        received, exceeded = 0, False
-
-        async def receive_counted():
-            nonlocal received, exceeded
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    exceeded = True
-                    raise BodyError(f"more than {limit} bytes")  # answered below, whatever the app made of it
-            return message
+        # answered below, whatever the app made of it
+        body = CountedBody(receive, limit, lambda: BodyError(f"more than {limit} bytes"))
 
         async def send_checked(message):
-            if not exceeded:
+            if not body.exceeded:
                 await send(message)
             elif message["type"] == "http.response.start":
                 await too_large(scope, receive, send)
 
-        await self.app(scope, receive_counted, send_checked)
+        await self.app(scope, body.receive, send_checked)
 
 
 def create_worker_app(settings: WorkerSettings) -> FastAPI:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import httpx
 import torch
 
-from edgespec.model.stage import StageFailure
+from edgespec.model.stage import StageFailure, WireFigures
 from edgespec.workers.frames import pack
 from edgespec.workers.uplink import Uplinks
 from edgespec.workers.wire import BatchMessage, decode, encode, encode_batch
@@ -33,7 +33,7 @@ class WorkerRef:
     last: int
 
 
-class RemotePipeline:
+class RemotePipeline(WireFigures):
     """Workers in layer order, used as one StagePipeline by the Executor."""
 
     def __init__(self, workers: list[WorkerRef], token: str, model: str | None, dtype: str, timeout_s: float = 60.0,
@@ -84,7 +84,7 @@ class RemotePipeline:
             try:
                 self.links.request([(w.name, w.url)], header | {"layers": [w.first, w.last]})
             except StageFailure as exc:
-                if getattr(exc, "code", None) != "not_assigned":
+                if exc.code != "not_assigned":
                     raise
                 self.assign(w)  # the worker restarted: give it its layers back, then open again
                 self.links.request([(w.name, w.url)], header | {"layers": [w.first, w.last]})
@@ -163,18 +163,11 @@ class RemotePipeline:
         for w in self.workers:
             self.links.link(w.name, w.url).send_if_linked(pack({"op": "release", "session": session}))
 
-    def wire(self, session: str) -> dict[str, tuple[int, int]]:
-        return {link: (b, n) for link, (b, n) in self.wire_stats.get(session, {}).items()}
-
     def speculate(self, session: str, epsilon: float) -> None:
         """Nothing speculates in the layer pipeline."""
 
     def figures(self, session: str) -> dict:
         return {}
-
-    def session_bytes(self, session: str) -> None:
-        """Unknown here (the workers hold the caches): the executor estimates."""
-        return None
 
     def kv_bytes(self) -> int:
         return 0  # held on the workers: see their /info

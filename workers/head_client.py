@@ -76,6 +76,10 @@ class LinkHeads:
     def _start(self, header: dict, body: bytes, take: Callable[[dict, bytes], object]) -> Call:
         return Call(self, self.send(header, body), len(body), take)
 
+    def kv_bytes(self) -> int:
+        """0: the caches are the worker's (its /heads/memory counts them)."""
+        return 0
+
     def open(self, session: str, capacity: int) -> None:
         self.send({"op": "head_open", "session": session, "capacity": capacity}, b"").result()
 

@@ -16,54 +16,21 @@ from collections.abc import Callable
 
 import torch
 from fastapi import FastAPI, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from edgespec.model.config import ModelConfig
 from edgespec.model.head_blocks import HeadBlocks, attn_out_norms
 from edgespec.model.headsplit import HeadSplitPipeline, SpeculationStats, blocks_of, check_placement, devices_named
-from edgespec.model.kv_format import KVFormatName, kv_format
+from edgespec.model.kv_format import kv_format
 from edgespec.model.linear import weight_format
 from edgespec.model.source import resolve_model
 from edgespec.model.stage import SessionError
 from edgespec.model.weights import open_source
 from edgespec.planning.headsplit import LayerPlace
+from edgespec.workers.bodies import HeadAssignBody, HeadBlocksBody, HeadGroupsBody, PlaceBody
 from edgespec.workers.host import NotAssignedError
 from edgespec.workers.relay import ws_url
 from edgespec.workers.wire import decode_group_kv, encode_group_kv
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class PlaceBody(Strict):
-    """One layer's LayerPlace (planning/headsplit.py), checked before the schedule reads it."""
-
-    groups: dict[str, list[int]]
-    proj: str
-    ffn: str
-    speculate: bool = False
-
-
-class HeadAssignBody(Strict):
-    model: str | None = None
-    groups: dict[int, list[int]] = Field(default_factory=dict)
-    ffns: list[int] = Field(default_factory=list)
-    dtype: str = "float32"
-    kv_format: KVFormatName = "float32"
-    name: str | None = Field(None, description="this worker's device name in the placement")
-    placement: list[PlaceBody] | None = Field(None, description="every layer's LayerPlace; with it, this worker "
-                                              "can run the schedule where it is the projection device")
-    peers: dict[str, str] = Field(default_factory=dict, description="the other devices' URLs by name")
-
-
-class HeadBlocksBody(Strict):
-    groups: dict[int, list[int]] = Field(default_factory=dict)
-    ffns: list[int] = Field(default_factory=list)
-
-
-class HeadGroupsBody(Strict):
-    groups: dict[int, list[int]]
 
 
 class HeadHost:

@@ -208,10 +208,6 @@ class StageHost:
         self.last_output[session] = (step, out)
         return out, time.perf_counter() - t0
 
-    def ready_all(self, message: BatchMessage) -> bool:
-        """Whether a batch may run now: every one of its sessions' earlier steps has been applied."""
-        return all(self.ready(session, step) for session, _, _, step in message.entries)
-
     def forward_batch(self, message: BatchMessage, onward: bool = False) -> tuple[bytes, float]:
         """Run a step shared by several sessions (each entry's rows as its session alone would get them);
         returns the output body (the message with this stage's hidden, onward; the hidden alone for the

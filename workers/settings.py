@@ -9,6 +9,13 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
+def comma_separated(v) -> list[str]:
+    """A list setting's items, given as a flag repeated (a list), comma-separated (a string), or both; spaces
+    trimmed, empty items dropped."""
+    items = [] if v is None else [v] if isinstance(v, str) else list(v)
+    return [a.strip() for item in items for a in str(item).split(",") if a.strip()]
+
+
 class WorkerSettings(BaseSettings):
     """Settings of `edgespec worker`."""
 
@@ -39,8 +46,7 @@ class WorkerSettings(BaseSettings):
     @field_validator("announce_address", mode="before")
     @classmethod
     def _ipv4_addresses(cls, v):
-        items = [] if v is None else [v] if isinstance(v, str) else list(v)
-        addresses = [a.strip() for item in items for a in str(item).split(",") if a.strip()]
+        addresses = comma_separated(v)
         for a in addresses:  # published as A records: IPv4 only
             ipaddress.IPv4Address(a)  # ValueError: the settings are refused at start
         return addresses

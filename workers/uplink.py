@@ -32,9 +32,7 @@ def refusal(worker: str, header: dict) -> Exception:
     message = f"worker {worker}: {header.get('message', 'failed')}"
     if status == 507:
         return CapacityError(message)
-    failure = StageFailure(message, 503 if status >= 500 else 502)
-    failure.code = header.get("code")
-    return failure
+    return StageFailure(message, 503 if status >= 500 else 502, header.get("code"))
 
 
 class Mailbox:

@@ -1,6 +1,6 @@
 """`edgespec train-medusa`: Medusa-1 heads for the served model, trained on its own answers with the base frozen.
 
-1. The target answers the training prompts, greedy and sampled (decoding/distill_data.py, shared with
+1. The target answers the training prompts, greedy and sampled (decoding/training/distill_data.py, shared with
    train-drafter and cached under --work), and its final hidden states are computed teacher-forced.
 2. Head k at answer position i learns the target's own distribution at position i + k (soft labels over the
    heads' vocabulary: self-distillation), with loss weight decay**k.
@@ -24,11 +24,10 @@ from rich.console import Console
 from rich.progress import track
 from safetensors.torch import load_file
 
-from edgespec.decoding.medusa_cost import measure_verify_cost
 from edgespec.decoding.medusa_heads import DEFAULT_TREE, MedusaNet
-from edgespec.decoding.medusa_tree import grow_tree
 from edgespec.decoding.target_fit import SHIPPED
-from edgespec.decoding.train_drafter import DistillSet, Example, batches, cosine_schedule, distill_set
+from edgespec.decoding.training.medusa_cost import measure_verify_cost
+from edgespec.decoding.training.train_drafter import DistillSet, Example, batches, cosine_schedule, distill_set
 
 RANKS = 16  # ranks beyond this count as misses in the tree statistics
 
@@ -84,8 +83,26 @@ def accuracies(ranks: torch.Tensor) -> list[dict]:
              "top5": round(float((ranks[:, k] < 5).float().mean()), 4)} for k in range(ranks.shape[1])]
 
 
+def grow_tree(path_freq, size: int) -> list[tuple[list[int], float]]:
+    """Medusa's greedy tree construction: from the root, repeatedly add the child of a node already in the tree
+    whose path has the highest estimated acceptance, `size` times. path_freq(path) -> the share of positions
+    at which the target's tokens follow `path` (all its ranks right at once). Returns the paths in the order
+    added, each with its share; the sum of the shares of a tree's nodes is its expected accepted length."""
+    chosen: list[tuple[list[int], float]] = []
+    frontier = {(0,): path_freq([0])}
+    while frontier and len(chosen) < size:
+        best = max(frontier, key=lambda p: (frontier[p], -len(p)))
+        share = frontier.pop(best)
+        if share <= 0:
+            break
+        chosen.append((list(best), share))
+        frontier[(*best, 0)] = path_freq([*best, 0])  # its first child
+        frontier[(*best[:-1], best[-1] + 1)] = path_freq([*best[:-1], best[-1] + 1])  # its next sibling
+    return chosen
+
+
 def choose_tree(ranks: torch.Tensor, cost: dict[int, float], max_nodes: int) -> tuple[list[list[int]], list[dict]]:
-    """The grown tree (decoding/medusa_tree.py) of the size with the best estimated speed over naive,
+    """The grown tree (grow_tree above) of the size with the best estimated speed over naive,
     (1 + expected accepted length) * cost[1] / cost[1 + nodes]; cost[n]: seconds to verify n tokens (and run
     the heads). Returns the tree and the estimate per size."""
 

@@ -1,7 +1,8 @@
-"""What a tree pass costs on this machine: the inputs of the default tree's choice (decoding/train_medusa.py).
+"""What a tree pass costs on this machine: the inputs of the default tree's choice (decoding/training/train_medusa.py).
 
-Measured in a process of its own (`python -m decoding.medusa_cost MODEL HEADS N...`) with all tensor work on
-its model thread, as the server runs it: a trainer's own threads would compete with it for the cores.
+Measured in a process of its own (`python -m edgespec.decoding.training.medusa_cost MODEL HEADS N...`) with all
+tensor work on its model thread, as the server runs it: a trainer's own threads would compete with it for the
+cores.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def measure_verify_cost(model: str | None, heads: Path, sizes) -> dict[int, floa
     bfloat16 as `edgespec serve` does: a forward pass of n tokens after 300 cached ones with a tree mask, the
     LM head on all of them, an argmax on two (the root and one accepted node) and the Medusa heads on one.
     n = 1 is a plain naive step. Runs in a subprocess."""
-    out = subprocess.run([sys.executable, "-m", "edgespec.decoding.medusa_cost", model or "", str(heads),
+    out = subprocess.run([sys.executable, "-m", "edgespec.decoding.training.medusa_cost", model or "", str(heads),
                           *map(str, sorted(set(sizes)))], check=True, capture_output=True, text=True)
     return {int(n): s for n, s in json.loads(out.stdout.splitlines()[-1]).items()}
 

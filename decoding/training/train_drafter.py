@@ -1,6 +1,6 @@
 """`edgespec train-drafter`: distil a feature drafter (decoding/eagle.py) from the served model's own answers.
 
-1. The target answers the training prompts (decoding/distill_data.py; cached under --work, resumable).
+1. The target answers the training prompts (decoding/training/distill_data.py; cached under --work, resumable).
 2. Its final hidden states along prompt + answer, teacher forced.
 3. The drafter's vocabulary: the ids the target emits most often in those answers.
 4. Training: at each answer position, regress the next normed feature (smooth L1) and match the target's next
@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import track
 
-from edgespec.decoding.distill_data import final_hidden, generate_answers, training_prompts
 from edgespec.decoding.eagle import FeatureDrafter, FeatureDraftModel, FeatureNet
 from edgespec.decoding.target_fit import SHIPPED
+from edgespec.decoding.training.distill_data import final_hidden, generate_answers, training_prompts
 from edgespec.decoding.types import SamplingParams
 from edgespec.model.config import ModelConfig
 from edgespec.model.source import resolve_model
