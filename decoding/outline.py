@@ -1,7 +1,7 @@
 """Outline decoding (Skeleton-of-Thought as Jupiter uses it): the model writes a short numbered outline, then
 every point is expanded as a sequence of its own, all points decoding in the engine's shared steps beside any
-other request. The prompt the points share is computed once: the first point computes it, and the others start
-from its blocks (the prefix cache, engine/prefix.py), held once.
+other request, started in the same step. The prompt the points share is computed once, kept by the prefix
+cache (engine/prefix.py), and every point starts from its blocks, held once.
 
 The answer is the points in order, each "N. point: " followed by its expansion. Point 1 streams as it is
 generated; each later point is held back until every earlier one is complete. The expansions share one
@@ -20,6 +20,8 @@ in its tokens.
 from __future__ import annotations
 
 from contextlib import aclosing
+from dataclasses import replace
+from functools import partial
 
 from edgespec.decoding.naive import NaivePolicy
 from edgespec.decoding.outline_points import SharedBudget
@@ -28,6 +30,7 @@ from edgespec.decoding.sequence import Prepared, job, text_stream
 from edgespec.decoding.stats import StepStats
 from edgespec.decoding.types import GenerationRequest, TokenEvent
 from edgespec.engine.engine import Engine
+from edgespec.engine.program import Job, Rows, SequenceView
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -145,7 +148,14 @@ class OutlinePolicy:
         texts = [text_stream(sub, tokenizer) for sub in subs]
         budget = SharedBudget(total, texts)
         prepared: list[list[Prepared]] = [[] for _ in subs]
-        jobs = [job(policy, sub, engine.cfg, text, made) for sub, text, made in zip(subs, texts, prepared, strict=True)]
+        # Each point starts from the shared prompt's blocks and no further (its job's prompt for matching ends one
+        # past it), whatever an earlier request left cached: every point then computes the same rows in the same
+        # steps, and where the shared budget ends each one does not depend on the cache.
+        jobs = [replace(job(policy, sub, engine.cfg, text, made), prompt=sub.prompt_ids[:shared + 1])
+                for sub, text, made in zip(subs, texts, prepared, strict=True)]
+        if engine.prefix is not None:  # the prompt the points share, computed once: kept, every point starts from it
+            async for _ in engine.run(Job(shared + 1, partial(prefill, prompts[0][:shared]), prompts[0][:shared])):
+                pass
         # closed here, not when collected: the engine stops the points before their sessions are released
         async with aclosing(engine.run_group(jobs)) as group:
             async for event in self._stream(group, points, outline_ids, stats):
@@ -193,3 +203,7 @@ class OutlinePolicy:
                 stats.tokens_emitted(len(ids), {})
                 yield TokenEvent(ids, "".join(parts), None, logprobs)
 
+
+def prefill(ids: list[int], seq: SequenceView):
+    """The engine program of a prompt that is only computed (to be kept: the points' shared prompt)."""
+    yield Rows(ids[seq.length:], last_only=True)

@@ -151,19 +151,20 @@ class Engine:
 
     async def run_group(self, jobs: list[Job]) -> AsyncIterator[tuple[int, object]]:
         """Run several jobs together (outline's points, a decision's scores): yields (index, item) for what
-        each program yields, in the order they were yielded, until every program has ended. Each job starts as
-        soon as its session is open (a later one may start from the blocks an earlier one computes). The first
-        error raised by any of them is raised here, and leaving stops them all."""
+        each program yields, in the order they were yielded, until every program has ended. Every session is
+        opened first (none waits for what another of the group will compute), then every program starts in the
+        same step, so what the group makes does not depend on when its opens ran. The first error raised by any
+        of them is raised here, and leaving stops them all."""
         queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         seqs: list[_Sequence] = []
         try:
             for index, job in enumerate(jobs):
                 lane = await self.lane(job.lane)
-                session = await lane.open(job.capacity, job.prompt)
+                session = await lane.open(job.capacity, job.prompt, besides={s.session.id for s in seqs})
                 seqs.append(_Sequence(job, lane, session, queue, loop, index))
-                self.live.append(seqs[-1])
-                self._wake()
+            self.live += seqs
+            self._wake()
             left = len(seqs)
             while left:
                 index, item = await queue.get()
@@ -182,8 +183,11 @@ class Engine:
     def _view(self, seq: _Sequence) -> SequenceView:
         # what a program may read of its session
         executor, session = seq.lane.executor, seq.session
-        return SequenceView(session, lambda: executor.wire(session), lambda: self.running(besides=session),
-                            lambda: executor.figures(session))
+
+        def wire() -> dict[str, tuple[int, int]]:
+            return executor.wire(session) if session.wire is None else session.wire
+
+        return SequenceView(session, wire, lambda: self.running(besides=session), lambda: executor.figures(session))
 
     def _wake(self) -> None:
         if self.task is None or self.task.done():

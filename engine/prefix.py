@@ -142,9 +142,11 @@ class PrefixCache:
 
     # event loop
 
-    def pending(self, prompt: list[int], generation: int) -> asyncio.Future | None:
-        """When a running sequence is still computing more of `prompt`'s prefix than any holder has computed:
-        a future set when a holder computes more or ends, to match again then. None: open now."""
+    def pending(self, prompt: list[int], generation: int, besides: set[str] = frozenset()
+                ) -> asyncio.Future | None:
+        """When a running sequence (not one of `besides`) is still computing more of `prompt`'s prefix than any
+        holder has computed: a future set when a holder computes more or ends, to match again then. None: open
+        now."""
         have, coming = 0, 0
         with self._lock:
             for holder in self.holders.values():
@@ -152,7 +154,7 @@ class PrefixCache:
                 if session.generation != generation:
                     continue
                 have = max(have, common_prefix(session.tokens[:known(session)], prompt))
-                if holder.claim:
+                if holder.claim and session.id not in besides:
                     coming = max(coming, common_prefix(holder.claim, prompt))
         coming = min(coming, len(prompt) - 1)
         if coming < self.min_tokens or coming <= have:

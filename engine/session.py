@@ -19,3 +19,4 @@ class Session:
     cached: int = 0  # prompt tokens found cached when it opened (prefix reuse)
     passes: int = 0  # forward passes run for it
     shared_with: int = 0  # other sessions' calls in those passes, summed
+    wire: dict[str, tuple[int, int]] | None = None  # what its calls put on each link, as at its release

@@ -54,9 +54,10 @@ class Sessions:
         if not await self._recover(error, generation):
             raise ClusterFault(f"{error}; and no placement of the model fits the devices left") from error
 
-    async def open(self, capacity: int, prompt: list[int] | None) -> Session:
+    async def open(self, capacity: int, prompt: list[int] | None, besides: set[str] = frozenset()) -> Session:
         """A new session with room for `capacity` slots, reserved on every stage's KV pool; with `prompt`,
-        started from the cached blocks holding its longest prefix (session.cached of its slots)."""
+        started from the cached blocks holding its longest prefix (session.cached of its slots), after waiting
+        for a running sequence (other than those of `besides`) that is computing a longer one."""
         run, prefix = self.executor.thread.run, self.prefix
         joined = None  # when the request joined the admission queue
         failures = 0
@@ -64,7 +65,7 @@ class Sessions:
         try:
             while True:
                 if prefix is not None and prompt:
-                    while (computing := prefix.pending(prompt, self.executor.generation)) is not None:
+                    while (computing := prefix.pending(prompt, self.executor.generation, besides)) is not None:
                         await computing  # a running sequence is computing more of this prompt: share it
                 session = self.executor.new_session(capacity)
                 if prefix is not None:  # a request arriving from now on waits for what this one computes
@@ -131,6 +132,7 @@ class Sessions:
     def _release(self, session: Session) -> None:
         # model thread: keep a session of its known tokens (sharing its blocks), then release it
         executor, prefix = self.executor, self.prefix
+        session.wire = executor.wire(session)  # the figures its statistics may still read
         freed = [session]
         if prefix is not None:
             prefix.drop(session)

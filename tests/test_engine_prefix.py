@@ -128,3 +128,31 @@ def test_a_wait_leaves_nothing_behind_for_later_event_loops(tiny_loaded, cold):
 
     assert asyncio.run(both()) == [cold[0][0], cold[1][0]]
     assert asyncio.run(collect(engine, greedy_job(SYSTEM + QUESTIONS[2], 6, {}))) == cold[2][0]
+
+
+def test_a_group_starts_together_and_its_members_do_not_wait_for_each_other(tiny_loaded, cold):
+    # outline's points: what a group makes must not depend on when its opens ran, and a member never waits for
+    # the prompt another member will compute (they would wait for each other: none starts before all are open)
+    engine = Engine(tiny_loaded.executor, PrefixCache(2**30, min_tokens=8))
+    started: list[int] = []
+    seen = [{} for _ in QUESTIONS]
+
+    def job(i: int) -> Job:
+        inner = greedy_job(SYSTEM + QUESTIONS[i], 6, seen[i])
+
+        def start(seq):
+            started.append(tiny_loaded.executor.steps)
+            return inner.start(seq)
+
+        return Job(inner.capacity, start, inner.prompt)
+
+    async def group():
+        tokens: dict[int, list[int]] = {i: [] for i in range(len(QUESTIONS))}
+        async with aclosing(engine.run_group([job(i) for i in range(len(QUESTIONS))])) as events:
+            async for i, token in events:
+                tokens[i].append(token)
+        return tokens
+
+    tokens = asyncio.run(group())
+    assert len(set(started)) == 1 and [s["cached"] for s in seen] == [0, 0, 0]
+    assert [tokens[i] for i in range(len(QUESTIONS))] == [cold[i][0] for i in range(len(QUESTIONS))]
