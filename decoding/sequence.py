@@ -52,10 +52,7 @@ def text_stream(request: GenerationRequest, tokenizer) -> TextStream:
 def start(name: str, request: GenerationRequest, cfg: ModelConfig, seq: SequenceView) -> tuple[Sampler, StepStats]:
     """What every such program starts from (model thread): the request's Sampler, and statistics tied to the
     sequence."""
-    stats = StepStats(name)
-    stats.sequence = seq
-    stats.cached_prompt_tokens = seq.cached
-    return Sampler(request.sampling, cfg.vocab_size, request.grammar), stats
+    return Sampler(request.sampling, cfg.vocab_size, request.grammar), StepStats(name, seq)
 
 
 def job(policy: SequencePolicy, request: GenerationRequest, cfg: ModelConfig, text: TextStream,

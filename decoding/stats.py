@@ -6,12 +6,15 @@ import time
 
 from edgespec.decoding.text import TextStream
 from edgespec.decoding.types import TokenEvent
+from edgespec.engine.program import SequenceView
 
 
 class StepStats:
     """Timestamps and counts of one generation, folded into the response's `decoding` object."""
 
-    def __init__(self, policy: str):
+    def __init__(self, policy: str, sequence: SequenceView | None = None):
+        """sequence: the engine's view of the generation's sequence (how many others shared its passes, the
+        prompt tokens it found cached); None for a generation of several sequences (outline)."""
         self.policy = policy
         self.start = time.perf_counter()
         self.first_token_at: float | None = None
@@ -20,12 +23,13 @@ class StepStats:
         self.proposed = 0  # drafted tokens offered for verification (draft-and-verify policies)
         self.accepted = 0
         self.prefill_wire: dict[str, tuple[int, int]] = {}  # wire counts when the first token came
-        self.cached_prompt_tokens = 0  # prompt tokens whose KV came from an earlier request (prefix reuse)
+        # prompt tokens whose KV came from an earlier request (prefix reuse)
+        self.cached_prompt_tokens = sequence.cached if sequence is not None else 0
         self.drafter: str | None = None  # draft-and-verify policies: which drafter, and its time
         self.drafter_s = 0.0
         self.accepted_lengths: dict[int, int] | None = None  # tree policies: steps by accepted length
         self.exact: bool | None = None  # set by policies with a non-exact option: whether this request was exact
-        self.sequence = None  # the engine's view of the generation's sequence: how many others shared its passes
+        self.sequence = sequence
         self.extra: dict = {}  # more figures for the `decoding` object (a tool trigger's score)
 
     def tokens_emitted(self, n: int, wire: dict[str, tuple[int, int]]) -> None:
