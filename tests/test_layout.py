@@ -94,8 +94,8 @@ def test_no_runtime_module_reaches_bench_or_training():
     reached = runtime_modules()
     # the walk is not vacuous: it reaches the engine, the policies, the planner, the workers and the CLI's parsers
     for expected in ["engine/engine.py", "engine/executor.py", "engine/prefix.py", "decoding/policy.py",
-                     "decoding/speculative.py", "decoding/medusa.py", "decoding/headsplit_profile.py", "planning/plan.py", "workers/host.py", "server/service.py",
-                     "planning/cli.py"]:
+                     "decoding/speculative.py", "decoding/medusa.py", "decoding/headsplit_profile.py",
+                     "planning/plan.py", "workers/host.py", "server/service.py", "planning/cli.py"]:
         assert expected in reached, f"the walk does not reach {expected}"
     wrong = {p: by for p, by in reached.items() if p.startswith(APART)}
     assert not wrong, f"runtime modules reach bench/ or decoding/training/ (module: imported by): {wrong}"
