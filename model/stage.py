@@ -58,17 +58,6 @@ class BatchEntry:
     mask: torch.Tensor | None = None
 
 
-def forward_each(stage, entries: Sequence[BatchEntry], hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """forward_batch as one forward call per session: for stages whose messages carry one session each (the
-    workers' wire today). hidden [M, H], positions [M] -> [M, H]."""
-    outs, a = [], 0
-    for e in entries:
-        b = a + e.length
-        outs.append(stage.forward(e.session, hidden[None, a:b], positions[None, a:b], e.start, e.mask)[0])
-        a = b
-    return torch.cat(outs)
-
-
 def segments_in_turn(stage, session: str, hidden: torch.Tensor, start: int, cuts: list[int]) -> torch.Tensor:
     """forward_segments as one forward call per segment, in turn: hidden [1, T, H] at slots start.., cut at
     `cuts` (relative, the last == T). Each segment attends to the KV the earlier ones cached, so the result
