@@ -4,11 +4,11 @@ inter-layer speculation (model/headsplit.py's pipeline runs it; a projection wor
 A step's sessions share every device call: layer l's group devices each get one call over all the sessions'
 rows (one q/k/v and output projection over the rows, attention per session over its own cache: HeadBlocks.
 attend_rows), the projection device sums the groups' partials per row, and the FFN device gets one call over
-all rows. At a speculating layer, the decoding sessions (one row each) start layer l's attention on Z_(l-1)
-beside layer l-1's FFN; each keeps its staged entries when its own ||Z - X|| / ||X|| is below its own epsilon,
-and the sessions that discard, with those whose rows are a prompt's (never speculated, as alone), get their
-attention from X_(l-1) in one more call. Every kernel is row-invariant, so each row gets the bits it gets
-when its session runs alone.
+all rows. At a speculating layer, the decoding sessions (one row each, a tolerance set: not a prompt's rows)
+start layer l's attention on Z_(l-1) beside layer l-1's FFN; each keeps its staged entries when its own
+||Z - X|| / ||X|| is below its own epsilon, and the sessions that discard, with those whose rows are a prompt's
+(never speculated, as alone), get their attention from X_(l-1) in one more call. Every kernel is row-invariant,
+so each row gets the bits it gets when its session runs alone.
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ class SpeculationStats:
 
 @dataclass(frozen=True)
 class Part:
-    """One session's share of a step: its rows (and their step number), its tolerance, and its counts."""
+    """One session's share of a step: its rows (and their step number), its tolerance (None: its rows do not
+    speculate), and its counts."""
 
     rows: StepRows
-    epsilon: float
+    epsilon: float | None
     stats: SpeculationStats
 
 
@@ -107,7 +108,9 @@ def run_schedule(devices: Mapping[str, HeadDevice], layers: list[LayerPlace], cf
     ends = torch.tensor(lengths).cumsum(0).tolist()
     spans = [(b - n, b) for n, b in zip(lengths, ends, strict=True)]
     everyone = list(range(len(parts)))
-    decoding = [j for j in everyone if lengths[j] == 1]  # the rows a speculating layer speculates for
+    # the rows a speculating layer speculates for: a session's one decoding row (never a prompt's rows, however
+    # few: a prompt's pass of several rows does not speculate, and its last one alone must give the same bits)
+    decoding = [j for j in everyone if lengths[j] == 1 and parts[j].epsilon is not None]
 
     def attend_calls(i: int, src: torch.Tensor, which: list[int]) -> list[Pending]:
         # layer i's group devices' partial outputs for the parts `which`, from their rows of src [M, H], started
@@ -149,7 +152,7 @@ def run_schedule(devices: Mapping[str, HeadDevice], layers: list[LayerPlace], cf
             out: dict[int, torch.Tensor] = {}
             for j in decoding:
                 a, b = spans[j]
-                if float(relative_drift(z[None, a:b], x[None, a:b])) < parts[j].epsilon:  # its one token
+                if float(relative_drift(z[None, a:b], x[None, a:b])) < (parts[j].epsilon or 0.0):  # its one token
                     parts[j].stats.kept[i] += 1  # the staged entries stand
                     out[j] = early[j]
                 else:

@@ -157,7 +157,7 @@ class HeadSplitPipeline(WireFigures):
         self._close = close
         self.gathered = gathered
         self.stats: dict[str, SpeculationStats] = {}
-        self.epsilons: dict[str, float] = {}
+        self.epsilons: dict[str, float | None] = {}  # None: the session's rows do not speculate now
         self.wire_stats: dict[str, dict[str, list[int]]] = {}  # session -> link -> [bytes, requests]
         self.lengths: dict[str, int] = {}  # session -> slots written
         self.steps: dict[str, int] = {}  # session -> the number of its last pass or KV operation
@@ -193,7 +193,7 @@ class HeadSplitPipeline(WireFigures):
                 device.release(session)
             raise
 
-    def _track(self, session: str, epsilon: float, stats: SpeculationStats | None, wire: dict | None,
+    def _track(self, session: str, epsilon: float | None, stats: SpeculationStats | None, wire: dict | None,
                length: int) -> None:
         self.stats[session] = stats or SpeculationStats([0] * self.cfg.n_layers, [0] * self.cfg.n_layers)
         self.epsilons[session] = epsilon
@@ -231,8 +231,9 @@ class HeadSplitPipeline(WireFigures):
         to rebuild them from their tokens, their tolerance, speculation counts and wire figures carry on."""
         self.carried = {s: (old.epsilons[s], old.stats[s], old.wire_stats.get(s)) for s in old.stats}
 
-    def speculate(self, session: str, epsilon: float) -> None:
-        """The session's speculation tolerance from now on (a request's `epsilon`)."""
+    def speculate(self, session: str, epsilon: float | None) -> None:
+        """The session's speculation tolerance from now on (a request's `epsilon`; None: its rows do not
+        speculate, as while its prompt goes in)."""
         self.epsilons[session] = epsilon
 
     def figures(self, session: str) -> dict:

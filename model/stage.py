@@ -131,8 +131,9 @@ class StagePipeline(Stage, Protocol):
     def wire(self, session: str) -> dict[str, tuple[int, int]]:
         """Bytes and requests per link that the session's calls have put on the network so far."""
 
-    def speculate(self, session: str, epsilon: float) -> None:
-        """The session's tolerance where the stages speculate between layers (HeadSplit); others ignore it."""
+    def speculate(self, session: str, epsilon: float | None) -> None:
+        """The session's tolerance where the stages speculate between layers (HeadSplit; None: its rows do not
+        speculate); others ignore it."""
 
     def figures(self, session: str) -> dict:
         """What the stages count of the session, for its statistics (HeadSplit's speculations; {} elsewhere)."""
@@ -245,7 +246,7 @@ class Pipeline:
     def wire(self, session: str) -> dict:
         return {}  # in-process: nothing crosses a network
 
-    def speculate(self, session: str, epsilon: float) -> None:
+    def speculate(self, session: str, epsilon: float | None) -> None:
         """Nothing speculates in the layer pipeline."""
 
     def figures(self, session: str) -> dict:

@@ -11,13 +11,15 @@ import os
 import re
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
 from inprocess import LoopClient, controller_app
 
-from edgespec.decoding.headsplit import HeadSplitPolicy, LazyRunner
+from edgespec.decoding.headsplit import HEADSPLIT
+from edgespec.engine.executor import Executor
+from edgespec.engine.sessions import Sessions
+from edgespec.model.headsplit import HeadSplitPipeline
 from edgespec.planning.headsplit import LayerPlace
 
 KEY = "dash-key"
@@ -32,7 +34,7 @@ def served(tiny):
     c = LoopClient(app)
     yield c, service
     c.close()
-    service.loaded.runner.close()
+    service.engine.close()
 
 
 @pytest.fixture
@@ -67,15 +69,17 @@ def test_replans_show_as_events_and_headsplit_groups_per_device(served):
     assert {"reason": "memory", "outcome": "kept", "count": 1.0} in state["replans"]
     assert [(e["kind"], e["text"]) for e in state["events"]][-1] == ("replan", "memory: kept")
 
-    # a HeadSplit placement, once the policy has built its runner: in-process its one device is "local"
-    layers = [LayerPlace({"local": [0, 1]}, "local", "local"), LayerPlace({"local": [0], "w": [1]}, "w", "local", True)]
-    lazy = LazyRunner(build=lambda: None)  # a runner already built, over a pipeline of that placement:
-    lazy.runner = SimpleNamespace(pipeline=SimpleNamespace(layers=layers))
-    service.policies["headsplit"] = HeadSplitPolicy(lazy)
+    # a HeadSplit placement, once the engine has built its lane: in-process its one device is "local" (a lane
+    # over a pipeline of that placement, its devices never called here)
+    executor = service.engine.executor
+    layers = [LayerPlace({"local": [0, 1]}, "local", "local"), LayerPlace({"local": [0], "w": [1]}, "w", "local", True),
+              *(LayerPlace({"w": [0, 1]}, "w", "w") for _ in range(2))]
+    pipeline = HeadSplitPipeline({}, layers, executor.cfg)
+    service.engine.lanes[HEADSPLIT] = Sessions(Executor(executor.cfg, executor.ends, pipeline, executor.thread))
     try:
         state = client.get("/dashboard/state").json()
     finally:
-        del service.policies["headsplit"]
+        del service.engine.lanes[HEADSPLIT]
     assert state["headsplit"][1] == {"layer": 1, "groups": {"local": [0], "w": [1]}, "proj": "w", "ffn": "local",
                                      "speculate": True}
     assert state["devices"][0]["head_groups"] == 3

@@ -168,7 +168,7 @@ class RemotePipeline(WireFigures):
         for w in self.workers:
             self.links.link(w.name, w.url).send_if_linked(pack({"op": "release", "session": session}))
 
-    def speculate(self, session: str, epsilon: float) -> None:
+    def speculate(self, session: str, epsilon: float | None) -> None:
         """Nothing speculates in the layer pipeline."""
 
     def figures(self, session: str) -> dict:

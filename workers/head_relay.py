@@ -130,11 +130,11 @@ class HeadRelay(Relay):
         if layer >= held.cfg.n_layers:
             raise ValueError(f"layer {layer} is outside the model's {held.cfg.n_layers} layers")
         epsilons = h.get("epsilons")
-        if (not isinstance(epsilons, list) or len(epsilons) != len(rows)
-                or not all(isinstance(e, int | float) and not isinstance(e, bool) and e >= 0 for e in epsilons)):
-            raise ValueError("epsilons must be a number >= 0 for each session of the batch")
-        out, fields = await asyncio.to_thread(self.heads.run, rows, [float(e) for e in epsilons], layer,
-                                              message.hidden, message.positions)
+        if not isinstance(epsilons, list) or len(epsilons) != len(rows) or not all(
+                e is None or (isinstance(e, int | float) and not isinstance(e, bool) and e >= 0) for e in epsilons):
+            raise ValueError("epsilons must be a number >= 0 (or null: no speculation) for each session of the batch")
+        out, fields = await asyncio.to_thread(self.heads.run, rows, [None if e is None else float(e) for e in epsilons],
+                                              layer, message.hidden, message.positions)
         return fields, encode({"x": out})
 
     def batch_input(self, body: bytes) -> BatchMessage:

@@ -106,7 +106,7 @@ class HeadHost:
         self.blocks = self.schedule = None
         self.peers = {}
 
-    def run(self, rows: list[StepRows], epsilons: list[float], first: int, x: torch.Tensor,
+    def run(self, rows: list[StepRows], epsilons: list[float | None], first: int, x: torch.Tensor,
             positions: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Layers first.. of the sessions' rows x [M, H] at positions [M] while this worker gathers them, each
         session at its tolerance -> (the last one's output [M, H], {next, kept, discarded, wire}: the next layer
