@@ -1,6 +1,7 @@
 """The `headsplit` policy: one token per step, as `naive`, through the HeadSplit schedule (model/headsplit.py)
 instead of the layer pipeline: every device works on every layer's attention, and a layer the placement lets
-speculate starts on the previous layer's Z and keeps it when ||Z - X|| / ||X|| < epsilon.
+speculate starts on the previous layer's Z and keeps it when ||Z - X|| / ||X|| < epsilon. A prompt's rows never
+speculate, however they go in (alone, after a cached prefix, in chunks beside other requests): the same bits.
 
 Request options: `epsilon` (default: the server's `headsplit_epsilon`; 0 is exactly naive). The placement,
 and so which layers speculate, is fixed when the blocks are first loaded (at the first request), from the
@@ -15,7 +16,7 @@ from edgespec.decoding.naive import NaivePolicy
 from edgespec.decoding.sequence import Prepared
 from edgespec.decoding.text import TextStream
 from edgespec.decoding.types import GenerationRequest
-from edgespec.engine.program import SequenceView, Speculate
+from edgespec.engine.program import Rows, SequenceView, Speculate
 from edgespec.model.config import ModelConfig
 
 HEADSPLIT = "headsplit"  # the engine's lane of HeadSplit's blocks (server/boot.py builds it)
@@ -40,9 +41,25 @@ class HeadSplitPolicy(NaivePolicy):
     def prepare(self, request: GenerationRequest, cfg: ModelConfig, seq: SequenceView, text: TextStream
                 ) -> Prepared:
         naive = super().prepare(request, cfg, seq, text)
+        epsilon = float(request.policy_options.get("epsilon", self.epsilon))
 
-        def program():  # the request's tolerance first, then naive's program
-            yield Speculate(float(request.policy_options.get("epsilon", self.epsilon)))
-            yield from naive.program
+        def program():
+            # naive's program, its prompt's rows not speculating (alone they go in one pass of several rows, which
+            # never speculates; after a cached prefix, or in chunks beside other requests, the last may go alone)
+            # and every decoding row at the request's tolerance
+            inner, prompt = naive.program, True
+            try:
+                yield Speculate(None)
+                item = next(inner)
+                while True:
+                    value = yield item
+                    if prompt and isinstance(item, Rows):
+                        prompt = False
+                        yield Speculate(epsilon)
+                    item = inner.send(value)
+            except StopIteration:
+                return
+            finally:
+                inner.close()
 
         return Prepared(program(), naive.stats)

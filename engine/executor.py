@@ -108,7 +108,7 @@ class Executor:
         session.length = dest + len(kept)
         session.tokens = list(tokens)
 
-    def speculate(self, session: Session, epsilon: float) -> None:
+    def speculate(self, session: Session, epsilon: float | None) -> None:
         """The session's tolerance where the stages speculate between layers (HeadSplit)."""
         self.pipeline.speculate(session.id, epsilon)
 

@@ -89,9 +89,10 @@ class Commit:
 @dataclass(frozen=True)
 class Speculate:
     """The sequence's tolerance where its executor speculates between layers (HeadSplit: a layer's early start
-    on the previous layer's Z is kept when ||Z - X|| / ||X|| < epsilon; 0 never keeps); ignored elsewhere."""
+    on the previous layer's Z is kept when ||Z - X|| / ||X|| < epsilon; 0 never keeps; None: its rows do not
+    speculate, as a prompt's); ignored elsewhere."""
 
-    epsilon: float
+    epsilon: float | None
 
 
 Program = Generator[Any, Any, None]

@@ -180,6 +180,25 @@ class AttentionBlock(nn.Module):
         out = attn.reshape(b, 1, self.n_q * self.hd) if t == 1 else attn.transpose(1, 2).reshape(b, t, -1)
         return self.o(out)
 
+    def rows(self, x: torch.Tensor, rope: Rope, seqs: Sequence[SeqRows], layer: int) -> torch.Tensor:
+        """The block over the rows of several sequences in one pass: x [M, H] (normed) holds each sequence's
+        rows in turn, rope their rotation [1, 1, M, hd], each sequence's keys and values written to its own
+        cache's `layer`. Compiled, the q/k/v and output projections run once over all M rows and attention per
+        sequence (layer.cpp's attention_rows, which attention_block runs for one sequence): every row gets the
+        bits it gets alone. Otherwise each sequence runs on its own. -> the partial output [M, H]"""
+        if self.compiled:
+            hd = rope.cos.shape[-1]
+            k = compiled()
+            kv = [k.SeqKV(*s.cache.storage(layer), s.start, s.length, _heads_mask(s.mask)) for s in seqs]
+            return k.attention_rows(x.float(), self.qkv.kernel, self.o.kernel, self.n_q, self.n_kv,
+                                    rope.cos.reshape(-1, hd), rope.sin.reshape(-1, hd), kv)
+        outs, a = [], 0
+        for s in seqs:
+            b = a + s.length
+            outs.append(self(x[None, a:b], rope.rows(a, b), s.cache, layer, s.start, s.mask)[0])
+            a = b
+        return torch.cat(outs)
+
 
 def causal_mask(start: int, t: int) -> torch.Tensor:
     """Bool mask [T, start+T]: the query in slot start+i sees slots 0..start+i."""

@@ -16,16 +16,17 @@ moved layer 0's groups from two devices to one and a greedy stream at epsilon 0 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from edgespec.model.blocks import FFN, AttentionBlock, RMSNorm, Rotary, causal_mask, norm, window_mask
+from edgespec.model.blocks import FFN, AttentionBlock, RMSNorm, Rotary, SeqRows, causal_mask, norm, window_mask
 from edgespec.model.config import ModelConfig
-from edgespec.model.kv_cache import KVCache
+from edgespec.model.kv_cache import KVCache, KVCacheError
 from edgespec.model.kv_format import FLOAT32, KVFormat
-from edgespec.model.kv_pool import CapacityError
+from edgespec.model.kv_pool import BLOCK_SLOTS, CapacityError, block_bytes
 from edgespec.model.linear import WeightFormat, as_format, linear_bytes
 from edgespec.model.stage import SessionError, StepError
 from edgespec.model.weights import TensorSource, load_attention, load_ffn
@@ -47,6 +48,19 @@ def attn_out_norms(src: TensorSource, cfg: ModelConfig, dtype: WeightFormat | to
         return {}
     act = as_format(dtype).act
     return {layer: load_norm(src, cfg, layer, "attn_out", act) for layer in range(cfg.n_layers)}
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """One session's rows in a device call of a step that may carry several sessions: `length` rows written at
+    its cache slots start..start+length, seeing the slots of mask bool [1, length, start+length] (None: causal),
+    in the session's pass number `step` (HeadBlocks.attend_rows fences a session's cache by it)."""
+
+    session: str
+    start: int
+    length: int
+    mask: torch.Tensor | None
+    step: int
 
 
 class Deferred:
@@ -72,9 +86,10 @@ class GroupBlocks(nn.Module):
         self.blocks = nn.ModuleList(AttentionBlock(cfg, [g], dtype, with_o_bias=cfg.o_bias and g == 0)
                                     for g in self.groups)
 
-    def forward(self, x: torch.Tensor, rope, cache: KVCache, start: int, mask) -> torch.Tensor:
-        # x [1, T, H] (normed) -> each group's partial output [n_kv, T, H]; the cache holds group i as "layer" i
-        return torch.cat([block(x, rope, cache, i, start, mask) for i, block in enumerate(self.blocks)])
+    def forward(self, x: torch.Tensor, rope, seqs: Sequence[SeqRows]) -> torch.Tensor:
+        # x [M, H] (normed), each sequence's rows in turn -> each group's partial output [n_kv, M, H]; a
+        # sequence's cache of the layer holds group i as "layer" i
+        return torch.stack([block.rows(x, rope, seqs, i) for i, block in enumerate(self.blocks)])
 
 
 class FeedForward(nn.Module):
@@ -113,6 +128,7 @@ class HeadBlocks:
         self.capacity: dict[str, int] = {}  # session -> its slots
         self.steps: dict[str, int] = {}  # session -> the step number of its last attend here
         self.kv_budget_bytes: int | None = None  # the bound of the caches here (limit_kv); None: none
+        self.held_bytes = 0  # bytes of the sessions' caches, counted on every change (read by /metrics' thread)
         self.reshape(groups, ffns, {})
 
     @torch.no_grad()
@@ -141,6 +157,7 @@ class HeadBlocks:
                 for one in block.blocks:
                     load_attention(one, self.src, self.cfg, layer, self.fmt)
                 self.attn[layer] = (load_norm(self.src, self.cfg, layer, "attn_in", self.dtype), block)
+        self._count()
         for layer in set(self.ffn) - set(ffns):
             del self.ffn[layer]
         for layer in sorted(set(ffns) - set(self.ffn)):
@@ -181,8 +198,8 @@ class HeadBlocks:
         an open that would cross it is refused with the layer pipeline's CapacityError."""
         self.kv_budget_bytes = nbytes
 
-    def open(self, session: str, capacity: int) -> None:
-        caches = {layer: self._new_cache(block.n_kv, capacity) for layer, (_, block) in self.attn.items()}
+    def _hold(self, session: str, capacity: int, caches: dict[int, KVCache]) -> None:
+        # a new session's caches, within the budget (CapacityError, naming the numbers, past it)
         if self.kv_budget_bytes is not None:
             used, nbytes = self.kv_bytes(), sum(c.pool.nbytes for c in caches.values())
             if used + nbytes > self.kv_budget_bytes:
@@ -192,15 +209,70 @@ class HeadBlocks:
         self.capacity[session] = capacity
         self.sessions[session] = caches
         self.steps[session] = 0
+        self._count()
+
+    def open(self, session: str, capacity: int) -> None:
+        self._hold(session, capacity, {layer: self._new_cache(block.n_kv, capacity)
+                                       for layer, (_, block) in self.attn.items()})
+
+    def _applied(self, session: str, step: int) -> bool:
+        # a KV operation's step: True when it is the session's last one (a retry, applied already); StepError for
+        # an older one
+        last = self.steps[session]
+        if step < last:
+            raise StepError(f"step {step} of session {session!r} is older than the last one here, {last}")
+        return step == last
+
+    def fork(self, session: str, child: str, length: int, capacity: int, step: int) -> None:
+        """Open `child` holding a copy of the session's first `length` slots in caches of its own (each cache has
+        a pool of its own: no block is shared), as the session's pass number `step`: a retry of it changes
+        nothing."""
+        parent = self._caches(session)
+        if self._applied(session, step) and child in self.sessions:
+            return
+        if child in self.sessions:
+            raise KVCacheError(f"session {child!r} is already open")
+        caches = {}
+        for layer, cache in parent.items():
+            caches[layer] = self._new_cache(self.attn[layer][1].n_kv, capacity)
+            caches[layer].copy_from(cache, length)
+        self._hold(child, capacity, caches)
+        self.steps[session] = step
+
+    def commit(self, session: str, kept: list[int], dest: int, step: int) -> None:
+        """Move the slots `kept` (ascending) to dest, dest+1, ... in every cache of the session and end them there
+        (KVCache.commit), as its pass number `step`: a retry of it changes nothing."""
+        caches = self._caches(session)
+        if self._applied(session, step):
+            return
+        for cache in caches.values():
+            cache.commit(kept, dest)
+        self.steps[session] = step
 
     def release(self, session: str) -> None:
         self.sessions.pop(session, None)
         self.capacity.pop(session, None)
         self.steps.pop(session, None)
+        self._count()
+
+    def _count(self) -> None:
+        self.held_bytes = sum(c.pool.nbytes for caches in self.sessions.values() for c in caches.values())
 
     def kv_bytes(self) -> int:
         """Bytes of every session's caches here."""
-        return sum(c.pool.nbytes for caches in self.sessions.values() for c in caches.values())
+        return self.held_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        """The unit of pool_blocks: one KV group's keys and values of BLOCK_SLOTS slots in one layer."""
+        return block_bytes(1, 1, self.cfg.head_dim, self.kv, BLOCK_SLOTS)
+
+    def pool_blocks(self) -> tuple[int, int]:
+        """(used, free) in blocks of one group's BLOCK_SLOTS slots in one layer: what the sessions' caches hold
+        (a session holds its whole capacity from its open), and what the budget leaves (0 without one)."""
+        used = self.kv_bytes()
+        free = max(0, self.kv_budget_bytes - used) if self.kv_budget_bytes is not None else 0
+        return used // self.block_bytes, free // self.block_bytes
 
     def memory_bytes(self) -> int:
         """Bytes of the blocks' weights and the caches."""
@@ -212,47 +284,61 @@ class HeadBlocks:
             raise SessionError(f"no session {session!r} here")
         return self.sessions[session]
 
-    @torch.inference_mode()
     def attend(self, session: str, layer: int, x: torch.Tensor, positions: torch.Tensor, start: int,
                mask: torch.Tensor | None, step: int) -> torch.Tensor:
-        """x [1, T, H] (the layer's input) at positions [1, T], its keys and values cached at slots start.. ->
-        the partial attention output of each of the layer's groups here, in group order [n_groups, T, H].
-        mask [1, T, start+T] (None: causal). A sliding layer's groups see only its window (narrowing `mask`)
-        and rotate by its own base, as DecoderLayer's attention does.
+        """One session's attend_rows: x [1, T, H] at positions [1, T], mask [1, T, start+T] or None -> the
+        partial output of each of the layer's groups here [n_groups, T, H]."""
+        return self.attend_rows(layer, x[0], positions[0], [StepRows(session, start, x.shape[1], mask, step)])
 
-        `step` numbers the session's forward passes (HeadSplitPipeline.forward): a call of a step older than
-        the last one seen here is refused with StepError (a late or retried call from before a rollback would
-        overwrite slots written since). Calls of the same step (every layer's, a speculation's recompute, a
-        retry) are applied: each rewrites its slots from the same input, so a repeat changes no bits."""
+    @torch.inference_mode()
+    def attend_rows(self, layer: int, x: torch.Tensor, positions: torch.Tensor, rows: Sequence[StepRows]
+                    ) -> torch.Tensor:
+        """x [M, H] (the layer's input) holds each session's rows in turn, at positions [M], their keys and values
+        cached in each session's caches at its slots -> the partial attention output of each of the layer's
+        groups here, in group order [n_groups, M, H]. The projections run once over all M rows and attention
+        per session over its own cache (AttentionBlock.rows): every row gets the bits it gets alone. A sliding
+        layer's groups see only its window (narrowing each session's mask) and rotate by its own base, as
+        DecoderLayer's attention does.
+
+        A session's `step` numbers its forward passes (HeadSplitPipeline): a call of a step older than the last
+        one seen here is refused with StepError before anything is written (a late or retried call from before a
+        rollback would overwrite slots written since). Calls of the same step (every layer's, a speculation's
+        recompute, a retry) are applied: each rewrites its slots from the same input, so a repeat changes no
+        bits."""
         if layer not in self.attn:
             raise ValueError(f"layer {layer} has no KV groups here")
-        caches = self._caches(session)
-        if step < self.steps[session]:
-            raise StepError(f"step {step} of session {session!r} is older than the last one here, "
-                            f"{self.steps[session]}")
-        self.steps[session] = step
-        cache = caches[layer]
-        t = x.shape[1]
-        cache.check_write(start, t)
-        cache.ensure(start, start + t)
+        if sum(r.length for r in rows) != x.shape[0] or len({r.session for r in rows}) != len(rows):
+            raise ValueError(f"the sessions' rows are not x's {x.shape[0]}, each session once")
+        caches = [self._caches(r.session)[layer] for r in rows]
+        for r, cache in zip(rows, caches, strict=True):
+            if r.step < self.steps[r.session]:
+                raise StepError(f"step {r.step} of session {r.session!r} is older than the last one here, "
+                                f"{self.steps[r.session]}")
+            cache.check_write(r.start, r.length)
         window = self.cfg.window(layer)
         # DecoderLayer's sliding layer: its rotary base, its window of the mask; its NoPE layer: no rotation
-        rope = self.rotary(positions).for_layer(window is not None, self.cfg.rotates(layer))
-        if window is not None:
-            mask = window_mask(mask, rope.positions, start, t, window)
-        if mask is None and t > 1:
-            mask = causal_mask(start, t)
-        elif mask is not None and mask.dim() == 3:
-            mask = mask.unsqueeze(1)  # broadcast over heads
+        rope = self.rotary(positions[None]).for_layer(window is not None, self.cfg.rotates(layer))
+        seqs, a = [], 0
+        for r, cache in zip(rows, caches, strict=True):
+            self.steps[r.session] = r.step
+            cache.ensure(r.start, r.start + r.length)
+            mask = r.mask
+            if window is not None:
+                mask = window_mask(mask, rope.rows(a, a + r.length).positions, r.start, r.length, window)
+            if mask is None and r.length > 1:
+                mask = causal_mask(r.start, r.length)
+            seqs.append(SeqRows(cache, r.start, r.length, mask))
+            a += r.length
         norm, block = self.attn[layer]
-        out = block(norm(x.to(self.dtype)), rope, cache, start, mask)
-        cache.length = start + t
+        out = block(norm(x.to(self.dtype)), rope, seqs)
+        for r, cache in zip(rows, caches, strict=True):
+            cache.length = r.start + r.length
         return out
 
-    def start_attend(self, session: str, layer: int, x: torch.Tensor, positions: torch.Tensor, start: int,
-                     mask: torch.Tensor | None, step: int) -> Deferred:
-        """`attend`, computed when its result is taken (HeadSplitPipeline starts the remote calls first)."""
-        return Deferred(lambda: self.attend(session, layer, x, positions, start, mask, step))
+    def start_attend(self, layer: int, x: torch.Tensor, positions: torch.Tensor, rows: Sequence[StepRows]
+                     ) -> Deferred:
+        """`attend_rows`, computed when its result is taken (HeadSplitPipeline starts the remote calls first)."""
+        return Deferred(lambda: self.attend_rows(layer, x, positions, rows))
 
     def start_ffn(self, layer: int, z: torch.Tensor) -> Deferred:
         """`feed_forward`, computed when its result is taken."""

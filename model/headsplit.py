@@ -14,29 +14,36 @@ there, the speculation is kept if ||Z - X|| / ||X|| < epsilon: the staged entrie
 the groups run again from X_(l-1), overwriting the staged entries (discard), so the step's result and cache
 are the exact ones. Epsilon 0 never keeps: the exact model.
 
+A step of several sessions (the engine's shared step) runs the schedule once: each device call carries every
+session's rows, each session attends over its own caches, and each decoding session keeps or discards a
+speculation by its own drift and epsilon (model/head_schedule.py); every row gets the bits it gets alone. A
+session's caches are a device's own (no block is shared): a fork copies the parent's slots (prefix reuse).
+
 The devices are HeadBlocks in this process, or proxies of the same calls to workers over their links
 (workers/head_client.py). A device call is started (`start_attend`, `start_ffn`) and its result taken later,
 so the calls the schedule starts together run at once: a layer's group calls, and at a speculating layer also
 the previous layer's FFN call with this layer's speculative group calls. A remote call is sent when started; an
 in-process one computes when its result is taken, after the remote ones went out. Over workers, the projection
-worker of a layer runs this same schedule itself (`run`), its own blocks directly and its peers' over its links
-to them, so a step reaches the controller only at its end or where the projection device changes.
+worker of a layer runs this same schedule itself (GatheringDevice.run), its own blocks directly and its peers'
+over its links to them, so a step reaches the controller only at its end or where the projection device
+changes.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 
 from edgespec.model.blocks import RMSNorm
 from edgespec.model.config import ModelConfig
-from edgespec.model.drift import relative_drift
-from edgespec.model.head_blocks import HeadBlocks, attn_out_norms
+from edgespec.model.head_blocks import GroupKV, HeadBlocks, StepRows, attn_out_norms
+from edgespec.model.head_schedule import HeadDevice, Part, SpeculationStats, run_schedule
 from edgespec.model.kv_format import FLOAT32, KVFormat
-from edgespec.model.stage import WireFigures, forward_each, segments_in_turn
+from edgespec.model.stage import BatchEntry, SessionError, WireFigures, segments_in_turn
 from edgespec.model.weights import TensorSource
 from edgespec.planning.headsplit import LayerPlace
 
@@ -64,20 +71,6 @@ def check_placement(layers: list[LayerPlace], cfg: ModelConfig) -> None:
             raise ValueError(f"layer {i}: groups {placed} are not each of the {cfg.n_kv_heads} KV groups once")
 
 
-def results(pending: list) -> list[torch.Tensor]:
-    """Every started call's result, in order. When one fails, the others are still waited for (no call of this
-    step is left running into the next, or into a re-placement) and then the first failure is raised."""
-    out, error = [], None
-    for call in pending:
-        try:
-            out.append(call.result())
-        except Exception as exc:
-            error = error or exc
-    if error is not None:
-        raise error
-    return out
-
-
 @dataclass
 class MemoryWatch:
     """When to re-place: a device's blocks and caches past `threshold` of its capacity (checked every `every`
@@ -94,23 +87,56 @@ class MemoryWatch:
         return self.steps % self.every == 0
 
 
-@dataclass
-class SpeculationStats:
-    """Per session: speculations kept and discarded, per layer."""
+class SessionDevice(HeadDevice, Protocol):
+    """A device as the pipeline drives it: the schedule's calls, each session's caches, the figures of its
+    caches, and its blocks' moves (HeadBlocks; a worker's RemoteHeads)."""
 
-    kept: list[int] = field(default_factory=list)
-    discarded: list[int] = field(default_factory=list)
+    def open(self, session: str, capacity: int) -> None:
+        """Caches of `capacity` slots for the session's groups here (CapacityError past the device's budget)."""
+
+    def fork(self, session: str, child: str, length: int, capacity: int, step: int) -> None:
+        """Open `child` holding a copy of the session's first `length` slots, as the session's pass `step`."""
+
+    def commit(self, session: str, kept: list[int], dest: int, step: int) -> None:
+        """Move the slots `kept` to dest, dest+1, ... and end the session's caches there, as its pass `step`."""
+
+    def release(self, session: str) -> None:
+        """Free the session's caches (an unknown session is ignored)."""
+
+    def kv_bytes(self) -> int:
+        """Bytes of the caches here (a worker's: as it last reported them)."""
+
+    def pool_blocks(self) -> tuple[int, int]:
+        """(used, free) blocks of one KV group's BLOCK_SLOTS slots in one layer (HeadBlocks.pool_blocks)."""
+
+    def memory_bytes(self) -> int:
+        """Bytes of the blocks' weights and the caches."""
+
+    def export(self, groups: dict[int, list[int]]) -> GroupKV:
+        """Every session's keys and values of these groups, to move them with the groups."""
+
+    def reshape(self, groups: dict[int, list[int]], ffns: list[int], incoming: GroupKV) -> None:
+        """Hold exactly these groups and FFNs from now on (HeadBlocks.reshape)."""
+
+
+class GatheringDevice(SessionDevice, Protocol):
+    """A worker that runs the schedule itself from the layers it gathers (workers/head_client.py)."""
+
+    def run(self, parts: Sequence[Part], first: int, x: torch.Tensor, positions: torch.Tensor,
+            wire: dict[str, dict[str, list[int]]]) -> tuple[torch.Tensor, int]:
+        """Layers first.. at this projection worker for the parts' rows x [M, H] -> (the last one's output
+        [M, H], the next layer to run); speculation counts add to the parts' stats, traffic to `wire`."""
+
+    def set_placement(self, layers: list[LayerPlace]) -> None:
+        """The placement its schedule follows from now on."""
 
 
 class HeadSplitPipeline(WireFigures):
     """The HeadSplit schedule over a placement's devices (HeadBlocks in-process, or worker proxies with the same
-    calls), with the Stage seam's open / forward / release.
-
-    A device has `start_attend(session, layer, x, positions, start, mask, step)` and `start_ffn(layer, z)`, each
-    returning a pending call whose `result()` is the tensor (or raises the device's failure), and `open`,
-    `release`, `kv_bytes` (0 for a worker's: the worker counts its own).
-    With `gathered`, the devices are workers that run the schedule themselves (`run` at each layer's
-    projection device, which calls its peers directly): the controller hands a step to the first layer's
+    calls: SessionDevice), as the executor's StagePipeline: open, fork, commit and release every device's caches
+    of a session, and a step of one or several sessions run through the schedule once (model/head_schedule.py).
+    With `gathered`, the devices are workers that run the schedule themselves (GatheringDevice.run at each
+    layer's projection device, which calls its peers directly): the controller hands a step to the first layer's
     projection worker and gets the last layer's output back, with one more hop only where the projection device
     changes. `close()` frees what reaching the devices holds.
 
@@ -118,21 +144,23 @@ class HeadSplitPipeline(WireFigures):
     has them (Gemma 3): the sum of a layer's group partials is normed before the residual add. Needed wherever
     this pipeline gathers layers itself (not `gathered`: the projection workers then hold their own)."""
 
-    def __init__(self, devices: dict, layers: list[LayerPlace], cfg: ModelConfig, epsilon: float = 0.05,
-                 close=None, gathered: bool = False, attn_out: dict[int, RMSNorm] | None = None):
+    def __init__(self, devices: Mapping[str, SessionDevice], layers: list[LayerPlace], cfg: ModelConfig,
+                 epsilon: float = 0.05, close: Callable[[], None] | None = None, gathered: bool = False,
+                 attn_out: dict[int, RMSNorm] | None = None):
         check_placement(layers, cfg)
         self.attn_out = attn_out or {}
         if "attn_out" in cfg.arch.norms and not gathered and sorted(self.attn_out) != list(range(cfg.n_layers)):
             raise ValueError(f"the {cfg.arch.name} architecture norms the attention's output: the pipeline that "
                              "gathers its layers needs every layer's norm (attn_out)")
-        self.devices, self.layers, self.cfg, self.epsilon = devices, layers, cfg, epsilon
+        self.devices = dict(devices)
+        self.layers, self.cfg, self.epsilon = layers, cfg, epsilon
         self._close = close
         self.gathered = gathered
         self.stats: dict[str, SpeculationStats] = {}
-        self.epsilons: dict[str, float] = {}
+        self.epsilons: dict[str, float | None] = {}  # None: the session's rows do not speculate now
         self.wire_stats: dict[str, dict[str, list[int]]] = {}  # session -> link -> [bytes, requests]
         self.lengths: dict[str, int] = {}  # session -> slots written
-        self.steps: dict[str, int] = {}  # session -> its forward passes so far (the step number of the last)
+        self.steps: dict[str, int] = {}  # session -> the number of its last pass or KV operation
         self.memory: MemoryWatch | None = None
         self.replacements = 0
         self.carried: dict[str, tuple] = {}  # session -> (epsilon, stats, wire) taken over from a lost placement
@@ -152,23 +180,60 @@ class HeadSplitPipeline(WireFigures):
                 device.limit_kv(kv_budget_bytes // len(devices))
         return cls(devices, layers, cfg, epsilon, attn_out=attn_out_norms(src, cfg, dtype))
 
-    def open(self, session: str, capacity: int, epsilon: float | None = None) -> None:
-        for device in self.devices.values():
-            device.open(session, capacity)
-        kept_eps, stats, wire = self.carried.pop(session, (self.epsilon, None, None))
+    def _on_every_device(self, session: str, call: Callable[[SessionDevice], None]) -> None:
+        # a session's caches made on every device, or on none: a device that refuses (its budget) has the
+        # others' released
+        done = []
+        try:
+            for device in self.devices.values():
+                call(device)
+                done.append(device)
+        except BaseException:
+            for device in done:
+                device.release(session)
+            raise
+
+    def _track(self, session: str, epsilon: float | None, stats: SpeculationStats | None, wire: dict | None,
+               length: int) -> None:
         self.stats[session] = stats or SpeculationStats([0] * self.cfg.n_layers, [0] * self.cfg.n_layers)
-        self.epsilons[session] = kept_eps if epsilon is None else epsilon
+        self.epsilons[session] = epsilon
         self.wire_stats[session] = wire or {}
-        self.lengths[session] = 0
+        self.lengths[session] = length
         self.steps[session] = 0
+
+    def open(self, session: str, capacity: int, epsilon: float | None = None) -> None:
+        self._on_every_device(session, lambda device: device.open(session, capacity))
+        kept_eps, stats, wire = self.carried.pop(session, (self.epsilon, None, None))
+        self._track(session, kept_eps if epsilon is None else epsilon, stats, wire, 0)
+
+    def fork(self, session: str, child: str, prefix_len: int, capacity: int) -> None:
+        """Open `child` holding a copy of the session's first prefix_len slots on every device (prefix reuse,
+        outline's points after their shared prompt); it starts with the session's tolerance."""
+        step = self._step(session)
+        self._on_every_device(child, lambda device: device.fork(session, child, prefix_len, capacity, step))
+        self._track(child, self.epsilons[session], None, None, prefix_len)
+
+    def commit(self, session: str, kept: list[int], dest: int) -> None:
+        """Move the slots `kept` (ascending) to dest, dest+1, ... on every device and end the caches there."""
+        step = self._step(session)
+        for device in self.devices.values():
+            device.commit(session, kept, dest, step)
+        self.lengths[session] = dest + len(kept)
+
+    def _step(self, session: str) -> int:
+        if session not in self.steps:
+            raise SessionError(f"unknown session {session!r}")
+        self.steps[session] += 1
+        return self.steps[session]
 
     def adopt(self, old: HeadSplitPipeline) -> None:
         """Take over the sessions of `old`, a placement that lost a device: when the executor opens them here again
         to rebuild them from their tokens, their tolerance, speculation counts and wire figures carry on."""
         self.carried = {s: (old.epsilons[s], old.stats[s], old.wire_stats.get(s)) for s in old.stats}
 
-    def speculate(self, session: str, epsilon: float) -> None:
-        """The session's speculation tolerance from now on (a request's `epsilon`)."""
+    def speculate(self, session: str, epsilon: float | None) -> None:
+        """The session's speculation tolerance from now on (a request's `epsilon`; None: its rows do not
+        speculate, as while its prompt goes in)."""
         self.epsilons[session] = epsilon
 
     def figures(self, session: str) -> dict:
@@ -195,35 +260,57 @@ class HeadSplitPipeline(WireFigures):
         return sum(d.kv_bytes() for d in self.devices.values())
 
     def pool_blocks(self) -> tuple[int, int]:
-        return 0, 0  # a device holds each session's groups in caches of their own (model/head_blocks.py)
+        """The devices' (used, free) blocks, each of one KV group's BLOCK_SLOTS slots in one layer: a device's
+        caches hold whole blocks of each session's capacity from its open (HeadBlocks.pool_blocks)."""
+        used, free = 0, 0
+        for device in self.devices.values():
+            u, f = device.pool_blocks()
+            used, free = used + u, free + f
+        return used, free
 
     def close(self) -> None:
         """Free what reaching the devices holds (connections, threads)."""
         if self._close:
             self._close()
 
-    @torch.inference_mode()
     def forward(self, session: str, hidden: torch.Tensor, positions: torch.Tensor, start: int,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [B, T, H] at positions [B, T], cached at slots start.. -> the last layer's output [B, T, H]."""
-        stats, eps = self.stats[session], self.epsilons[session]
-        self.steps[session] += 1
-        step = self.steps[session]
+        """hidden [1, T, H] at positions [1, T], cached at slots start.. -> the last layer's output [1, T, H]."""
+        entry = BatchEntry(session, start, hidden.shape[1], mask)
+        return self.forward_batch([entry], hidden[0], positions[0])[None]
+
+    @torch.inference_mode()
+    def forward_batch(self, entries: Sequence[BatchEntry], hidden: torch.Tensor, positions: torch.Tensor
+                      ) -> torch.Tensor:
+        """A step of several sessions' rows through the schedule once: hidden [M, H] holds each entry's rows in
+        turn at positions [M] -> the last layer's output [M, H]; every row as its session alone gets it."""
+        for e in entries:
+            if e.session not in self.steps:
+                raise SessionError(f"unknown session {e.session!r}")
+        parts = []
+        for e in entries:
+            mask = None if e.mask is None else e.mask.reshape(1, e.length, e.start + e.length)
+            rows = StepRows(e.session, e.start, e.length, mask, self._step(e.session))
+            parts.append(Part(rows, self.epsilons[e.session], self.stats[e.session]))
         if not self.gathered:
-            out = self.run(session, 0, hidden, positions, start, mask, eps, stats, step)[0]
+            out = self.run(parts, 0, hidden, positions)[0]
         else:
-            layer, wire, out = 0, self.wire_stats[session], hidden
+            layer, out = 0, hidden
             while layer < len(self.layers):  # each projection worker runs the layers it gathers, then hands back
-                out, layer = self.devices[self.layers[layer].proj].run(session, layer, out, positions, start, mask,
-                                                                       eps, stats, step, wire)
-        self.lengths[session] = start + hidden.shape[1]  # a write ends the caches there
+                gatherer = cast(GatheringDevice, self.devices[self.layers[layer].proj])
+                out, layer = gatherer.run(parts, layer, out, positions, self.wire_stats)
+        for e in entries:
+            self.lengths[e.session] = e.start + e.length  # a write ends the caches there
         if self.memory is not None and self.memory.due():
             self.check_memory()
         return out
 
-    def forward_batch(self, entries, hidden, positions):
-        # the HeadSplit schedule runs one session at a time
-        return forward_each(self, entries, hidden, positions)
+    def run(self, parts: Sequence[Part], first: int, hidden: torch.Tensor, positions: torch.Tensor,
+            here: str | None = None) -> tuple[torch.Tensor, int]:
+        """Layers first.. of the parts' rows hidden [M, H] at positions [M], while their projection device is
+        `here` (None: all of them) -> (the output [M, H] of the last layer run, the next layer to run)."""
+        return run_schedule(self.devices, self.layers, self.cfg, self.attn_out, parts, first, hidden, positions,
+                            here)
 
     def check_memory(self) -> bool:
         """Re-place the blocks when a device's memory use has crossed the threshold (between steps): the
@@ -272,61 +359,8 @@ class HeadSplitPipeline(WireFigures):
             device.reshape(groups, ffns, incoming)
         if self.gathered:
             for device in self.devices.values():
-                device.set_placement(layers)
+                cast(GatheringDevice, device).set_placement(layers)
         self.layers = layers
         self.replacements += 1
         log.info("HeadSplit blocks re-placed (%d groups moved)", sum(len(g) for d in leaving.values()
                                                                       for g in d.values()))
-
-    def run(self, session: str, first: int, hidden: torch.Tensor, positions: torch.Tensor, start: int,
-            mask: torch.Tensor | None, eps: float, stats: SpeculationStats, step: int, here: str | None = None
-            ) -> tuple[torch.Tensor, int]:
-        """Layers first.. from their input hidden [1, T, H] of the session's pass number `step`, while their
-        projection device is `here` (None: all of them) -> (the output [1, T, H] of the last layer run, the
-        next layer to run)."""
-        b, t, _ = hidden.shape
-        if here is not None and self.layers[first].proj != here:
-            raise ValueError(f"layer {first}'s projection runs on {self.layers[first].proj}, not {here}")
-
-        def attend_calls(i: int, src: torch.Tensor) -> list:
-            # layer i's group devices' partial outputs from src, each [its groups, T, H] (see group_sum), started
-            return [self.devices[d].start_attend(session, i, src, positions, start, mask, step)
-                    for d, gs in self.layers[i].groups.items() if gs]
-
-        def group_sum(i: int, partials: list[torch.Tensor]) -> torch.Tensor:
-            # the devices' partials -> layer i's attention output [1, T, H]: added one group after another in
-            # group order, whichever device computed each, so that the bits do not depend on the placement; then
-            # normed where the architecture norms it (DecoderLayer's attn_out_norm, on the whole sum) and scaled
-            parts = {g: p[j] for gs, p in zip((gs for gs in self.layers[i].groups.values() if gs), partials,
-                                              strict=True) for j, g in enumerate(sorted(gs))}
-            out = parts[min(parts)]
-            for g in sorted(parts)[1:]:
-                out = out + parts[g]
-            out = out.unsqueeze(0)
-            out = self.attn_out[i](out) if i in self.attn_out else out
-            r = self.cfg.residual_multiplier  # Granite's, on the whole sum as DecoderLayer applies it
-            return out if r == 1.0 else out * r
-
-        def ffn_call(i: int, z: torch.Tensor):
-            return self.devices[self.layers[i].ffn].start_ffn(i, z)
-
-        x, z = hidden, None  # layer i's input X_(i-1), and the previous layer's Z while its FFN is pending
-        for i in range(first, len(self.layers)):
-            lp = self.layers[i]
-            if here is not None and lp.proj != here:  # the next projection device takes over from X_(i-1)
-                return ffn_call(i - 1, z).result(), i
-            if z is not None and lp.speculate and b == t == 1:
-                # the previous layer's FFN and this layer's attention on its Z (staged entries) at once
-                x, *staged = results([ffn_call(i - 1, z), *attend_calls(i, z)])
-                if float(relative_drift(z, x)) < eps:  # one token
-                    stats.kept[i] += 1  # the staged entries stand
-                    out = group_sum(i, staged)
-                else:
-                    stats.discarded[i] += 1  # recomputed from X_(i-1): the staged entries are overwritten
-                    out = group_sum(i, results(attend_calls(i, x)))
-            else:
-                if z is not None:
-                    x = ffn_call(i - 1, z).result()
-                out = group_sum(i, results(attend_calls(i, x)))
-            z = x + out
-        return ffn_call(len(self.layers) - 1, z).result(), len(self.layers)

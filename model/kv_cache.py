@@ -135,6 +135,21 @@ class KVCache:
             store[dst_b, :, dst_o] = store[src_b, :, src_o]  # the source is gathered first: overlaps are safe
         self.length = dest + len(kept)
 
+    def copy_from(self, other: KVCache, n: int) -> None:
+        """Hold `other`'s first n slots of every layer as this cache's slots 0..n, their stored bits as they are
+        (a cache over a pool of its own cannot share blocks: a HeadSplit device's fork). The pools' layouts must
+        match; this cache ends at slot n."""
+        if n > other.length:
+            raise KVCacheError(f"prefix of {n} slots but the cache holds {other.length}")
+        self.check_write(0, n)
+        if n:
+            self.ensure(0, n)
+            nb = self.pool.blocks_for(n)  # whole blocks: the slots past n in the last one are never read
+            src, dst = other.table_tensor()[:nb], self.table_tensor()[:nb]
+            for mine, theirs in zip((*self.pool.k, *self.pool.v), (*other.pool.k, *other.pool.v), strict=True):
+                mine[dst] = theirs[src]
+        self.length = n
+
     def fork(self, prefix_len: int, capacity: int) -> KVCache:
         """A cache over the same pool that shares this one's first prefix_len slots."""
         if prefix_len > self.length:

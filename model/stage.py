@@ -58,17 +58,6 @@ class BatchEntry:
     mask: torch.Tensor | None = None
 
 
-def forward_each(stage, entries: Sequence[BatchEntry], hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """forward_batch as one forward call per session: for stages whose messages carry one session each (the
-    workers' wire today). hidden [M, H], positions [M] -> [M, H]."""
-    outs, a = [], 0
-    for e in entries:
-        b = a + e.length
-        outs.append(stage.forward(e.session, hidden[None, a:b], positions[None, a:b], e.start, e.mask)[0])
-        a = b
-    return torch.cat(outs)
-
-
 def segments_in_turn(stage, session: str, hidden: torch.Tensor, start: int, cuts: list[int]) -> torch.Tensor:
     """forward_segments as one forward call per segment, in turn: hidden [1, T, H] at slots start.., cut at
     `cuts` (relative, the last == T). Each segment attends to the KV the earlier ones cached, so the result
@@ -142,8 +131,9 @@ class StagePipeline(Stage, Protocol):
     def wire(self, session: str) -> dict[str, tuple[int, int]]:
         """Bytes and requests per link that the session's calls have put on the network so far."""
 
-    def speculate(self, session: str, epsilon: float) -> None:
-        """The session's tolerance where the stages speculate between layers (HeadSplit); others ignore it."""
+    def speculate(self, session: str, epsilon: float | None) -> None:
+        """The session's tolerance where the stages speculate between layers (HeadSplit; None: its rows do not
+        speculate); others ignore it."""
 
     def figures(self, session: str) -> dict:
         """What the stages count of the session, for its statistics (HeadSplit's speculations; {} elsewhere)."""
@@ -256,7 +246,7 @@ class Pipeline:
     def wire(self, session: str) -> dict:
         return {}  # in-process: nothing crosses a network
 
-    def speculate(self, session: str, epsilon: float) -> None:
+    def speculate(self, session: str, epsilon: float | None) -> None:
         """Nothing speculates in the layer pipeline."""
 
     def figures(self, session: str) -> dict:

@@ -15,7 +15,7 @@ from edgespec.decoding.headsplit_profile import load_profile
 from edgespec.decoding.medusa_heads import MedusaModel
 from edgespec.decoding.target_fit import SHIPPED
 from edgespec.engine.admission import Admission
-from edgespec.engine.engine import Engine
+from edgespec.engine.engine import LAYERS, Engine
 from edgespec.engine.executor import Executor
 from edgespec.engine.prefix import PrefixCache
 from edgespec.engine.sessions import Sessions
@@ -78,14 +78,19 @@ def _profile(settings: ServeSettings, files: ModelFiles, devices: list[Device], 
     return profile
 
 
+def prefix_cache(settings: ServeSettings) -> PrefixCache | None:
+    """A lane's prefix cache from the settings (None: prefix reuse off)."""
+    return PrefixCache(int(settings.prefix_cache_mib * 2**20), settings.prefix_min_tokens) \
+        if settings.prefix_cache_mib > 0 else None
+
+
 def build_engine(settings: ServeSettings, loaded: LoadedModel, cluster: ClusterManager | None) -> Engine:
     """The engine over the loaded model's executor: prefix reuse and admission from the settings; over
     workers, recovery by re-placement; with HeadSplit, its lane (built at its first request)."""
-    prefix = PrefixCache(int(settings.prefix_cache_mib * 2**20), settings.prefix_min_tokens) \
-        if settings.prefix_cache_mib > 0 else None
     admission = Admission(settings.max_waiting, settings.queue_timeout_s)
     lanes = {HEADSPLIT: partial(headsplit_lane, settings, loaded, cluster)} if settings.headsplit else {}
-    return Engine(loaded.executor, prefix, admission, cluster.recover if cluster is not None else None, lanes)
+    return Engine(loaded.executor, prefix_cache(settings), admission, cluster.recover if cluster is not None else None,
+                  lanes)
 
 
 def observe_engine(engine: Engine, metrics: Metrics) -> None:
@@ -103,7 +108,16 @@ def observe_engine(engine: Engine, metrics: Metrics) -> None:
     metrics.step_rows.set_function(lambda: executor.step_rows)
     metrics.kv_blocks.labels("used").set_function(lambda: executor.pool_blocks()[0])
     metrics.kv_blocks.labels("free").set_function(lambda: executor.pool_blocks()[1])
+    for name in (LAYERS, HEADSPLIT):
+        if engine.has_lane(name):
+            metrics.observe_lane(name, partial(lane_executor, engine, name))
     metrics.observe_admission(engine.admission)
+
+
+def lane_executor(engine: Engine, name: str) -> Executor | None:
+    """Lane `name`'s executor once the lane is built, else None."""
+    lane = engine.built(name)
+    return lane.executor if lane is not None else None
 
 
 async def discover_workers(settings: ServeSettings) -> list[WorkerSpec]:
@@ -185,10 +199,10 @@ def headsplit_lane(settings: ServeSettings, loaded: LoadedModel, cluster: Cluste
         layers = place(profiled_devices(record, {"local": 2**62}, context), card, alphas, lambda a, b: 0.0, context)
         pipe = HeadSplitPipeline.local(open_source(loaded.files), cfg, dtype, layers, settings.headsplit_epsilon,
                                        int(settings.kv_cache_gib * 2**30), kv_format(settings.kv_format))
-        return Sessions(Executor(cfg, ends, pipe, thread), admission=admission)
+        return Sessions(Executor(cfg, ends, pipe, thread), prefix_cache(settings), admission)
     devices = HeadSplitCluster(settings, cluster, record, card, alphas, cfg, context)
     executor = Executor(cfg, ends, devices.pipeline(), thread)
-    return Sessions(executor, admission=admission, recover=partial(devices.recover, executor))
+    return Sessions(executor, prefix_cache(settings), admission, partial(devices.recover, executor))
 
 
 def load_draft_models(settings: ServeSettings, loaded: LoadedModel) -> dict[str, DraftModel | FeatureDraftModel]:

@@ -216,7 +216,7 @@ class Dashboard:
                     "head_groups": groups.get(name, 0)}
 
         # the controller's own KV pool, over --kv-cache-gib, while it holds layers (with workers the pools are
-        # theirs: the executor's kv_bytes() is 0)
+        # theirs, and their rows show their memory use)
         budget = max(1, int(service.settings.kv_cache_gib * 2**30))
         controller = Device(name="controller", role="controller", up=True,
                             layers=[LayerRange(first=0, last=n_layers)] if here else [],

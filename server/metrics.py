@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+
+
+class KVFigures(Protocol):
+    """What a lane's KV figures are read from (engine/executor.py's Executor)."""
+
+    def pool_blocks(self) -> tuple[int, int]:
+        """Blocks used and free."""
+
+    def kv_bytes(self) -> int:
+        """Bytes held."""
 
 
 class Metrics:
@@ -34,9 +47,16 @@ class Metrics:
         self.stage_forward = Histogram("edgespec_stage_forward_seconds", "forward time per stage call", ["stage"],
                                        registry=r, buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2))
         self.kv_bytes = Gauge("edgespec_kv_cache_bytes", "bytes held by KV caches", registry=r)
-        self.kv_blocks = Gauge("edgespec_kv_pool_blocks", "in-process stages' KV pool blocks: used (holding "
-                               "entries) and free (neither used nor reserved by an open session)", ["state"],
-                               registry=r)
+        self.kv_blocks = Gauge("edgespec_kv_pool_blocks", "the layer pipeline's KV pool blocks, in-process or on "
+                               "workers: used (holding entries) and free (neither used nor reserved by an open "
+                               "session)", ["state"], registry=r)
+        self.lane_kv_blocks = Gauge("edgespec_kv_blocks", "KV blocks of each lane of the engine, used (held by "
+                                    "sessions) and free (what the budget leaves): layers, the layer pipeline's pools "
+                                    "(as edgespec_kv_pool_blocks: 64 slots of a stage's layers); headsplit, "
+                                    "HeadSplit's devices (64 slots of one KV group in one layer, a session's whole "
+                                    "capacity held from its open)", ["lane", "state"], registry=r)
+        self.lane_kv_bytes = Gauge("edgespec_kv_lane_bytes", "bytes held by each lane's KV caches (summed over "
+                                   "lanes: the KV memory in use)", ["lane"], registry=r)
         self.replans = Counter("edgespec_replans", "re-planning decisions by reason and outcome",
                                ["reason", "outcome"], registry=r)
         self.placement_layers = Gauge("edgespec_placement_layers", "decoder layers each worker holds", ["device"],
@@ -92,6 +112,16 @@ class Metrics:
         self.queue_admitted.set_function(lambda: admission.admitted)
         self.queue_refused.set_function(lambda: admission.refused)
         self.queue_wait.set_function(lambda: admission.waited_s)
+
+    def observe_lane(self, lane: str, figures: Callable[[], KVFigures | None]) -> None:
+        """A lane's KV figures, read when /metrics is scraped: figures() is the lane's executor once the lane is
+        built, else None (nothing held)."""
+        def read(pick: Callable[[KVFigures], int]) -> Callable[[], int]:
+            return lambda: pick(f) if (f := figures()) is not None else 0
+
+        self.lane_kv_blocks.labels(lane, "used").set_function(read(lambda f: f.pool_blocks()[0]))
+        self.lane_kv_blocks.labels(lane, "free").set_function(read(lambda f: f.pool_blocks()[1]))
+        self.lane_kv_bytes.labels(lane).set_function(read(lambda f: f.kv_bytes()))
 
     def observe_hop(self, link: str, nbytes: int, stage: str | None, forward_ms: float | None) -> None:
         """One link crossed by a forward call (called on the model thread; prometheus-client is thread-safe)."""

@@ -356,6 +356,40 @@ def test_headsplit_kept_speculation_is_the_speculating_pass(split_model):
     assert pipe.stats["s"].kept == kept == [0] + [len(ids)] * (cfg.n_layers - 1)
 
 
+def test_headsplit_shared_steps_give_each_session_its_bits_alone(split_model):
+    # sessions sharing HeadSplit's steps (one device call over all their rows: attention per session, windows,
+    # NoPE layers, per-head norms and output norms per row), one speculating where another discards: each gets
+    # bitwise what it gets in steps of its own
+    from edgespec.model.stage import BatchEntry
+
+    cfg, _, ends, together = _split_setup(split_model, True)
+    prompts = [_ids(split_model[1], text) for text in PROMPTS]
+    epsilons, n = [0.0, float("inf"), 0.0], 4
+
+    def feed(pipe, session: str, ids: list[int], start: int) -> torch.Tensor:
+        x, pos = ends.embed_tokens(torch.tensor([ids])), torch.arange(start, start + len(ids))[None]
+        return pipe.forward(session, x, pos, start)[0]
+
+    with torch.inference_mode():
+        alone = []
+        for prompt, eps in zip(prompts, epsilons, strict=True):
+            pipe = _split_setup(split_model, True)[3]
+            pipe.open("x", len(prompt) + n, epsilon=eps)
+            alone.append([feed(pipe, "x", prompt, 0)] + [feed(pipe, "x", [7 + i], len(prompt) + i) for i in range(n)])
+        for s, (prompt, eps) in enumerate(zip(prompts, epsilons, strict=True)):
+            together.open(f"s{s}", len(prompt) + n, epsilon=eps)
+        steps = [[(s, p, 0) for s, p in enumerate(prompts)]]
+        steps += [[(s, [7 + i], len(p) + i) for s, p in enumerate(prompts)] for i in range(n)]
+        for i, step in enumerate(steps):
+            entries = [BatchEntry(f"s{s}", start, len(ids)) for s, ids, start in step]
+            ids = [t for _, rows, _ in step for t in rows]
+            positions = torch.cat([torch.arange(start, start + len(rows)) for _, rows, start in step])
+            out = together.forward_batch(entries, ends.embed_tokens(torch.tensor([ids]))[0], positions)
+            for (s, _, _), got in zip(step, out.split([e.length for e in entries]), strict=True):
+                assert torch.equal(got, alone[s][i]), (s, i)
+    assert sum(together.stats["s1"].kept) == n * (cfg.n_layers - 1) and sum(together.stats["s0"].kept) == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen3", "phi3", "smollm3", "granite"])
 def test_layer_workers_serve_what_in_process_serves(kind, tmp_path, request):

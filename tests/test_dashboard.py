@@ -11,14 +11,14 @@ import os
 import re
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
-from unittest.mock import Mock
 
 import httpx
 import pytest
 from inprocess import LoopClient, controller_app
 
 from edgespec.decoding.headsplit import HEADSPLIT
+from edgespec.engine.executor import Executor
+from edgespec.engine.sessions import Sessions
 from edgespec.model.headsplit import HeadSplitPipeline
 from edgespec.planning.headsplit import LayerPlace
 
@@ -69,10 +69,13 @@ def test_replans_show_as_events_and_headsplit_groups_per_device(served):
     assert {"reason": "memory", "outcome": "kept", "count": 1.0} in state["replans"]
     assert [(e["kind"], e["text"]) for e in state["events"]][-1] == ("replan", "memory: kept")
 
-    # a HeadSplit placement, once the engine has built its HeadSplit lane: in-process its one device is "local"
-    layers = [LayerPlace({"local": [0, 1]}, "local", "local"), LayerPlace({"local": [0], "w": [1]}, "w", "local", True)]
-    pipeline = Mock(spec=HeadSplitPipeline, layers=layers)
-    service.engine.lanes[HEADSPLIT] = SimpleNamespace(executor=SimpleNamespace(pipeline=pipeline))
+    # a HeadSplit placement, once the engine has built its lane: in-process its one device is "local" (a lane
+    # over a pipeline of that placement, its devices never called here)
+    executor = service.engine.executor
+    layers = [LayerPlace({"local": [0, 1]}, "local", "local"), LayerPlace({"local": [0], "w": [1]}, "w", "local", True),
+              *(LayerPlace({"w": [0, 1]}, "w", "w") for _ in range(2))]
+    pipeline = HeadSplitPipeline({}, layers, executor.cfg)
+    service.engine.lanes[HEADSPLIT] = Sessions(Executor(executor.cfg, executor.ends, pipeline, executor.thread))
     try:
         state = client.get("/dashboard/state").json()
     finally:

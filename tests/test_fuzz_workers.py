@@ -25,7 +25,7 @@ from starlette.websockets import WebSocketDisconnect
 from edgespec.workers.app import create_worker_app
 from edgespec.workers.frames import pack, unpack
 from edgespec.workers.settings import WorkerSettings
-from edgespec.workers.wire import decode, encode
+from edgespec.workers.wire import BatchMessage, decode, encode, encode_batch
 
 TOKEN = "fuzz-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -86,7 +86,7 @@ def check_frames(sent: list[tuple[dict, bytes]], where) -> None:
         if header["op"] == "error" or (header["op"] == "ack" and not header.get("ok")):
             assert 400 <= header["status"] < 500 and header["message"] and header["code"], (where, header)
         else:
-            assert header["op"] in ("ack", "result", "pong"), (where, header)
+            assert header["op"] in ("ack", "result", "pong", "kv"), (where, header)  # kv: after a release
 
 
 def still_serves(client: LoopClient) -> None:
@@ -95,7 +95,7 @@ def still_serves(client: LoopClient) -> None:
                    pack({"op": "open", "id": 1, "session": "canary", "step": 1, "capacity": 8}),
                    pack({"op": "forward", "session": "canary", "step": 2, "start": 0, "reply": "fuzz"},
                         encode({"hidden": torch.randn(1, 2, HIDDEN)})))
-    assert [h["op"] for h, _ in sent] == ["ack", "result"] and sent[0][0]["ok"], sent
+    assert [h["op"] for h, _ in sent] == ["kv", "ack", "result"] and sent[1][0]["ok"], sent  # kv: the release's
 
 
 json_value = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
@@ -146,8 +146,6 @@ metadata = st.one_of(st.none(), st.dictionaries(st.sampled_from(["entries", "x"]
 
 def valid_tensors(op: str, rows: int) -> dict[str, torch.Tensor]:
     """A well-formed message for `op` of `rows` rows at positions 0.. (its header may still not fit it)."""
-    if op in ("attend", "run"):
-        return {"x": torch.randn(1, rows, HIDDEN), "positions": torch.arange(rows).unsqueeze(0)}
     if op == "ffn":
         return {"z": torch.randn(1, rows, HIDDEN)}
     return {"hidden": torch.randn(1, rows, HIDDEN)}
@@ -159,9 +157,9 @@ def binary_body(draw, path: str) -> bytes:
     if kind == "bytes":
         return draw(st.binary(max_size=64))
     rows = draw(st.integers(1, 3))
-    if path == "batch" and kind != "tensors":
+    if path in ("batch", "attend", "run") and kind != "tensors":  # a batch message: a step's sessions' rows
         entries = draw(st.one_of(st.just([["s1", 0, rows, 2]]), st.lists(st.tuples(
-            st.sampled_from(["s1", "s2", ""]), small, small, small).map(list), max_size=3)))
+            st.sampled_from(["s1", "s2", "canary", ""]), small, small, small).map(list), max_size=3)))
         return st_save({"hidden": torch.randn(rows, HIDDEN), "positions": torch.arange(rows)},
                        metadata={"entries": json.dumps(entries)})
     chosen = valid_tensors(path, rows) if kind == "valid" else draw(tensors)
@@ -183,8 +181,8 @@ def test_reshape_bodies_answer_4xx_error_objects(worker, data, blocks, ready):
     check(r, (headers, body[:80]))
 
 
-OPS = ["forward", "batch", "open", "commit", "fork", "release", "ping", "hello", "result", "ack", "nope",
-       "head_open", "head_release", "attend", "ffn", "run"]
+OPS = ["forward", "batch", "open", "commit", "fork", "release", "ping", "hello", "result", "ack", "kv", "nope",
+       "head_open", "head_fork", "head_commit", "head_release", "attend", "ffn", "run"]
 field = st.one_of(small, sid)
 route = st.lists(st.sampled_from(["http://[", "ftp://x", "", "no-scheme", "http://", 5]), max_size=2)
 
@@ -212,7 +210,7 @@ def test_link_frames_answer_4xx_error_frames(worker, op, data, session, raw, rea
     check_frames(sent, frame[:200])
 
 
-HEAD_OPS = ["head_open", "head_release", "attend", "ffn", "run"]
+HEAD_OPS = ["head_open", "head_fork", "head_commit", "head_release", "attend", "ffn", "run"]
 number = st.one_of(small, st.floats(allow_nan=True), st.sampled_from([0.0, 0.1, 1e9]))
 
 
@@ -229,24 +227,28 @@ def test_head_frames_answer_4xx_error_frames(worker, op, data, session, ready):
         frames.append(pack({"op": "head_open", "id": 0, "session": session, "capacity": 16}))
     header = data.draw(st.fixed_dictionaries({"op": st.just(op), "id": st.integers(1, 9)}, optional={
         "session": st.one_of(st.just(session), sid, small), "step": field, "start": field, "layer": field,
-        "capacity": field, "epsilon": number}) | st.just(
-        {"op": op, "id": 1, "session": session, "step": 1, "start": 0, "layer": 0, "epsilon": 0.1}))  # near-valid
+        "capacity": field, "epsilons": st.one_of(st.lists(number, max_size=3), number), "child": field,
+        "prefix_len": field, "kept": st.lists(field, max_size=3), "dest": field}) | st.just(
+        {"op": op, "id": 1, "session": session, "step": 1, "start": 0, "layer": 0, "epsilons": [0.1],
+         "child": "c", "prefix_len": 0, "capacity": 8, "kept": [0], "dest": 0}))  # near-valid
     frame = pack(header, data.draw(binary_body(op)))
     sent = on_link(client, *frames, frame)
     check_frames(sent, frame[:200])
-    assert all(h["op"] == "ack" for h, _ in sent), sent  # answered on the link it came on, by id
+    # answered on the link it came on, by id (a release by its KV figures)
+    assert all(h["op"] == ("kv" if op == "head_release" else "ack") for h, _ in sent[len(frames):]), sent
 
 
 def test_a_run_gathered_here_computes(worker):
     """The fuzz cases' valid run: every layer here, so it answers with the last layer's output and counts."""
     client, _ = worker
     assert client.post("/heads/assign", json=PLACED).status_code == 200
-    body = encode({"x": torch.randn(1, 1, HIDDEN), "positions": torch.tensor([[0]])})
-    run = {"op": "run", "id": 2, "session": "r", "layer": 0, "start": 0, "epsilon": 0.0, "step": 1}
+    body = encode_batch(BatchMessage([("r", 0, 1, 1)], torch.randn(1, HIDDEN), torch.tensor([0]), [None]))
+    run = {"op": "run", "id": 2, "layer": 0, "epsilons": [0.0]}
     sent = on_link(client, pack({"op": "head_open", "id": 1, "session": "r", "capacity": 8}), pack(run, body))
     (opened, _), (ran, out) = sent
     assert opened["ok"] and ran["ok"] and ran["id"] == 2 and ran["next"] == 4 and ran["wire"] == [0, 0], ran
-    assert len(ran["kept"]) == len(ran["discarded"]) == 4 and decode(out, ("x",))["x"].shape == (1, 1, HIDDEN)
+    assert len(ran["kept"]) == len(ran["discarded"]) == 1 and len(ran["kept"][0]) == 4
+    assert decode(out, ("x",))["x"].shape == (1, HIDDEN)
 
 
 def test_capacities_past_the_context_are_refused(worker):

@@ -22,17 +22,17 @@ from test_headsplit_exec import watch_for
 from websockets.asyncio.server import serve
 
 from edgespec.model.config import ModelConfig
+from edgespec.model.head_blocks import StepRows
 from edgespec.model.headsplit import HeadSplitPipeline, blocks_of
 from edgespec.model.stack import LayerStack, TokenEnds
-from edgespec.model.stage import StageFailure
+from edgespec.model.stage import BatchEntry, StageFailure
 from edgespec.model.weights import open_source
 from edgespec.planning.headsplit import LayerPlace
 from edgespec.workers.frames import unpack
-from edgespec.workers.head_client import call_ms, remote_headsplit
+from edgespec.workers.head_client import batch_of, call_ms, remote_headsplit
 from edgespec.workers.head_relay import HeadRelay
 from edgespec.workers.host import StageHost
 from edgespec.workers.settings import WorkerSettings
-from edgespec.workers.wire import encode
 
 IDS = [(i * 13) % 300 + 400 for i in range(12)]
 
@@ -133,10 +133,13 @@ def test_tiny_over_two_workers(workers, tiny):
     auth = {"authorization": f"Bearer {token}"}
     link = TestLink(urls["w0"], token)
     assert link.call("head_open", session="t", capacity=8)[0]["ok"]
-    body = encode({"x": torch.randn(1, 1, cfg.hidden_size), "positions": torch.tensor([[0]])})
+    x = torch.randn(1, cfg.hidden_size)
+
+    def rows(session: str, step: int) -> bytes:  # one row at slot 0, as a step's batch message
+        return batch_of([StepRows(session, 0, 1, None, step)], x, torch.tensor([0]))
 
     def attend(step: int) -> tuple[dict, bytes]:  # w0 holds layer 0's group 0 in this placement
-        return link.call("attend", body, session="t", layer=0, start=0, step=step)
+        return link.call("attend", rows("t", step), layer=0)
 
     first, again, stale = attend(2), attend(2), attend(1)
     assert first[0]["ok"] and again[0]["ok"] and first[1] == again[1]
@@ -154,10 +157,11 @@ def test_tiny_over_two_workers(workers, tiny):
     url = urls["w0"]
     assert httpx.post(url + "/heads/assign", json={"groups": {}}, timeout=30).status_code == 401
     assert link.call("head_open", session="s", capacity=8)[0]["ok"]
-    bad, _ = link.call("attend", b"junk", session="s", layer=0, start=0, step=1)
+    bad, _ = link.call("attend", b"junk", layer=0)
     assert bad["status"] == 400 and "safetensors" in bad["message"]
     assert link.call("head_open", session="s", capacity=10**6)[0]["status"] == 400  # past the context
-    assert link.call("attend", body, session="s", layer=0, start=0, step=1)[0]["ok"]  # undisturbed
+    assert link.call("head_commit", session="s", kept="x", dest=0, step=1)[0]["status"] == 400
+    assert link.call("attend", rows("s", 1), layer=0)[0]["ok"]  # undisturbed
     held = httpx.get(url + "/heads/memory", headers=auth).json()["used_bytes"]
     for path, kw in (("/heads/reshape", {"headers": {**auth, "x-blocks": "{"}}),
                      ("/heads/reshape", {"headers": {**auth, "x-blocks": '{"groups": {"0": [0]}}'}, "content": b"x"}),
@@ -168,7 +172,7 @@ def test_tiny_over_two_workers(workers, tiny):
     assert httpx.get(url + "/heads/memory", headers=auth).json()["used_bytes"] == held  # nothing changed
     # the old HTTP data plane is gone: the per-step calls travel on links only
     for path in ("/heads/sessions/s/attend", "/heads/sessions/s/run", "/heads/ffn", "/heads/sessions/s/open"):
-        assert httpx.post(url + path, content=body, headers=auth).status_code == 404, path
+        assert httpx.post(url + path, content=rows("s", 2), headers=auth).status_code == 404, path
     link.close()
     # a lost peer: w0 gathers every layer and calls w1 over its link; once w1 is gone the step fails at once
     # (a StageFailure for the engine to re-place on), not after the stage timeout
@@ -183,6 +187,69 @@ def test_tiny_over_two_workers(workers, tiny):
         pipe.forward("s", ends.embed_tokens(torch.tensor([[IDS[2]]])), torch.tensor([[2]]), 2)
     assert time.monotonic() - t0 < 10
     pipe.close()
+
+
+def shared_steps(pipe, ends, prompts: list[list[int]], epsilons: list[float], n: int) -> list[torch.Tensor]:
+    """Sessions s0.. opened at their epsilons: their prompts in one shared step, then n shared decoding steps
+    (token 7 + i each) -> every step's output [M, H]."""
+    for s, (prompt, eps) in enumerate(zip(prompts, epsilons, strict=True)):
+        pipe.open(f"s{s}", len(prompt) + n + 8, epsilon=eps)
+    steps = [[(s, p, 0) for s, p in enumerate(prompts)]]
+    steps += [[(s, [7 + i], len(p) + i) for s, p in enumerate(prompts)] for i in range(n)]
+    outs = []
+    for step in steps:
+        entries = [BatchEntry(f"s{s}", start, len(ids)) for s, ids, start in step]
+        ids = [t for _, rows, _ in step for t in rows]
+        positions = torch.cat([torch.arange(start, start + len(rows)) for _, rows, start in step])
+        outs.append(pipe.forward_batch(entries, ends.embed_tokens(torch.tensor([ids]))[0], positions))
+    return outs
+
+
+@pytest.mark.parametrize("workers", [(2, "tiny")], indirect=True, ids=["tiny-2w"])
+def test_shared_steps_forks_commits_and_kv_figures_over_two_workers(workers, tiny):
+    """Over workers, a step of several sessions is one call per device (gathered: one `run` per projection
+    worker for all of them) with the in-process schedule's bits; a fork copies a prefix on every worker and a
+    commit moves slots as in-process; each worker reports its caches' blocks with its acks and after a release."""
+    token, urls, _ = workers
+    cfg = ModelConfig.from_folder(tiny)
+    ends = TokenEnds.load(open_source(tiny), cfg, torch.float32)
+    prompts = [IDS[:5], IDS[3:11], IDS[:2]]
+    epsilons, n = [0.0, float("inf"), 0.0], 3
+    with torch.inference_mode():
+        for gathered in (True, False):
+            layers = spread(cfg, list(urls), True, one_proj=gathered)
+            local = HeadSplitPipeline.local(open_source(tiny), cfg, torch.float32, layers)
+            pipe = remote_headsplit(urls, token, layers, cfg, model=tiny, gathered=gathered)
+            try:
+                for got, want in zip(shared_steps(pipe, ends, prompts, epsilons, n),
+                                     shared_steps(local, ends, prompts, epsilons, n), strict=True):
+                    assert torch.equal(got, want)
+                assert all(pipe.stats[s] == local.stats[s] for s in ("s0", "s1", "s2"))
+                assert sum(pipe.stats["s1"].kept) == n * (cfg.n_layers - 1) and sum(pipe.stats["s0"].kept) == 0
+                if gathered:  # one run call per shared step, counted by each session with its share of the bytes
+                    assert all(pipe.wire(s)[f"controller-{layers[0].proj}"][1] == n + 1 for s in ("s0", "s1"))
+                # a fork of s1's first 6 slots, and a commit of s0's slots [5, 7] to 5, then a token each
+                rest = ends.embed_tokens(torch.tensor([IDS[3 + 6:11]]))
+                for p in (pipe, local):
+                    p.fork("s1", "c", 6, 16)
+                    p.commit("s0", [5, 7], 5)
+                    assert p.epsilons["c"] == float("inf")
+                assert torch.equal(pipe.forward("c", rest, torch.arange(6, 8)[None], 6),
+                                   local.forward("c", rest, torch.arange(6, 8)[None], 6))
+                x = ends.embed_tokens(torch.tensor([[9]]))
+                assert torch.equal(pipe.forward("s0", x, torch.tensor([[7]]), 7),
+                                   local.forward("s0", x, torch.tensor([[7]]), 7))
+                # the workers' reports: the caches of 4 sessions, what in-process devices count
+                assert pipe.pool_blocks()[0] == local.pool_blocks()[0] > 0 and pipe.pool_blocks()[1] > 0
+                assert pipe.kv_bytes() == local.kv_bytes()
+                for s in ("s0", "s1", "s2", "c"):
+                    pipe.release(s)
+                deadline = time.monotonic() + 10  # a release has no ack: its report follows it
+                while pipe.pool_blocks()[0] and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert pipe.pool_blocks()[0] == 0 and pipe.kv_bytes() == 0
+            finally:
+                pipe.close()
 
 
 @pytest.mark.parametrize("workers", [(2, "tiny")], indirect=True, ids=["gemma3-2w"])

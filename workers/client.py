@@ -5,7 +5,9 @@ worker with the rest of the route in its header; each worker relays its output t
 keeps to it, and the last one sends the final hidden state back over its link to the controller, where the
 model thread takes it from the mailbox (workers/uplink.py, workers/relay.py). Session operations go to every
 worker at once and wait for their acks. Calls carry per-session step numbers, so a resent call is applied
-once. Runs on the controller's model thread; assignment stays on HTTP (workers/app.py).
+once. Each worker reports its KV pool's figures with its acks, after a release, and in its hop record of a
+forward's result (workers/kv_report.py): the pipeline's kv_bytes and pool_blocks are their latest, summed.
+Runs on the controller's model thread; assignment stays on HTTP (workers/app.py).
 """
 
 from __future__ import annotations
@@ -99,6 +101,9 @@ class RemotePipeline(WireFigures):
     def _result(self, key: tuple[str, int], shares: dict[str, float], sent: int) -> torch.Tensor:
         header, body = self.links.mailbox.take(key, self.timeout_s, f"the last stage's result for step {key[1]}")
         hops = header.get("hops", [])
+        for worker, hop in zip(self.workers, hops, strict=False):  # the hops in route order: each stage's KV report
+            if isinstance(hop, dict):
+                self.links.reports.file(worker.name, hop)
         self._record(shares, [sent] + [h["bytes"] for h in hops], hops)
         return decode(body, ("hidden",))["hidden"]
 
@@ -163,17 +168,21 @@ class RemotePipeline(WireFigures):
         for w in self.workers:
             self.links.link(w.name, w.url).send_if_linked(pack({"op": "release", "session": session}))
 
-    def speculate(self, session: str, epsilon: float) -> None:
+    def speculate(self, session: str, epsilon: float | None) -> None:
         """Nothing speculates in the layer pipeline."""
 
     def figures(self, session: str) -> dict:
         return {}
 
     def kv_bytes(self) -> int:
-        return 0  # held on the workers: see their /info
+        """The workers' KV bytes, as each last reported them (workers/kv_report.py)."""
+        return self.links.reports.total(w.name for w in self.workers).nbytes
 
     def pool_blocks(self) -> tuple[int, int]:
-        return 0, 0  # the pools are the workers': see their /info
+        """The workers' pool blocks in use and free, as each last reported them with an ack, a release or a
+        forward's hop record."""
+        report = self.links.reports.total(w.name for w in self.workers)
+        return report.used, report.free
 
     def close(self) -> None:
         self.links.close()

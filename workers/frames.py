@@ -9,11 +9,13 @@ tensor checks of workers/wire.py apply unchanged.
 
 Ops, by direction:
     controller -> worker:  hello, open, commit, fork, release, forward, batch, ping;
-                           HeadSplit: head_open, head_release, attend, ffn, run
+                           HeadSplit: head_open, head_fork, head_commit, head_release, attend, ffn, run
     worker -> worker:      forward, batch (relayed along `route`), ping; HeadSplit: attend, ffn (a projection
                            worker's calls to its peers)
-    worker -> controller:  ack (answers open, commit, fork), result (the last stage's output), error, pong
-    answers on the link a call came on: ack (answers head_open, attend, ffn, run, with their tensors as body)
+    worker -> controller:  ack (answers open, commit, fork), result (the last stage's output), error, pong,
+                           kv (the worker's KV figures after a release or head_release: workers/kv_report.py)
+    answers on the link a call came on: ack (answers head_open, head_fork, head_commit, attend, ffn, run, with
+                           their tensors as body)
 
 A HeadSplit call carries an `id`, and its ack the same id: ok and the answer's fields, or the refusal's status,
 code and message (workers/head_relay.py).
@@ -26,7 +28,7 @@ import struct
 
 MAX_HEADER = 64 * 2**10  # a batch header lists its entries: 1024 of them fit well within this
 OPS = {"hello", "open", "commit", "fork", "release", "forward", "batch", "result", "error", "ack", "ping", "pong",
-       "head_open", "head_release", "attend", "ffn", "run"}
+       "kv", "head_open", "head_fork", "head_commit", "head_release", "attend", "ffn", "run"}
 
 
 class FrameError(ValueError):

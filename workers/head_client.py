@@ -1,12 +1,14 @@
 """HeadSplit devices on workers: one proxy per worker with the device calls of model/headsplit.py's HeadBlocks
 (and `run`, the schedule from a layer on at its projection worker), and the pipeline the controller drives.
 
-The per-step calls (attend, ffn, run) and session open/release travel as frames (workers/frames.py) on the
-same persistent links as the layer pipeline's: the controller's link to each worker (workers/uplink.py) and a
-projection worker's links to its peers (workers/head_relay.py). A call carries an id and is answered by an ack
-with that id on the same link, its tensors as the body; a refusal maps to the exception the HTTP routes'
-status did (CapacityError for a full budget, StageFailure otherwise). Control stays on HTTP: assign, memory,
-export, reshape, placement.
+The per-step calls (attend, ffn, run) and the session operations (open, fork, commit, release) travel as frames
+(workers/frames.py) on the same persistent links as the layer pipeline's: the controller's link to each worker
+(workers/uplink.py) and a projection worker's links to its peers (workers/head_relay.py). A call carries an id
+and is answered by an ack with that id on the same link, its tensors as the body; a refusal maps to the
+exception the HTTP routes' status did (CapacityError for a full budget, StageFailure otherwise). A step's calls
+carry every session's rows it runs (a batch message: workers/wire.py), so sessions that share a step share each
+call. The acks of session operations carry the worker's KV figures (workers/kv_report.py). Control stays on
+HTTP: assign, memory, export, reshape, placement.
 
 The controller hands each step to the first layer's projection worker, which gathers the groups' partial
 outputs from its peers, sends Z to the FFN device and goes on to the next layer, calling the controller back
@@ -21,15 +23,17 @@ import json
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from typing import Any
 
 import httpx
 import torch
 
 from edgespec.model.config import ModelConfig
-from edgespec.model.head_blocks import attn_out_norms
-from edgespec.model.headsplit import HeadSplitPipeline, SpeculationStats, blocks_of
+from edgespec.model.head_blocks import StepRows, attn_out_norms
+from edgespec.model.head_schedule import Part
+from edgespec.model.headsplit import HeadSplitPipeline, blocks_of
 from edgespec.model.kv_pool import CapacityError
 from edgespec.model.linear import weight_format
 from edgespec.model.source import resolve_model
@@ -39,7 +43,7 @@ from edgespec.planning.headsplit import LayerPlace
 from edgespec.workers.client import WorkerRef, _message
 from edgespec.workers.frames import pack
 from edgespec.workers.uplink import Uplinks
-from edgespec.workers.wire import decode, decode_group_kv, encode, encode_group_kv
+from edgespec.workers.wire import BatchMessage, decode, decode_group_kv, encode, encode_batch, encode_group_kv
 
 OCTETS = {"content-type": "application/octet-stream"}
 
@@ -47,21 +51,28 @@ OCTETS = {"content-type": "application/octet-stream"}
 class Call:
     """A started device call: `result()` waits for its answer and returns its tensor."""
 
-    def __init__(self, device: LinkHeads, pending, sent: int, take: Callable[[dict, bytes], object]):
+    def __init__(self, device: LinkHeads, pending, sent: int, take: Callable[[dict, bytes], torch.Tensor]):
         self.device, self.pending, self.sent, self.take = device, pending, sent, take
 
-    def result(self):
+    def result(self) -> torch.Tensor:
         header, body = self.pending.result()
         self.device.count(self.sent, len(body))
         return self.take(header, body)
 
 
-class LinkHeads:
-    """One device's HeadSplit blocks reached over a link. `send(header, body)` sends one call and returns what
-    waits for its ack: `.result()` -> (header, body), or the refusal raised (the controller's Uplinks, or a
-    worker's links to its peers)."""
+def batch_of(rows: Sequence[StepRows], x: torch.Tensor, positions: torch.Tensor) -> bytes:
+    """The sessions' rows x [M, H] at positions [M] as a batch message (workers/wire.py): each session's
+    (session, start, length, step) and its mask."""
+    return encode_batch(BatchMessage([(r.session, r.start, r.length, r.step) for r in rows], x, positions,
+                                     [r.mask for r in rows]))
 
-    def __init__(self, name: str, send: Callable[[dict, bytes], object]):
+
+class LinkHeads:
+    """One device's HeadSplit blocks reached over a link, for the schedule's calls (a HeadDevice). `send(header,
+    body)` sends one call and returns what waits for its ack: `.result()` -> (header, body), or the refusal
+    raised (the controller's Uplinks, or a worker's links to its peers)."""
+
+    def __init__(self, name: str, send: Callable[[dict, bytes], Any]):
         self.name, self.send = name, send
         self.payload = [0, 0]  # tensor bytes sent and received by attend, ffn and run calls, and their count below
         self.calls = 0
@@ -73,52 +84,66 @@ class LinkHeads:
             self.payload[1] += received
             self.calls += 1
 
-    def _start(self, header: dict, body: bytes, take: Callable[[dict, bytes], object]) -> Call:
+    def _start(self, header: dict, body: bytes, take: Callable[[dict, bytes], torch.Tensor]) -> Call:
         return Call(self, self.send(header, body), len(body), take)
 
-    def kv_bytes(self) -> int:
-        """0: the caches are the worker's (its /heads/memory counts them)."""
-        return 0
-
-    def open(self, session: str, capacity: int) -> None:
-        self.send({"op": "head_open", "session": session, "capacity": capacity}, b"").result()
-
-    def start_attend(self, session: str, layer: int, x: torch.Tensor, positions: torch.Tensor, start: int,
-                     mask: torch.Tensor | None, step: int) -> Call:
-        body = encode({"x": x, "positions": positions, "mask": mask})
-        return self._start({"op": "attend", "session": session, "layer": layer, "start": start, "step": step},
-                           body, lambda _, out: decode(out, ("out",))["out"])
+    def start_attend(self, layer: int, x: torch.Tensor, positions: torch.Tensor, rows: Sequence[StepRows]) -> Call:
+        return self._start({"op": "attend", "layer": layer}, batch_of(rows, x, positions),
+                           lambda _, out: decode(out, ("out",))["out"])
 
     def start_ffn(self, layer: int, z: torch.Tensor) -> Call:
         return self._start({"op": "ffn", "layer": layer}, encode({"z": z}), lambda _, out: decode(out, ("x",))["x"])
 
-    def run(self, session: str, first: int, x: torch.Tensor, positions: torch.Tensor, start: int,
-            mask: torch.Tensor | None, epsilon: float, stats: SpeculationStats, step: int,
-            wire: dict[str, list[int]]) -> tuple[torch.Tensor, int]:
-        """Layers first.. at this projection worker -> (the last one's output, the next layer to run); its
-        speculation counts add to stats, and its traffic and its peers' to wire (link -> [bytes, requests])."""
-        body = encode({"x": x, "positions": positions, "mask": mask})
-        header = {"op": "run", "session": session, "layer": first, "start": start, "epsilon": epsilon, "step": step}
-        answer, out = self.send(header, body).result()
-        self.count(len(body), len(out))
-        for i, (k, d) in enumerate(zip(answer["kept"], answer["discarded"], strict=True)):
-            stats.kept[i] += k
-            stats.discarded[i] += d
-        for link, b, n in ((f"controller-{self.name}", len(body) + len(out), 1),
-                           (f"{self.name}-peers", *answer["wire"])):
-            tally = wire.setdefault(link, [0, 0])
-            tally[0] += b
-            tally[1] += n
-        return decode(out, ("x",))["x"], int(answer["next"])
-
 
 class RemoteHeads(LinkHeads):
-    """One worker's HeadSplit blocks, driven by the controller: the per-step calls on its link, control over
-    HTTP."""
+    """One worker's HeadSplit blocks, driven by the controller (a GatheringDevice): the per-step calls and
+    session operations on its link, control over HTTP; its caches' figures as it last reported them with its
+    acks (workers/kv_report.py)."""
 
     def __init__(self, http: httpx.Client, links: Uplinks, worker: WorkerRef):
         super().__init__(worker.name, lambda header, body: links.start(worker.name, worker.url, header, body))
         self.http, self.links, self.worker = http, links, worker
+
+    def open(self, session: str, capacity: int) -> None:
+        self.send({"op": "head_open", "session": session, "capacity": capacity}, b"").result()
+
+    def fork(self, session: str, child: str, length: int, capacity: int, step: int) -> None:
+        self.send({"op": "head_fork", "session": session, "child": child, "prefix_len": length,
+                   "capacity": capacity, "step": step}, b"").result()
+
+    def commit(self, session: str, kept: list[int], dest: int, step: int) -> None:
+        self.send({"op": "head_commit", "session": session, "kept": kept, "dest": dest, "step": step},
+                  b"").result()
+
+    def kv_bytes(self) -> int:
+        return self.links.reports.latest(self.name).nbytes
+
+    def pool_blocks(self) -> tuple[int, int]:
+        report = self.links.reports.latest(self.name)
+        return report.used, report.free
+
+    def run(self, parts: Sequence[Part], first: int, x: torch.Tensor, positions: torch.Tensor,
+            wire: dict[str, dict[str, list[int]]]) -> tuple[torch.Tensor, int]:
+        """Layers first.. at this projection worker for the parts' rows x [M, H] -> (the last one's output
+        [M, H], the next layer to run); the speculation counts add to each part's stats, and the traffic (its
+        own and to its peers) to each session's wire (link -> [bytes, requests]), its share of the bytes by
+        rows."""
+        body = batch_of([p.rows for p in parts], x, positions)
+        header = {"op": "run", "layer": first, "epsilons": [p.epsilon for p in parts]}
+        answer, out = self.send(header, body).result()
+        self.count(len(body), len(out))
+        for part, kept, discarded in zip(parts, answer["kept"], answer["discarded"], strict=True):
+            for i, (k, d) in enumerate(zip(kept, discarded, strict=True)):
+                part.stats.kept[i] += k
+                part.stats.discarded[i] += d
+        for part in parts:
+            share = part.rows.length / x.shape[0]
+            for link, b, n in ((f"controller-{self.name}", len(body) + len(out), 1),
+                               (f"{self.name}-peers", *answer["wire"])):
+                tally = wire.setdefault(part.rows.session, {}).setdefault(link, [0, 0])
+                tally[0] += round(b * share)
+                tally[1] += n
+        return decode(out, ("x",))["x"], int(answer["next"])
 
     def _call(self, method: str, path: str, **kwargs) -> httpx.Response:
         try:

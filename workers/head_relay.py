@@ -1,20 +1,27 @@
 """HeadSplit's per-step calls on a worker's links (workers/relay.py): the ops a controller or a projection worker
 sends, and the projection worker's own calls to its peers over the links it keeps to them.
 
-    head_open    {id, session, capacity}                                        -> ack
-    head_release {session}                                                      (no answer)
-    attend       {id, session, layer, start, step}  safetensors {x, positions[, mask]} -> ack {out}
-    ffn          {id, layer}                        safetensors {z}                    -> ack {x}
-    run          {id, session, layer, start, epsilon, step}  safetensors {x, positions[, mask]}
-                 -> ack {next, kept, discarded, wire} {x}: layers L.. while this worker is their projection device,
-                 calling its peers (named in the HTTP assignment) for their groups and FFNs
+    head_open    {id, session, capacity}                                        -> ack {kv}
+    head_fork    {id, session, child, prefix_len, capacity, step}               -> ack {kv}
+    head_commit  {id, session, kept, dest, step}                                -> ack {kv}
+    head_release {session}                                                      -> a frame {op: kv, kv}
+    attend       {id, layer}                  a batch message (workers/wire.py) -> ack {out [n_groups, M, H]}
+    ffn          {id, layer}                  safetensors {z [1, M, H]}         -> ack {x}
+    run          {id, layer, epsilons}        a batch message        -> ack {next, kept, discarded, wire} {x [M, H]}:
+                 layers L.. while this worker is their projection device, calling its peers (named in the HTTP
+                 assignment) for their groups and FFNs; kept and discarded per session and layer
+
+A batch message carries the rows of every session the step runs, each session's (session, start, length, step)
+and mask, so that sessions sharing a step share each call; `epsilons` is each session's tolerance. The session
+operations' acks, and a release's frame, carry this worker's KV figures (workers/kv_report.py).
 
 Every call is answered on the link it came on by an ack with its id: ok and the answer's fields with its
 tensors as the body, or the refusal's status, code and message (workers/errors.py; a peer's refusal keeps its
 status, so a full budget anywhere is a 507). Exactly-once is the step numbers', as over HTTP before: an attend
-older than the last step a device saw is refused (409, HeadBlocks.attend), so a late call cannot overwrite
-slots written since; a call of the same step again recomputes the same bits, and ffn is stateless, so any call
-may be sent again after a reconnection. A peer link that closes fails the calls waiting on it at once (502), as
+older than the last step a device saw is refused (409, HeadBlocks.attend_rows), so a late call cannot overwrite
+slots written since; a call of the same step again recomputes the same bits, ffn is stateless, and a fork or
+commit of the step last applied is a retry, answered without applying it again, so any call may be sent again
+after a reconnection. A peer link that closes fails the calls waiting on it at once (502), as
 a controller's does (workers/uplink.py).
 
 attend and ffn compute inline on the event loop's thread, as the layer ops do; a run waits on its peers, so it
@@ -31,15 +38,16 @@ import torch
 from starlette.websockets import WebSocket
 from websockets.asyncio.client import ClientConnection
 
+from edgespec.model.head_blocks import StepRows
 from edgespec.workers.frames import pack
 from edgespec.workers.head_client import LinkHeads
 from edgespec.workers.head_routes import HeadHost
 from edgespec.workers.host import StageHost
-from edgespec.workers.relay import Relay, count, session_id, ws_url
+from edgespec.workers.relay import Relay, count, nonneg, session_id, ws_url
 from edgespec.workers.settings import WorkerSettings
-from edgespec.workers.wire import WireError, decode, encode
+from edgespec.workers.wire import BatchMessage, WireError, decode, decode_batch, encode
 
-HEAD_OPS = {"head_open", "head_release", "attend", "ffn", "run"}
+HEAD_OPS = {"head_open", "head_fork", "head_commit", "head_release", "attend", "ffn", "run"}
 
 
 class PeerRefusal(Exception):
@@ -75,10 +83,11 @@ class HeadRelay(Relay):
         if op not in HEAD_OPS:
             await super().handle(ws, peer, header, body)
             return
-        if op == "head_release":
+        if op == "head_release":  # no ack: the caches' figures after it, for the controller's /metrics
             if self.heads.blocks is not None:
                 with contextlib.suppress(ValueError):  # no answer to refuse with: the session is not there
                     self.heads.blocks.release(session_id(header.get("session")))
+            await self._send(ws, peer, pack({"op": "kv", **self.heads.kv_report().fields()}))
             return
         ack = {"op": "ack", "id": header.get("id")}
         try:
@@ -91,45 +100,54 @@ class HeadRelay(Relay):
     async def call(self, op: str, h: dict, body: bytes) -> tuple[dict, bytes]:
         """Apply one HeadSplit call -> (the ack's fields, its body)."""
         held = self.heads.held()
-        if op == "head_open":
+        if op in ("head_open", "head_fork"):
             capacity = count(h, "capacity")
             if not 1 <= capacity <= held.cfg.max_position_embeddings:  # a cache past the context could only overflow
                 raise ValueError(f"capacity {capacity} must be from 1 to the model's context of "
                                  f"{held.cfg.max_position_embeddings}")
-            held.open(session_id(h.get("session")), capacity)
-            return {}, b""
+            if op == "head_open":
+                held.open(session_id(h.get("session")), capacity)
+            else:
+                held.fork(session_id(h.get("session")), session_id(h.get("child")), count(h, "prefix_len"), capacity,
+                          count(h, "step"))
+            return self.heads.kv_report().fields(), b""
+        if op == "head_commit":
+            kept = h.get("kept")
+            if not isinstance(kept, list) or len(kept) > 2**16:
+                raise ValueError("kept must be a list of slots")
+            held.commit(session_id(h.get("session")), [nonneg(k, "a kept slot") for k in kept], count(h, "dest"),
+                        count(h, "step"))
+            return self.heads.kv_report().fields(), b""
         if op == "ffn":
             z = hidden(decode(body, ("z",))["z"], "z", held.cfg.hidden_size)
             return {}, encode({"x": held.feed_forward(count(h, "layer"), z)})
-        sid, layer, step = session_id(h.get("session")), count(h, "layer"), count(h, "step")
-        x, positions, start, mask = self.step_input(h, body)
+        layer = count(h, "layer")
+        message = self.batch_input(body)
+        rows = [StepRows(s, start, length, mask, step)
+                for (s, start, length, step), mask in zip(message.entries, message.masks, strict=True)]
         if op == "attend":
-            return {}, encode({"out": held.attend(sid, layer, x, positions, start, mask, step)})
+            return {}, encode({"out": held.attend_rows(layer, message.hidden, message.positions, rows)})
         if layer >= held.cfg.n_layers:
             raise ValueError(f"layer {layer} is outside the model's {held.cfg.n_layers} layers")
-        epsilon = h.get("epsilon")
-        if not isinstance(epsilon, int | float) or isinstance(epsilon, bool) or not epsilon >= 0:
-            raise ValueError("epsilon must be a number >= 0")
-        out, fields = await asyncio.to_thread(self.heads.run, sid, layer, x, positions, start, mask, float(epsilon),
-                                              step)
+        epsilons = h.get("epsilons")
+        if not isinstance(epsilons, list) or len(epsilons) != len(rows) or not all(
+                e is None or (isinstance(e, int | float) and not isinstance(e, bool) and e >= 0) for e in epsilons):
+            raise ValueError("epsilons must be a number >= 0 (or null: no speculation) for each session of the batch")
+        out, fields = await asyncio.to_thread(self.heads.run, rows, [None if e is None else float(e) for e in epsilons],
+                                              layer, message.hidden, message.positions)
         return fields, encode({"x": out})
 
-    def step_input(self, h: dict, body: bytes) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
-        """x [B, T, H], positions [B, T], start, mask [B, T, start + T] of an attend or run call, checked."""
+    def batch_input(self, body: bytes) -> BatchMessage:
+        """The batch message of an attend or run call, checked: rows [M, H] of the model's width, positions in
+        its context, each session's mask (workers/wire.py's decode_batch)."""
         cfg = self.heads.held().cfg
-        t = decode(body, ("x", "positions"), ("mask",))
-        x = hidden(t["x"], "x", cfg.hidden_size)
-        positions, mask = t["positions"], t.get("mask")
-        if positions.dtype != torch.int64 or positions.shape != x.shape[:2]:
-            raise WireError(f"positions must be int64 {list(x.shape[:2])}, got {positions.dtype} "
-                            f"{list(positions.shape)}")
-        if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < \
-                cfg.max_position_embeddings:
+        message = decode_batch(body)
+        if message.hidden.shape[1] != cfg.hidden_size:
+            raise WireError(f"the rows must be [M, {cfg.hidden_size}], got {list(message.hidden.shape)}")
+        positions = message.positions
+        if not 0 <= int(positions.min()) <= int(positions.max()) < cfg.max_position_embeddings:
             raise WireError("positions are outside the model's context")
-        start = count(h, "start")
-        if mask is not None and (mask.dtype != torch.bool or list(mask.shape) != [*x.shape[:2], start + x.shape[1]]):
-            raise WireError(f"mask must be bool [B, T, start + T], got {mask.dtype} {list(mask.shape)}")
-        return x, positions, start, mask
+        return message
 
     def _error(self, exc: Exception) -> dict:
         if isinstance(exc, PeerRefusal):

@@ -19,8 +19,9 @@ from fastapi import FastAPI, Request, Response
 from pydantic import ValidationError
 
 from edgespec.model.config import ModelConfig
-from edgespec.model.head_blocks import HeadBlocks, attn_out_norms
-from edgespec.model.headsplit import HeadSplitPipeline, SpeculationStats, blocks_of, check_placement, devices_named
+from edgespec.model.head_blocks import HeadBlocks, StepRows, attn_out_norms
+from edgespec.model.head_schedule import Part, Schedule, SpeculationStats
+from edgespec.model.headsplit import blocks_of, check_placement, devices_named
 from edgespec.model.kv_format import kv_format
 from edgespec.model.linear import weight_format
 from edgespec.model.source import resolve_model
@@ -28,7 +29,9 @@ from edgespec.model.stage import SessionError
 from edgespec.model.weights import open_source
 from edgespec.planning.headsplit import LayerPlace
 from edgespec.workers.bodies import HeadAssignBody, HeadBlocksBody, HeadGroupsBody, PlaceBody
+from edgespec.workers.head_client import LinkHeads
 from edgespec.workers.host import NotAssignedError
+from edgespec.workers.kv_report import KVReport
 from edgespec.workers.relay import ws_url
 from edgespec.workers.wire import decode_group_kv, encode_group_kv
 
@@ -38,14 +41,15 @@ class HeadHost:
     are reached through `peer(name, url)`, a device proxy over this worker's link to it
     (workers/head_relay.py)."""
 
-    def __init__(self, default_model: str | None, peer: Callable[[str, str], object],
+    def __init__(self, default_model: str | None, peer: Callable[[str, str], LinkHeads],
                  memory_budget_bytes: int | None = None):
         """memory_budget_bytes: the worker's bound of weights plus caches (its --memory-budget-gib)."""
         self.default_model = default_model
         self.peer = peer
         self.memory_budget_bytes = memory_budget_bytes
         self.blocks: HeadBlocks | None = None
-        self.pipeline: HeadSplitPipeline | None = None
+        self.schedule: Schedule | None = None  # where this worker gathers: the placement's devices, peers by link
+        self.peers: dict[str, LinkHeads] = {}
         self.name: str | None = None
 
     def assign(self, model: str | None, groups: dict[int, list[int]], ffns: list[int], dtype: str,
@@ -73,9 +77,8 @@ class HeadHost:
             self.blocks.limit_kv(self.memory_budget_bytes - self.blocks.memory_bytes())
         self.name = name
         if layers is not None:  # the peer links are the worker's own, kept across assignments
-            devices = {peer: self.peer(peer, url) for peer, url in (peers or {}).items() if peer != name}
-            self.pipeline = HeadSplitPipeline({**devices, name: self.blocks}, layers, cfg,
-                                              attn_out=attn_out_norms(src, cfg, fmt))
+            self.peers = {peer: self.peer(peer, url) for peer, url in (peers or {}).items() if peer != name}
+            self.schedule = Schedule({**self.peers, name: self.blocks}, layers, cfg, attn_out_norms(src, cfg, fmt))
         return {"groups": {str(k): v for k, v in groups.items()}, "ffns": ffns}
 
     @staticmethod
@@ -88,38 +91,47 @@ class HeadHost:
 
     def set_placement(self, placement: list[dict]) -> None:
         """The placement this worker's schedule follows (after a re-placement); its own blocks must match."""
-        if self.pipeline is None:
+        if self.schedule is None:
             raise NotAssignedError("this worker was assigned no placement to run")
         layers = [LayerPlace(**lp) for lp in placement]
-        check_placement(layers, self.pipeline.cfg)
+        check_placement(layers, self.schedule.cfg)
         if blocks_of(layers, self.name) != blocks_of_held(self.held()):
             raise ValueError(f"the placement does not give {self.name} the blocks it holds")
-        unknown = devices_named(layers) - set(self.pipeline.devices)
+        unknown = devices_named(layers) - set(self.schedule.devices)
         if unknown:
             raise ValueError(f"the placement names devices with no URL: {sorted(unknown)}")
-        self.pipeline.layers = layers
+        self.schedule.layers = layers
 
     def close(self) -> None:
-        if self.pipeline is not None:
-            self.pipeline.close()
-        self.blocks = self.pipeline = None
+        self.blocks = self.schedule = None
+        self.peers = {}
 
-    def run(self, session: str, first: int, x: torch.Tensor, positions: torch.Tensor, start: int,
-            mask: torch.Tensor | None, epsilon: float, step: int) -> tuple[torch.Tensor, dict]:
-        """Layers first.. while this worker gathers them -> (the last one's output, {next, kept, discarded,
-        wire}: the next layer to run, the speculation counts per layer, and the bytes and calls to its peers)."""
-        if self.pipeline is None:
+    def run(self, rows: list[StepRows], epsilons: list[float | None], first: int, x: torch.Tensor,
+            positions: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Layers first.. of the sessions' rows x [M, H] at positions [M] while this worker gathers them, each
+        session at its tolerance -> (the last one's output [M, H], {next, kept, discarded, wire}: the next layer
+        to run, each session's speculation counts per layer, and the bytes and calls to its peers)."""
+        if self.schedule is None:
             raise NotAssignedError("this worker was assigned no placement to run")
         n = self.held().cfg.n_layers
-        if session not in self.held().sessions:  # a 404 before any peer is called
-            raise SessionError(f"no session {session!r} here")
-        stats = SpeculationStats([0] * n, [0] * n)
-        peers = [d for name, d in self.pipeline.devices.items() if name != self.name]
+        for r in rows:
+            if r.session not in self.held().sessions:  # a 404 before any peer is called
+                raise SessionError(f"no session {r.session!r} here")
+        parts = [Part(r, eps, SpeculationStats([0] * n, [0] * n)) for r, eps in zip(rows, epsilons, strict=True)]
+        peers = list(self.peers.values())
         before = [(*d.payload, d.calls) for d in peers]
-        out, nxt = self.pipeline.run(session, first, x, positions, start, mask, epsilon, stats, step, self.name)
+        out, nxt = self.schedule.run(parts, first, x, positions, self.name)
         sent = sum(d.payload[0] + d.payload[1] - b[0] - b[1] for d, b in zip(peers, before, strict=True))
         calls = sum(d.calls - b[2] for d, b in zip(peers, before, strict=True))
-        return out, {"next": nxt, "kept": stats.kept, "discarded": stats.discarded, "wire": [sent, calls]}
+        return out, {"next": nxt, "kept": [p.stats.kept for p in parts],
+                     "discarded": [p.stats.discarded for p in parts], "wire": [sent, calls]}
+
+    def kv_report(self) -> KVReport:
+        """The blocks' caches as the worker reports them with its acks (workers/kv_report.py)."""
+        if self.blocks is None:
+            return KVReport()
+        used, free = self.blocks.pool_blocks()
+        return KVReport(used, free, self.blocks.kv_bytes())
 
     def held(self) -> HeadBlocks:
         if self.blocks is None:

@@ -24,6 +24,7 @@ from edgespec.model.stack import LayerStack
 from edgespec.model.stage import BatchEntry, LocalStage, StepError
 from edgespec.model.timing import PROFILE_LAYERS, time_layers
 from edgespec.model.weights import open_source
+from edgespec.workers.kv_report import KVReport
 from edgespec.workers.settings import WorkerSettings
 from edgespec.workers.wire import BatchMessage, WireError, decode, encode, encode_batch
 
@@ -141,6 +142,13 @@ class StageHost:
             "sessions": len(self.stage.caches) if self.stage else 0,
             "threads": torch.get_num_threads(),
         }
+
+    def kv_report(self) -> KVReport:
+        """The stage's KV pool as the worker reports it with its answers (workers/kv_report.py)."""
+        if self.stage is None:
+            return KVReport()
+        used, free = self.stage.pool_blocks()
+        return KVReport(used, free, self.stage.kv_bytes())
 
     # sessions
 

@@ -148,9 +148,10 @@ class Relay:
             await self.forward(header, body)
         elif op in ("open", "commit", "fork"):
             await self._send(ws, peer, pack(self.operate(op, header)))
-        elif op == "release":
+        elif op == "release":  # no ack: the pool's figures after it, for the controller's /metrics
             with contextlib.suppress(ValueError):
                 self.host.release(session_id(header.get("session")))
+            await self._send(ws, peer, pack({"op": "kv", **self.host.kv_report().fields()}))
         elif op == "ping":
             await self._send(ws, peer, pack({"op": "pong", "id": header.get("id"), "bytes": len(body)}))
         else:
@@ -178,7 +179,7 @@ class Relay:
         except Exception as exc:
             return ack | self._error(exc)
         self._notify()
-        return ack | {"ok": True}
+        return ack | {"ok": True} | self.host.kv_report().fields()
 
     async def forward(self, header: dict, body: bytes) -> None:
         """Compute a forward or batch message in its turn, then relay the output along its route, or send it to
@@ -200,7 +201,8 @@ class Relay:
                 out, seconds = self.host.forward_batch(message, bool(route))
             self._notify()
             hops = [*header.get("hops", []), {"stage": self.host.name, "bytes": len(out),
-                                               "forward_ms": round(seconds * 1000, 3)}]
+                                               "forward_ms": round(seconds * 1000, 3),
+                                               **self.host.kv_report().fields()}]
             if route:
                 await self.send_peer(route[0], pack({**header, "route": route[1:], "hops": hops}, out))
             else:

@@ -20,6 +20,7 @@ from websockets.sync.client import ClientConnection, connect
 from edgespec.model.kv_pool import CapacityError
 from edgespec.model.stage import StageFailure
 from edgespec.workers.frames import MAX_HEADER, FrameError, pack, unpack
+from edgespec.workers.kv_report import KVReports
 from edgespec.workers.relay import ws_url
 
 MAX_MESSAGE = 64 * 2**20 + MAX_HEADER + 4  # a worker's default max_body_bytes, framed
@@ -89,11 +90,12 @@ class Mailbox:
 
 
 class Uplink:
-    """The controller's link to one worker."""
+    """The controller's link to one worker; the KV reports the worker sends on it are filed in `reports`."""
 
-    def __init__(self, name: str, url: str, token: str, controller: str, mailbox: Mailbox, timeout_s: float):
+    def __init__(self, name: str, url: str, token: str, controller: str, mailbox: Mailbox, timeout_s: float,
+                 reports: KVReports):
         self.name, self.url, self.token, self.controller = name, url, token, controller
-        self.mailbox, self.timeout_s = mailbox, timeout_s
+        self.mailbox, self.timeout_s, self.reports = mailbox, timeout_s, reports
         self.conn: ClientConnection | None = None
         self.lock = threading.Lock()
 
@@ -147,6 +149,7 @@ class Uplink:
                 except FrameError:
                     continue
                 op = header["op"]
+                self.reports.file(self.name, header)  # an ack's, or a frame of its own after a release
                 if op == "result":
                     self.mailbox.put((header.get("session"), header.get("step")), (header, body))
                 elif op == "error" and "session" in header:
@@ -186,19 +189,22 @@ class Answer:
 
 
 class Uplinks:
-    """Links to every worker by URL, one mailbox for their answers, and request/ack over them."""
+    """Links to every worker by URL, one mailbox for their answers, request/ack over them, and the workers' latest
+    KV reports (workers/kv_report.py) by name."""
 
     def __init__(self, token: str, timeout_s: float):
         self.token, self.timeout_s = token, timeout_s
         self.controller = uuid.uuid4().hex
         self.mailbox = Mailbox()
+        self.reports = KVReports()
         self.links: dict[str, Uplink] = {}
         self.ids = itertools.count(1)
 
     def link(self, name: str, url: str) -> Uplink:
         link = self.links.get(url)
         if link is None or link.name != name:
-            link = self.links[url] = Uplink(name, url, self.token, self.controller, self.mailbox, self.timeout_s)
+            link = self.links[url] = Uplink(name, url, self.token, self.controller, self.mailbox, self.timeout_s,
+                                            self.reports)
         return link
 
     def request(self, targets: list[tuple[str, str]], header: dict) -> list[dict]:
