@@ -165,6 +165,10 @@ class HeadSplitPipeline(WireFigures):
         self.replacements = 0
         self.carried: dict[str, tuple] = {}  # session -> (epsilon, stats, wire) taken over from a lost placement
 
+    def watch(self, memory: MemoryWatch) -> None:
+        """From now on, re-place the blocks when a device passes the watch's threshold (checked between steps)."""
+        self.memory = memory
+
     @classmethod
     def local(cls, src: TensorSource, cfg: ModelConfig, dtype: torch.dtype, layers: list[LayerPlace],
               epsilon: float = 0.05, kv_budget_bytes: int | None = None, kv: KVFormat = FLOAT32

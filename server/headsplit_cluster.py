@@ -46,7 +46,7 @@ class HeadSplitCluster:
                                 kv_format=self.settings.kv_format)
         threshold = self.settings.memory_threshold
         replan: Callable[[int], list] = lambda slots: self._place(names, max(slots, 1), threshold)  # noqa: E731
-        pipe.memory = MemoryWatch(self._capacities(names), replan, threshold)
+        pipe.watch(MemoryWatch(self._capacities(names), replan, threshold))
         log.info("headsplit placement: %s", "; ".join(
             f"{i}: groups {lp.groups}, proj {lp.proj}, ffn {lp.ffn}{', speculates' if lp.speculate else ''}"
             for i, lp in enumerate(layers)))

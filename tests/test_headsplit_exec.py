@@ -123,7 +123,7 @@ def test_a_device_past_its_memory_threshold_moves_groups_with_their_caches(tiny_
     start = [LayerPlace({"a": list(range(cfg.n_kv_heads))}, "a", "a") for _ in range(cfg.n_layers)]
     pipe = HeadSplitPipeline({"a": HeadBlocks(src, cfg, torch.float32, *blocks_of(start, "a")),
                               "b": HeadBlocks(src, cfg, torch.float32, {}, [])}, start, cfg)
-    pipe.memory = watch_for(pipe, cfg, "a")
+    pipe.watch(watch_for(pipe, cfg, "a"))
     got = split_run(tiny_loaded, pipe, IDS, 6, 0.05)
     # the first check after the prompt found a past 85%: groups moved to b with their caches, and every output
     # since equals the model's (a cache left behind or misplaced would change them)

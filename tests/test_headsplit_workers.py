@@ -147,7 +147,7 @@ def test_tiny_over_two_workers(workers, tiny):
     # w0 holds every block and passes 85% of its memory: groups move to w1 with their caches, over HTTP
     start = [LayerPlace({"w0": list(range(cfg.n_kv_heads))}, "w0", "w0") for _ in range(cfg.n_layers)]
     pipe = remote_headsplit(urls, token, start, cfg, model=folder)
-    pipe.memory = watch_for(pipe, cfg, "w0")
+    pipe.watch(watch_for(pipe, cfg, "w0"))
     got, _ = run(pipe, folder, IDS, 5, 0.05)
     assert pipe.replacements == 1 and blocks_of(pipe.layers, "w1")[0]
     for g, w in zip(got, want, strict=True):
