@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from edgespec.decoding.text import TextStream
 from edgespec.decoding.types import TokenEvent
+
+if TYPE_CHECKING:
+    from edgespec.engine.program import SequenceView
 
 
 class StepStats:
@@ -25,7 +29,8 @@ class StepStats:
         self.drafter_s = 0.0
         self.accepted_lengths: dict[int, int] | None = None  # tree policies: steps by accepted length
         self.exact: bool | None = None  # set by policies with a non-exact option: whether this request was exact
-        self.sequence = None  # the engine's view of the generation's sequence: how many others shared its passes
+        # the engine's view of the generation's sequence: how many others shared its passes
+        self.sequence: SequenceView | None = None
         self.extra: dict = {}  # more figures for the `decoding` object (a tool trigger's score)
 
     def tokens_emitted(self, n: int, wire: dict[str, tuple[int, int]]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -84,7 +85,8 @@ def build_engine(settings: ServeSettings, loaded: LoadedModel, cluster: ClusterM
     prefix = PrefixCache(int(settings.prefix_cache_mib * 2**20), settings.prefix_min_tokens) \
         if settings.prefix_cache_mib > 0 else None
     admission = Admission(settings.max_waiting, settings.queue_timeout_s)
-    lanes = {HEADSPLIT: partial(headsplit_lane, settings, loaded, cluster)} if settings.headsplit else {}
+    lanes: dict[str, Callable[[], Sessions]] = \
+        {HEADSPLIT: partial(headsplit_lane, settings, loaded, cluster)} if settings.headsplit else {}
     return Engine(loaded.executor, prefix, admission, cluster.recover if cluster is not None else None, lanes)
 
 
@@ -110,6 +112,7 @@ async def discover_workers(settings: ServeSettings) -> list[WorkerSpec]:
     """`serve --discover` at start: the workers on the LAN that prove the token, within the settings' bounds."""
     log.info("looking for %d worker(s) on the LAN for up to %.0f s", settings.discover_workers,
              settings.discover_wait_s)
+    assert settings.cluster_token is not None, "the settings refuse --discover without a token"
     found = await find_workers(settings.cluster_token, settings.discover_workers, settings.discover_wait_s)
     if not found:
         log.warning("no worker found on the LAN within %.0f s: serving every layer here until workers are found",
@@ -136,8 +139,10 @@ def load_served_model(settings: ServeSettings, metrics: Metrics
                                       settings.worker_cpus, avoid=settings.port, prefault=settings.kv_prefault,
                                       budget_gib=settings.worker_memory_budget_gib)
     elif settings.discover:  # proven by their /health just now
+        assert settings.cluster_token is not None, "the settings refuse --discover without a token"
         config = ClusterConfig(settings.cluster_token, asyncio.run(discover_workers(settings)))
     else:
+        assert settings.cluster is not None, "without workers of any kind it returned above"
         config = ClusterConfig.from_file(Path(settings.cluster))
     try:
         if not settings.discover:
@@ -183,18 +188,20 @@ def headsplit_lane(settings: ServeSettings, loaded: LoadedModel, cluster: Cluste
     ends, thread = loaded.executor.ends, loaded.executor.thread
     if cluster is None:
         layers = place(profiled_devices(record, {"local": 2**62}, context), card, alphas, lambda a, b: 0.0, context)
-        pipe = HeadSplitPipeline.local(open_source(loaded.files), cfg, dtype, layers, settings.headsplit_epsilon,
-                                       int(settings.kv_cache_gib * 2**30), kv_format(settings.kv_format))
-        return Sessions(Executor(cfg, ends, pipe, thread), admission=admission)
+        pipe = HeadSplitPipeline.local(
+            open_source(loaded.files), cfg, dtype,  # type: ignore[arg-type]  # pyproject: NOT YET CHECKED
+            layers, settings.headsplit_epsilon, int(settings.kv_cache_gib * 2**30), kv_format(settings.kv_format))
+        local = Executor(cfg, ends, pipe, thread)  # type: ignore[arg-type]  # pyproject: NOT YET CHECKED
+        return Sessions(local, admission=admission)
     devices = HeadSplitCluster(settings, cluster, record, card, alphas, cfg, context)
-    executor = Executor(cfg, ends, devices.pipeline(), thread)
+    executor = Executor(cfg, ends, devices.pipeline(), thread)  # type: ignore[arg-type]  # pyproject: NOT YET CHECKED
     return Sessions(executor, admission=admission, recover=partial(devices.recover, executor))
 
 
 def load_draft_models(settings: ServeSettings, loaded: LoadedModel) -> dict[str, DraftModel | FeatureDraftModel]:
     """The configured drafters' weights, loaded on the model thread; a tokenizer mismatch is an error.
     The trained feature drafter comes first: the plain `speculative` policy's default builds on the first."""
-    models = {}
+    models: dict[str, DraftModel | FeatureDraftModel] = {}
     run = loaded.executor.thread.run_sync
     ends = loaded.executor.ends
     if settings.eagle == "auto":
@@ -208,9 +215,9 @@ def load_draft_models(settings: ServeSettings, loaded: LoadedModel) -> dict[str,
     elif settings.eagle != "off":
         models["eagle"] = run(FeatureDraftModel.load, "eagle", Path(settings.eagle), ends)
     for entry in settings.draft_models:
-        name, _, path = entry.rpartition("=")
-        name = name or Path(path).stem
-        models[name] = run(DraftModel.load, name, path, settings.dtype, loaded.tokenizer)
+        name, _, where = entry.rpartition("=")
+        name = name or Path(where).stem
+        models[name] = run(DraftModel.load, name, where, settings.dtype, loaded.tokenizer)
     if settings.layerskip:
         models["layerskip"] = run(DraftModel.load, "layerskip", settings.model, settings.dtype, None,
                                   sorted(parse_ranges(settings.layerskip)))
