@@ -110,7 +110,9 @@ class DraftLength:
         best_k, best_rate, expected = 0, 0.0, 0.0
         for k in range(0, k_max + 1):
             expected += a ** k  # 1 + a + ... + a^k
-            rate = expected / (self.passes.get(besides + 1 + k) + k * per_draft)
+            seconds = self.passes.get(besides + 1 + k)
+            assert seconds is not None  # a pass was measured (above)
+            rate = expected / (seconds + k * per_draft)
             if rate > best_rate and k >= min(self.k_min, k_max):
                 best_k, best_rate = k, rate
         return best_k

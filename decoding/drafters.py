@@ -11,6 +11,8 @@ from typing import Protocol
 
 import torch
 
+from edgespec.decoding.types import SamplingParams
+
 
 class Drafter(Protocol):
     """What speculative decoding asks of a drafter (decoding/speculative.py)."""
@@ -25,6 +27,14 @@ class Drafter(Protocol):
     def observe(self, start: int, hidden: torch.Tensor) -> None:
         """The target's last-layer outputs hidden [T, H] at positions start..start+T-1 (accepted ones only);
         called only where reads_features."""
+
+
+class DraftSource(Protocol):
+    """Weights that give each request a drafter of its own (decoding/draft_model.py's DraftModel,
+    decoding/eagle.py's FeatureDraftModel)."""
+
+    def drafter(self, params: SamplingParams, capacity: int) -> Drafter:
+        """One request's drafter (`capacity`: the sequence's slots)."""
 
 
 class NgramDrafter:
@@ -51,9 +61,9 @@ class NgramDrafter:
                 self.latest[tuple(tokens[e - n:e])] = e
         self.indexed = max(self.indexed, end)
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
-            e = self.latest.get(tuple(tokens[end - n:]))
-            if e is not None:
-                return tokens[e:e + k], None
+            latest = self.latest.get(tuple(tokens[end - n:]))
+            if latest is not None:
+                return tokens[latest:latest + k], None
         return [], None
 
     def observe(self, start: int, hidden: torch.Tensor) -> None:

@@ -40,6 +40,8 @@ class FeatureNet(nn.Module):
     """fc([g_prev, emb(x)]) -> one decoder layer -> (the target's final norm) -> predicted g; trainable, and
     the inference module. The target's own final norm gives the prediction the scale the head expects."""
 
+    vocab: torch.Tensor  # the buffer
+
     def __init__(self, cfg: ModelConfig, vocab: torch.Tensor, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.cfg = cfg
@@ -107,7 +109,7 @@ class FeatureDrafter:
         cfg = model.cfg
         self.cache = KVCache.alone(1, cfg.n_kv_heads, cfg.head_dim, capacity, FLOAT32)  # a drafter's: float32
         self.g = torch.empty(capacity, cfg.hidden_size, dtype=model.ends.dtype)  # [capacity, H] target features
-        self.first = None  # first position with a feature (a cached prompt prefix has none)
+        self.first: int | None = None  # first position with a feature (a cached prompt prefix has none)
         self.known = 0  # features known for positions first..known-1
         self.fed = 0  # draft indices first+1..first+fed are in the cache from true features
 
@@ -121,13 +123,14 @@ class FeatureDrafter:
         self.known = start + len(g)
         self.fed = min(self.fed, self.known - self.first - 1)  # positions past them were drafts: re-feed
 
-    def _step(self, g_prev: torch.Tensor, ids: list[int], start: int) -> torch.Tensor:
-        # g_prev [T, H] with ids [T] at draft indices start..start+T-1 -> predicted g at the last one [1, 1, H]
+    def _step(self, g_prev: torch.Tensor, ids: list[int], start: int, first: int) -> torch.Tensor:
+        # g_prev [T, H] with ids [T] at draft indices start..start+T-1 -> predicted g at the last one [1, 1, H];
+        # first: self.first, known by then
         net, t = self.model.net, len(ids)
         emb = self.model.ends.embed_tokens(torch.tensor([ids]))  # [1, T, H]
         x = net.fc(torch.cat([g_prev.unsqueeze(0), emb], dim=-1))  # [1, T, H]
         positions = torch.arange(start, start + t).unsqueeze(0)  # [1, T]
-        slot = start - self.first - 1
+        slot = start - first - 1
         self.cache.check_write(slot, t)
         self.cache.ensure(slot, slot + t)
         mask = None if t == 1 else torch.arange(slot + t).unsqueeze(0) <= (slot + torch.arange(t)).unsqueeze(1)
@@ -152,13 +155,15 @@ class FeatureDrafter:
             return [], None
         self.cache.truncate(self.fed)
         a = self.first + 1 + self.fed  # first draft index not fed yet
-        g = self._step(self.g[a - 1:n], tokens[a:n + 1], a)
+        g = self._step(self.g[a - 1:n], tokens[a:n + 1], a, self.first)
         self.fed = n - self.first
-        drafts, qs = [], []
+        drafts: list[int] = []
+        qs: list[torch.Tensor] = []  # the draws' distributions [V] (none when greedy)
         for i in range(k):
             token, q = self._pick(g)
             drafts.append(token)
-            qs.append(q)
+            if q is not None:
+                qs.append(q)
             if i + 1 < k:
-                g = self._step(g[0], [token], n + 1 + i)
+                g = self._step(g[0], [token], n + 1 + i, self.first)
         return drafts, None if self.greedy else torch.stack(qs)  # [k, V]

@@ -52,9 +52,13 @@ class MedusaPolicy:
         if not isinstance(step_tokens, int) or isinstance(step_tokens, bool) or not 1 <= step_tokens <= 1024:
             raise ValueError(f"step_tokens must be an integer from 1 to 1024, got {step_tokens!r}")
 
+    def _heads(self) -> MedusaModel:
+        assert self.heads is not None, "check() refuses requests when no heads are loaded"
+        return self.heads
+
     def _tree(self, request: GenerationRequest) -> Tree:
         options = request.policy_options
-        return Tree(options["tree"]) if "tree" in options else self.heads.tree
+        return Tree(options["tree"]) if "tree" in options else self._heads().tree
 
     def capacity(self, request: GenerationRequest, cfg: ModelConfig) -> int:
         return min(len(request.prompt_ids) + request.max_tokens + len(self._tree(request)),
@@ -66,7 +70,7 @@ class MedusaPolicy:
     def prepare(self, request: GenerationRequest, cfg: ModelConfig, seq: SequenceView, text: TextStream
                 ) -> Prepared:
         options = request.policy_options
-        heads, tree = self.heads, self._tree(request)
+        heads, tree = self._heads(), self._tree(request)
         # typical acceptance weighs every node by the target's distribution at the sequence's current place,
         # which a grammar's mask would get wrong below the root: under a grammar, the exact descent
         if options.get("acceptance") == "typical" and not request.sampling.greedy and request.grammar is None:
@@ -85,7 +89,7 @@ class MedusaPolicy:
         # sequences that share steps (outline's points) share the candidates, and a sequence left alone gets
         # the whole tree again.
         step_tokens = options.get("step_tokens")
-        trees = [Tree(tree.paths[:m]) for m in range(len(tree))] if step_tokens else None  # trees[m]: m + 1 nodes
+        trees = [Tree(tree.paths[:m]) for m in range(len(tree))] if step_tokens else []  # trees[m]: m + 1 nodes
 
         def inputs(root: int, hidden, start: int, sequences: int):
             # the next pass's tree ids [1, T], positions [1, T] and mask [1, T, start + T] (on the model thread),
@@ -105,6 +109,8 @@ class MedusaPolicy:
         """The engine's program: the prompt, then per step the tree of the heads' candidates (its plan, with
         the tree's positions and mask), the accepted path committed into place (its accept)."""
         prompt, want_logprobs = request.prompt_ids, request.sampling.logprobs
+        lengths = stats.accepted_lengths
+        assert lengths is not None, "prepare() starts the counts"
         out = yield Rows(prompt[seq.length:], last_only=True, features=True)
         token, lp = sampler.choose_with_logprob(out.logits[0, -1])  # [1, 1, V]
         step, nxt = [(token, lp)], (yield from inputs(token, out.hidden[0, -1], len(prompt), out.sequences))
@@ -132,5 +138,5 @@ class MedusaPolicy:
             yield Commit(kept, start, tokens[:start] + [node_tokens[n] for n in verdict.path])
             stats.proposed += step_tree.depth
             stats.accepted += verdict.accepted
-            stats.accepted_lengths[verdict.accepted] = stats.accepted_lengths.get(verdict.accepted, 0) + 1
+            lengths[verdict.accepted] = lengths.get(verdict.accepted, 0) + 1
             step = list(zip(verdict.tokens, lps, strict=True))

@@ -34,13 +34,16 @@ DEFAULT_TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0]]  # used when a
 class MedusaNet(nn.Module):
     """The K residual blocks (trainable, and the inference module) and the vocabulary they read out to."""
 
+    vocab: torch.Tensor  # the buffer
+
     def __init__(self, cfg: ModelConfig, n_heads: int, vocab: torch.Tensor, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.cfg = cfg
-        self.blocks = nn.ModuleList(nn.Linear(cfg.hidden_size, cfg.hidden_size, dtype=dtype) for _ in range(n_heads))
-        for block in self.blocks:  # zero start: each head begins as the target's own head
+        blocks = [nn.Linear(cfg.hidden_size, cfg.hidden_size, dtype=dtype) for _ in range(n_heads)]
+        for block in blocks:  # zero start: each head begins as the target's own head
             nn.init.zeros_(block.weight)
             nn.init.zeros_(block.bias)
+        self.blocks = nn.ModuleList(blocks)  # nn.Linear until pack_linears makes them kernel linears
         self.register_buffer("vocab", vocab.long())  # [N] target ids the heads may propose
 
     def forward(self, g: torch.Tensor) -> torch.Tensor:

@@ -47,8 +47,9 @@ class Tree:
     def __len__(self) -> int:
         return len(self.depths)
 
-    def tokens(self, root: int, candidates: torch.Tensor) -> list[int]:
-        """Node ids: the root, then for each path its last head's candidate at its rank. candidates [K, top]."""
+    def tokens(self, root: int, candidates: torch.Tensor | None) -> list[int]:
+        """Node ids: the root, then for each path its last head's candidate at its rank. candidates [K, top]
+        (None for a tree of the root alone)."""
         table = candidates.tolist() if candidates is not None else []
         return [root] + [table[d - 1][r] for d, r in zip(self.depths[1:], self.ranks[1:], strict=True)]
 

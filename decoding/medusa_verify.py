@@ -38,9 +38,10 @@ def descend(sampler: Sampler, tree: Tree, node_tokens: list[int], logits: torch.
     while True:
         token = sampler.choose(logits[node])
         out.append(token)
-        node = next((c for c in tree.children[node] if node_tokens[c] == token), None)
-        if node is None:
+        child = next((c for c in tree.children[node] if node_tokens[c] == token), None)
+        if child is None:
             return TreeVerdict(out, path)
+        node = child
         path.append(node)
 
 

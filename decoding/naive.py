@@ -14,7 +14,7 @@ from edgespec.model.config import ModelConfig
 
 class NaivePolicy:
     name = "naive"
-    options = frozenset()
+    options: frozenset[str] = frozenset()
     lane = "layers"  # the engine's lane its jobs run on
 
     def check(self, options: dict) -> None:

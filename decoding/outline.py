@@ -101,7 +101,7 @@ class OutlinePolicy:
         ids, text = [], ""
         try:
             outline = job(self.verifiers[verify], sub, engine.cfg, text_stream(sub, tokenizer), prepared)
-            async with aclosing(engine.run(outline)) as events:
+            async with aclosing(engine.run(outline)) as events:  # type: ignore[type-var]  # pyproject: NOT YET CHECKED
                 async for event in events:
                     ids += event.token_ids
                     text = tokenizer.decode(ids, skip_special_tokens=True)
@@ -111,7 +111,8 @@ class OutlinePolicy:
             return ids, text
         finally:
             for p in prepared:
-                add_wire(wire, p.stats.sequence.wire())
+                if p.stats.sequence is not None:  # set when its program was prepared (decoding/sequence.py)
+                    add_wire(wire, p.stats.sequence.wire())
 
     async def _fall_back(self, request: GenerationRequest, engine: Engine, tokenizer, reason: str,
                          outline_ids: list[int] | None = None):
@@ -130,7 +131,8 @@ class OutlinePolicy:
             async for event in self._fall_back(request, engine, tokenizer, "not a chat request"):
                 yield event
             return
-        verify, wire, stats = options.get("verify", "none"), {}, StepStats(self.name)
+        verify, stats = options.get("verify", "none"), StepStats(self.name)
+        wire: dict[str, tuple[int, int]] = {}
         outline_ids, text = await self._outline(request, engine, tokenizer, verify, wire)
         points, question, policy = parse_outline(text), options["question"], self.verifiers[verify]
         prompts = [chat_ids(tokenizer, expansion_messages(question, points, i)) for i in range(len(points))]
@@ -157,17 +159,18 @@ class OutlinePolicy:
             async for _ in engine.run(Job(shared + 1, partial(prefill, prompts[0][:shared]), prompts[0][:shared])):
                 pass
         # closed here, not when collected: the engine stops the points before their sessions are released
-        async with aclosing(engine.run_group(jobs)) as group:
+        async with aclosing(engine.run_group(jobs)) as group:  # type: ignore[type-var]  # pyproject: NOT YET CHECKED
             async for event in self._stream(group, points, outline_ids, stats):
                 yield event
         points_stats = [p.stats for made in prepared for p in made]
         stats.proposed = sum(s.proposed for s in points_stats)
         stats.accepted = sum(s.accepted for s in points_stats)
-        for s in points_stats:
-            add_wire(wire, s.sequence.wire())
+        sequences = [s.sequence for s in points_stats if s.sequence is not None]  # every one: prepared
+        for sequence in sequences:
+            add_wire(wire, sequence.wire())
         final = stats.as_dict(wire)
         # a step carried a token (or more) for every point still expanding
-        steps = max((s.sequence.passes for s in points_stats), default=0)
+        steps = max((sequence.passes for sequence in sequences), default=0)
         final.update(steps=steps, tokens_per_step=round(sum(budget.made) / steps, 4) if steps else None)
         final["outline"] = {"points": len(points), "outline_tokens": len(outline_ids), "budget": total,
                             "point_tokens": budget.made, "ended_at_sentence": budget.ended_early,

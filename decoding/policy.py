@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Protocol
 
 from edgespec.decoding.types import GenerationRequest, TokenEvent
@@ -27,8 +27,9 @@ class DecodingPolicy(Protocol):
         """Raise ValueError for option values this policy cannot use (the names are checked against `options`
         before)."""
 
-    def generate(self, request: GenerationRequest, engine: Engine, tokenizer) -> AsyncIterator[TokenEvent]:
-        """Async generator of events; the last one has a finish_reason and the statistics."""
+    def generate(self, request: GenerationRequest, engine: Engine, tokenizer) -> AsyncGenerator[TokenEvent, None]:
+        """Async generator of events; the last one has a finish_reason and the statistics (the caller closes it:
+        contextlib.aclosing)."""
 
 
 def build_policies(draft_models: dict | None = None, default_drafter: str | None = None,
@@ -47,8 +48,8 @@ def build_policies(draft_models: dict | None = None, default_drafter: str | None
     from edgespec.decoding.outline import OutlinePolicy
     from edgespec.decoding.speculative import SpeculativePolicy
 
-    policies = [NaivePolicy(), SpeculativePolicy(draft_models, default_drafter, *draft_k), MedusaPolicy(medusa),
-                HeadSplitPolicy(headsplit, headsplit_epsilon)]
+    policies: list[DecodingPolicy] = [NaivePolicy(), SpeculativePolicy(draft_models, default_drafter, *draft_k),
+                                      MedusaPolicy(medusa), HeadSplitPolicy(headsplit, headsplit_epsilon)]
     by_name = {p.name: p for p in policies}
     by_name["outline"] = OutlinePolicy(by_name.get(default), verifiers={
         name: by_name[name] for name in ("speculative", "medusa")})

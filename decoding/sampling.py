@@ -95,7 +95,7 @@ class Sampler:
     def logprob(self, logits: torch.Tensor, token_id: int) -> TokenLogprob:
         """Log-probability of `token_id` and the top alternatives under the model's raw distribution."""
         logp = torch.log_softmax(logits.float(), dim=-1)  # [V]
-        top = ()
+        top: tuple[tuple[int, float], ...] = ()
         if self.params.top_logprobs:
             values, ids = torch.topk(logp, self.params.top_logprobs)
             top = tuple(zip(ids.tolist(), values.tolist(), strict=True))

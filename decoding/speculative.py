@@ -5,15 +5,17 @@ back on every stage. Exact: the output is distributed as naive decoding's (greed
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 
 from edgespec.decoding.draft_cost import DraftCosts, DraftLength, PassCosts, prior_costs
-from edgespec.decoding.drafters import Drafter, NgramDrafter
+from edgespec.decoding.drafters import Drafter, DraftSource, NgramDrafter
 from edgespec.decoding.sampling import Sampler
 from edgespec.decoding.sequence import Prepared, run_alone, start
 from edgespec.decoding.stats import StepStats, push_run
 from edgespec.decoding.text import TextStream
-from edgespec.decoding.types import GenerationRequest
+from edgespec.decoding.types import GenerationRequest, SamplingParams
 from edgespec.decoding.verify import verify
 from edgespec.engine.engine import Engine
 from edgespec.engine.program import Rows, SequenceView, Truncate
@@ -25,8 +27,8 @@ class SpeculativePolicy:
     options = frozenset({"drafter", "k"})
     lane = "layers"  # the engine's lane its jobs run on
 
-    def __init__(self, models: dict | None = None, default: str | None = None, k: int = 4, k_min: int = 0,
-                 k_max: int = 8):
+    def __init__(self, models: dict[str, DraftSource] | None = None, default: str | None = None, k: int = 4,
+                 k_min: int = 0, k_max: int = 8):
         """models: DraftModels or FeatureDraftModels by drafter name (draft checkpoints, layer-skipping
         self-drafts, trained feature drafters); default: the drafter of the plain `speculative` policy (the
         first model's behind n-gram lookup, NAME+ngram: the best measured on open chat and on copying alike;
@@ -35,13 +37,11 @@ class SpeculativePolicy:
         self.k, self.k_min, self.k_max = k, k_min, k_max
         self.passes, self.draft_costs = PassCosts(), DraftCosts()
         # a drafter name -> the drafters a request asks in turn, first with drafts wins
-        self.drafters = {"ngram": lambda params, capacity: [NgramDrafter()]}
+        self.drafters: dict[str, Callable[[SamplingParams, int], list[Drafter]]] = {
+            "ngram": lambda params, capacity: [NgramDrafter()]}
         for name, m in (models or {}).items():
-            self.drafters[name] = lambda params, capacity, m=m: [m.drafter(params, capacity)]
-            # n-gram lookup where the output is copying from earlier text (the last 3 tokens occurred before),
-            # else the model's drafts
-            self.drafters[f"{name}+ngram"] = lambda params, capacity, m=m: [NgramDrafter(max_n=3, min_n=3),
-                                                                            m.drafter(params, capacity)]
+            self.drafters[name] = functools.partial(_model_drafts, m)
+            self.drafters[f"{name}+ngram"] = functools.partial(_copies_then_model_drafts, m)
         self.default = default or (f"{next(iter(models))}+ngram" if models else "ngram")
         if self.default not in self.drafters:
             raise ValueError(f"unknown default drafter {self.default!r}; available: {', '.join(self.drafters)}")
@@ -143,3 +143,13 @@ class SpeculativePolicy:
             if drafts:
                 return drafter, drafts, q
         return None, [], None
+
+
+def _model_drafts(model: DraftSource, params: SamplingParams, capacity: int) -> list[Drafter]:
+    return [model.drafter(params, capacity)]
+
+
+def _copies_then_model_drafts(model: DraftSource, params: SamplingParams, capacity: int) -> list[Drafter]:
+    # n-gram lookup where the output is copying from earlier text (the last 3 tokens occurred before), else the
+    # model's drafts
+    return [NgramDrafter(max_n=3, min_n=3), model.drafter(params, capacity)]

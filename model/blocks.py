@@ -76,6 +76,9 @@ class Rotary(nn.Module):
     longrope's attention factor multiplies the rotated dims' cos and sin (transformers' attention_scaling).
     """
 
+    cos: torch.Tensor  # buffers [P, hd]
+    sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, local: bool = False):
         super().__init__()
         t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
@@ -170,7 +173,8 @@ class AttentionBlock(nn.Module):
         # -> [B, heads, T, hd]; with one token that is a plain view (fewer ops on the decoding path)
         qkv = qkv.view(b, heads, 1, self.hd) if t == 1 else qkv.view(b, t, heads, self.hd).transpose(1, 2)
         qk = qkv[:, : self.n_q + self.n_kv]
-        if self.q_norm is not None:  # each head's q and k normed over head_dim (row by row: any pass shape)
+        # each head's q and k normed over head_dim (row by row: any pass shape); the architecture has both or none
+        if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, : self.n_q].contiguous()), self.k_norm(qk[:, self.n_q :].contiguous())],
                            dim=1)
         qk = rope(qk)  # q and k rotated together
@@ -206,7 +210,7 @@ def causal_mask(start: int, t: int) -> torch.Tensor:
     return slots.unsqueeze(0) <= (start + torch.arange(t)).unsqueeze(1)
 
 
-def window_mask(mask, positions: torch.Tensor, start: int, t: int, window: int):
+def window_mask(mask, positions: torch.Tensor | None, start: int, t: int, window: int):
     """`mask` (None: causal by slot) narrowed to a sliding window: the query at position p sees no key at a
     position <= p - window (transformers' sliding_window_overlay; llama.cpp's standard SWA). A slot before `start`
     holds position = slot (a committed prefix), the pass's slots its rows' positions [1, T] (a tree pass puts

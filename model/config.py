@@ -254,6 +254,7 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
     lengths; here a position's rotation never depends on the pass it is in (model/blocks.py: Rotary)."""
     r = cfg.rotary_dim
     theta = cfg.rope_local_theta if local else cfg.rope_theta
+    assert theta is not None, "local tables are built only for a config with rope_local_theta"
     inv = 1.0 / (theta ** (torch.arange(0, r, 2, dtype=torch.float64) / r))
     scaling = {} if local else cfg.rope_scaling
     kind = scaling.get("rope_type", "default")

@@ -66,7 +66,7 @@ class Window:
         seconds = max(b.wall - a.wall, 1e-9)
         others = (b.busy - a.busy) - ((b.own - a.own) if b.own_in_busy else 0.0)
         active = waiting = None
-        if a.run is not None and b.run is not None:
+        if a.run is not None and b.run is not None and a.wait is not None and b.wait is not None:
             # threads that ended since `a` take their counts with them: clamp at 0
             run, wait = max(b.run - a.run, 0.0), max(b.wait - a.wait, 0.0)
             active = (run + wait) / seconds
@@ -203,7 +203,8 @@ class ThreadGovernor:
 
     def _decide(self, w: Window) -> int:
         t, n = self.tuning, self.threads
-        if w.waiting is None:  # no schedstat: the load alone, with hysteresis between the two slacks
+        # no schedstat (both None then): the load alone, with hysteresis between the two slacks
+        if w.waiting is None or w.active is None:
             down, up = self._by_load(w.others, t.down_slack), self._by_load(w.others, t.up_slack)
             return down if down < n else up if up > n else n
         if w.active < t.active:  # too little work to tell

@@ -13,6 +13,8 @@ their values to Q8_0 blocks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -165,9 +167,10 @@ def q3_k(raw: np.ndarray) -> Q8:
 
 
 # kind -> reader of its rows [N, bytes]; every other quantized kind is dequantized and requantized to Q8_0
-READERS = {"Q4_0": lambda raw: q4_0_1(raw, "Q4_0"), "Q4_1": lambda raw: q4_0_1(raw, "Q4_1"), "Q4_K": q4_k,
-           "Q8_0": q8_0, "Q5_0": q5_0, "Q5_1": q5_1, "Q5_K": q5_k, "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs,
-           "Q6_K": q6_k, "Q3_K": q3_k, "Q2_K": q2_k}
+READERS: dict[str, Callable[[np.ndarray], Q4 | Q8]] = {
+    "Q4_0": lambda raw: q4_0_1(raw, "Q4_0"), "Q4_1": lambda raw: q4_0_1(raw, "Q4_1"), "Q4_K": q4_k,
+    "Q8_0": q8_0, "Q5_0": q5_0, "Q5_1": q5_1, "Q5_K": q5_k, "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs,
+    "Q6_K": q6_k, "Q3_K": q3_k, "Q2_K": q2_k}
 
 
 def exact_kinds() -> frozenset[str]:

@@ -60,11 +60,11 @@ def end_of_generation_ids(meta: Mapping[str, object], tokens: Sequence[str]) -> 
     eog.update(i for text, i in to_id.items() if text in EOG_TEXTS)
     eos = file_id("eos")
     eog.update(i for i in (eos, file_id("eot"), file_id("eom")) if i is not None)
-    texts = {tokens[i]: i for i in sorted(eog)}
-    if "<|end|>" in texts and (("<|return|>" in texts or "<|flush|>" in texts)
-                               and ("<|call|>" in texts or "<|calls|>" in texts)):
-        eog.discard(texts["<|end|>"])
-    if "</s>" in texts and ("<|tool_response>" in texts or "<|plamo:eos|>" in texts):
-        eog.discard(texts["</s>"])
+    held = {tokens[i]: i for i in sorted(eog)}  # text -> id of the end tokens found
+    if "<|end|>" in held and (("<|return|>" in held or "<|flush|>" in held)
+                              and ("<|call|>" in held or "<|calls|>" in held)):
+        eog.discard(held["<|end|>"])
+    if "</s>" in held and ("<|tool_response>" in held or "<|plamo:eos|>" in held):
+        eog.discard(held["</s>"])
     first = [eos] if eos in eog else []
     return first + sorted(eog - set(first))

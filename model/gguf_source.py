@@ -90,7 +90,9 @@ def read_index(path: Path, arrays: Collection[str] = ()) -> GGUFIndex:
             key = string()
             if (value := skip(unpack("I"), key in arrays)) is not None:
                 meta[key] = value
-        alignment = int(meta.get("general.alignment", 32))
+        alignment = meta.get("general.alignment", 32)
+        if not isinstance(alignment, int):
+            raise ValueError(f"{path.name}: general.alignment is {alignment!r}, not an integer")
         raw = []
         for _ in range(n_tensors):
             name = string()
@@ -145,6 +147,7 @@ class GGUFSource:
         if rows is not None:
             raw = np.concatenate([raw[lo:hi] for lo, hi in rows])
         kind = self.kind(name)
+        w: Matrix
         if kind in exact_kinds():
             w = read_blocks(raw, kind)
         else:

@@ -31,10 +31,10 @@ class KVCache:
         # blocks it may take: those of its slots beyond the shared full blocks (a shared partial block is copied)
         self.reserve = pool.blocks_for(capacity) - length // pool.block
         pool.reserve(self.reserve)
-        self.table = parent.table[:pool.blocks_for(length)] if parent else []
+        self.table: list[int] = parent.table[:pool.blocks_for(length)] if parent else []
         for block in self.table:
             pool.share(block)
-        self._table = None  # the table as a tensor, rebuilt after it changes
+        self._table: torch.Tensor | None = None  # the table as a tensor, rebuilt after it changes
 
     @classmethod
     def alone(cls, n_layers: int, n_kv: int, head_dim: int, capacity: int, fmt: KVFormat) -> KVCache:

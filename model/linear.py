@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +92,8 @@ class Kernel(nn.Module):
     weight's handle in model/kernels (layer.cpp's Linear), which the fused blocks call without Python."""
 
     KIND = -1  # layer.cpp's Linear kind: 0 q4, 1 q8, 2 float32, 3 affine q8
-    TENSORS = ("words", "d", "m")  # the buffers holding the weight, in the order the kernel takes them
+    TENSORS: tuple[str, ...] = ("words", "d", "m")  # the buffers holding the weight, in the kernel's order
+    bias: torch.Tensor | None  # buffers (register_buffer), declared for the type checker
 
     def __init__(self, n: int, k: int, bias: torch.Tensor | None, *tensors: torch.Tensor):
         super().__init__()
@@ -111,17 +113,21 @@ class Kernel(nn.Module):
         """The weight as floats [N, K] (training and analysis code, not the serving path)."""
         raise NotImplementedError
 
-    def rows(self, ids: torch.Tensor) -> nn.Module:
+    def rows(self, ids: torch.Tensor) -> Kernel:
         """The same kind of linear over the output rows `ids` only (a drafter's head restricted to its
         vocabulary computes exactly as the served head does there)."""
         raise NotImplementedError
 
-    def _bias_rows(self, ids):
+    def _bias_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
         return None if self.bias is None else self.bias[ids]
 
 
 class Blocks(Kernel):
     """Q4 or Q8 blocks, held interleaved as the kernels read them (model/quant.py's Interleaved)."""
+
+    words: torch.Tensor  # buffers, as in Interleaved
+    d: torch.Tensor
+    m: torch.Tensor | None
 
     def __init__(self, w: Q4 | Q8 | Interleaved, bias=None):
         w = w if isinstance(w, Interleaved) else Interleaved.of(w)
@@ -138,7 +144,9 @@ class Blocks(Kernel):
 
     def rows(self, ids):
         w = self.interleaved().plain()
-        return type(self)(type(w)(*(None if t is None else t[ids] for t in vars(w).values())), self._bias_rows(ids))
+        if isinstance(w, Q4):
+            return type(self)(Q4(w.qs[ids], w.d[ids], w.m[ids]), self._bias_rows(ids))
+        return type(self)(Q8(w.qs[ids], w.d[ids], None if w.m is None else w.m[ids]), self._bias_rows(ids))
 
 
 class Q4Linear(Blocks):
@@ -147,7 +155,7 @@ class Q4Linear(Blocks):
 
 class Q8Linear(Blocks):
     KIND = 1
-    TENSORS = ("words", "d")
+    TENSORS: tuple[str, ...] = ("words", "d")
 
 
 class AffineQ8Linear(Q8Linear):
@@ -165,6 +173,7 @@ def q8_linear(w: Q8, bias: torch.Tensor | None = None) -> Blocks:
 class F32Linear(Kernel):
     KIND = 2
     TENSORS = ("weight",)
+    weight: torch.Tensor  # the buffer
 
     def __init__(self, w: torch.Tensor, bias=None):
         super().__init__(*w.shape, bias, w.float())
@@ -178,6 +187,9 @@ class F32Linear(Kernel):
 
 class DenseLinear(nn.Module):
     """bf16 / fp16 weights: oneDNN's packed bf16 kernel where the CPU has it, else F.linear."""
+
+    weight: torch.Tensor  # buffers
+    bias: torch.Tensor | None
 
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
@@ -199,9 +211,12 @@ class DenseLinear(nn.Module):
             return self.weight
         return self(torch.eye(self.in_features, dtype=self.weight.dtype)).T.contiguous()  # [N, K]
 
-    def rows(self, ids: torch.Tensor) -> nn.Module:
+    def rows(self, ids: torch.Tensor) -> DenseLinear:
         w = self.dense()[ids]
         return DenseLinear(w, None if self.bias is None else self.bias[ids], w.dtype)
+
+
+Linear = Kernel | DenseLinear  # what make_linear builds: x [..., K] -> [..., N], with dense() and rows()
 
 
 def bytes_per_param(fmt: WeightFormat, from_gguf: bool) -> float:
@@ -212,7 +227,7 @@ def bytes_per_param(fmt: WeightFormat, from_gguf: bool) -> float:
     return {"q4": 0.75, "q8": 1.125}.get(kind, torch.finfo(fmt.act).bits / 8)
 
 
-def make_linear(w: Matrix, bias: torch.Tensor | None, fmt: WeightFormat, role: str = "layers") -> nn.Module:
+def make_linear(w: Matrix, bias: torch.Tensor | None, fmt: WeightFormat, role: str = "layers") -> Linear:
     """The linear layer for matrix `w` [N, K] (as the source holds it) in format `fmt`; role "layers" or "head"."""
     want = fmt.layers if role == "layers" else fmt.head
     if want == "dense" and fmt.act != torch.float32:
@@ -253,7 +268,10 @@ def linear_bytes(module: nn.Module) -> int:
     return total
 
 
-def pack_linears(module: nn.Module) -> nn.Module:
+M = TypeVar("M", bound=nn.Module)
+
+
+def pack_linears(module: M) -> M:
     """Replace every nn.Linear under `module` (a drafter's or Medusa's layers), in place, by a kernel linear:
     float32 ones by Q8 blocks where K allows (a draft need not be exact, and it then runs the served
     kernels: one call per layer instead of torch's ~20 ops, and 3.6x fewer bytes than float32), bf16 ones by

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 from edgespec.engine.executor import Cuts, Executor
 from edgespec.model.config import ModelConfig
@@ -15,20 +16,33 @@ from edgespec.model.thread import ModelThread
 from edgespec.model.weights import open_source
 
 
+class Tokenizer(Protocol):
+    """What the service asks of the model's tokenizer (a transformers tokenizer; the tests' own stand-ins). The
+    chat template, grammars and reasoning markers read more of it (server/tool_prompt.py, decoding/grammar.py)."""
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
+
+
 @dataclass
 class LoadedModel:
     """Everything the controller needs to serve one model."""
 
     files: ModelFiles
     cfg: ModelConfig
-    tokenizer: object
+    tokenizer: Tokenizer
     executor: Executor  # the token ends around the stages; the engine (engine/engine.py) runs requests on it
 
 
-def load_tokenizer(files: ModelFiles):
+def load_tokenizer(files: ModelFiles) -> Tokenizer:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(files.folder)
+    # cast: transformers types decode() as `str | list[str]` for every input; a list of ids decodes to one str
+    return cast(Tokenizer, AutoTokenizer.from_pretrained(files.folder))
 
 
 def load_with_pipeline(files: ModelFiles, weights: str, pipeline, thread: ModelThread, src=None,

@@ -57,7 +57,7 @@ class Q8:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.qs.shape)
+        return self.qs.shape[0], self.qs.shape[1]
 
     @property
     def sub(self) -> int:
@@ -71,8 +71,8 @@ class Q8:
         """The same values with a scale (and offset) per half block: each block's twice."""
         if self.sub == QK // 2:
             return self
-        twice = lambda t: None if t is None else t.repeat_interleave(2, dim=1)  # noqa: E731
-        return Q8(self.qs, twice(self.d), twice(self.m))
+        d = self.d.repeat_interleave(2, dim=1)
+        return Q8(self.qs, d, None if self.m is None else self.m.repeat_interleave(2, dim=1))
 
     def affine(self) -> Q8:
         """The same values with offsets (zero where it had none)."""
@@ -135,6 +135,7 @@ class Interleaved:
 
         qs = ungrouped(self.words)
         if self.q4:
+            assert self.m is not None, "Q4 blocks always have offsets"
             return Q4(qs.view(torch.uint8), ungrouped(self.d), ungrouped(self.m))
         return Q8(qs.view(torch.int8), ungrouped(self.d), None if self.m is None else ungrouped(self.m))
 
@@ -176,19 +177,22 @@ def take_cols(w: Matrix, ranges: Sequence[tuple[int, int]]) -> Matrix:
 
 def cat_rows(ws: Sequence[Matrix]) -> Matrix:
     """Matrices of one kind stacked by rows (q, k and v into one qkv)."""
-    kinds = {type(w) for w in ws}
-    if len(kinds) != 1:  # mixed formats (a GGUF may keep v at more bits): one that holds every value exactly
-        ws = [dequantized(w) for w in ws] if torch.Tensor in kinds else [widened(w) for w in ws]
-    first = ws[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(list(ws))
-    if isinstance(first, Q8):  # a scale per half block for all, offsets for all where some have them
-        if len({w.sub for w in ws}) > 1:
-            ws = [w.halves() for w in ws]
-        if len({w.m is None for w in ws}) > 1:
-            ws = [w.affine() for w in ws]
-        first = ws[0]
-    return type(first)(**{k: torch.cat([_fields(w)[k] for w in ws]) for k in _fields(first)})
+    # mixed formats (a GGUF may keep v at more bits) become one that holds every value exactly: floats where
+    # one is dense, else 8-bit blocks
+    if any(isinstance(w, torch.Tensor) for w in ws):
+        return torch.cat([dequantized(w) for w in ws])
+    blocks: Sequence[Q4 | Q8] = [w for w in ws if not isinstance(w, torch.Tensor)]  # all of them
+    if len({type(w) for w in blocks}) != 1:
+        blocks = [widened(w) for w in blocks]
+    q8s = [w for w in blocks if isinstance(w, Q8)]
+    if len(q8s) == len(blocks):  # a scale per half block for all, offsets for all where some have them
+        if len({w.sub for w in q8s}) > 1:
+            q8s = [w.halves() for w in q8s]
+        if len({w.m is None for w in q8s}) > 1:
+            q8s = [w.affine() for w in q8s]
+        blocks = q8s
+    first = blocks[0]
+    return type(first)(**{k: torch.cat([_fields(w)[k] for w in blocks]) for k in _fields(first)})
 
 
 def widened(w: Q4 | Q8) -> Q8:

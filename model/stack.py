@@ -14,7 +14,8 @@ from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache
 from edgespec.model.kv_format import FLOAT32, KVFormat
 from edgespec.model.kv_pool import KVPool
-from edgespec.model.linear import Q8Linear, WeightFormat, as_format, head_matrix, make_linear
+from edgespec.model.linear import Linear, Q8Linear, WeightFormat, as_format, head_matrix, make_linear
+from edgespec.model.module_list import ModuleList
 from edgespec.model.quant import Q4, Q8, Interleaved, Matrix
 from edgespec.model.weights import load_layer
 
@@ -31,7 +32,7 @@ class LayerStack(nn.Module):
         self.cfg, self.first, self.last, self.dtype, self.kv = cfg, first, last, dtype, kv
         self.rotary = Rotary(cfg, dtype)
         with torch.device("meta"):  # weights come from the checkpoint: skip random initialisation
-            self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(first, last))
+            self.layers = ModuleList(DecoderLayer(cfg, dtype, i) for i in range(first, last))
         self.layers.to_empty(device="cpu")
 
     @classmethod
@@ -104,6 +105,8 @@ class Embedding(nn.Module):
     (ModelConfig.embed_scale: Gemma's sqrt(hidden_size), Granite's embedding_multiplier; rounded to the model's
     dtype as transformers rounds it), or None."""
 
+    weight: torch.Tensor  # the buffer of a dense table
+
     def __init__(self, table: Matrix, dtype: torch.dtype, scale: float | None = None):
         super().__init__()
         self.table, self.dtype = table, dtype
@@ -129,7 +132,7 @@ class TokenEnds(nn.Module):
 
     With tied embeddings (SmolLM2) the head computes over the embedding's own tensors, not a copy."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, embed: Embedding, lm_head: nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, embed: Embedding, lm_head: Linear):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
         self.embed, self.lm_head = embed, lm_head

@@ -150,6 +150,8 @@ def tensors(config: dict) -> list[Tensor]:
     hidden_norms = set(arch.norms.values())
     norm = 1.0 - arch.norm_offset
     out = [Tensor("model.embed_tokens.weight", (vocab, h), STD)]
+    shape: tuple[int, ...]
+    std: float | None
     for i in range(cfg.n_layers):
         for gguf_name, hf_name in arch.layer.items():
             if hf_name in hidden_norms:
@@ -261,7 +263,9 @@ def write_safetensors(plan: list[Tensor], out: Path, dtype: torch.dtype, seed: i
     """The tensors as safetensors in `dtype`: one file, or shards of at most SHARD_BYTES with an index."""
     from safetensors.torch import save_file
 
-    shards, current, size = [], {}, 0
+    shards: list[dict[str, torch.Tensor]] = []
+    current: dict[str, torch.Tensor] = {}
+    size = 0
     for t in plan:
         value = t.values(seed).to(dtype)
         nbytes = value.numel() * value.element_size()

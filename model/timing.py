@@ -6,6 +6,7 @@ values. Each point is one pass of `tokens` new tokens after `context` cached one
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -50,7 +51,7 @@ def median_ms(fn: Callable[[], object], reps: int, min_total_s: float = 0.05, ma
     # At least `reps` runs and at least min_total_s of them (short passes need many runs for a stable median
     # on a shared machine, where one descheduled OpenMP thread costs a whole scheduler tick).
     fn()  # warm-up: first calls allocate and pick kernels
-    times = []
+    times: list[float] = []
     while len(times) < reps or (sum(times) < min_total_s and len(times) < max_reps):
         t0 = time.perf_counter()
         fn()
@@ -93,8 +94,8 @@ def time_ends(ends: TokenEnds, tokens: Sequence[int], reps: int = 3) -> tuple[Cu
     for n in toks:
         ids = torch.randint(0, cfg.vocab_size, (1, n))
         hidden = torch.randn(1, n, cfg.hidden_size)
-        embed.append(median_ms(lambda ids=ids: ends.embed_tokens(ids), reps))
-        head.append(median_ms(lambda hidden=hidden: ends.logits(hidden), reps))
+        embed.append(median_ms(functools.partial(ends.embed_tokens, ids), reps))
+        head.append(median_ms(functools.partial(ends.logits, hidden), reps))
     return Curve(toks, (0,), (tuple(embed),)), Curve(toks, (0,), (tuple(head),))
 
 

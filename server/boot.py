@@ -124,6 +124,7 @@ async def discover_workers(settings: ServeSettings) -> list[WorkerSpec]:
     """`serve --discover` at start: the workers on the LAN that prove the token, within the settings' bounds."""
     log.info("looking for %d worker(s) on the LAN for up to %.0f s", settings.discover_workers,
              settings.discover_wait_s)
+    assert settings.cluster_token is not None, "the settings refuse --discover without a token"
     found = await find_workers(settings.cluster_token, settings.discover_workers, settings.discover_wait_s)
     if not found:
         log.warning("no worker found on the LAN within %.0f s: serving every layer here until workers are found",
@@ -150,8 +151,10 @@ def load_served_model(settings: ServeSettings, metrics: Metrics
                                       settings.worker_cpus, avoid=settings.port, prefault=settings.kv_prefault,
                                       budget_gib=settings.worker_memory_budget_gib)
     elif settings.discover:  # proven by their /health just now
+        assert settings.cluster_token is not None, "the settings refuse --discover without a token"
         config = ClusterConfig(settings.cluster_token, asyncio.run(discover_workers(settings)))
     else:
+        assert settings.cluster is not None, "without workers of any kind it returned above"
         config = ClusterConfig.from_file(Path(settings.cluster))
     try:
         if not settings.discover:
@@ -208,7 +211,7 @@ def headsplit_lane(settings: ServeSettings, loaded: LoadedModel, cluster: Cluste
 def load_draft_models(settings: ServeSettings, loaded: LoadedModel) -> dict[str, DraftModel | FeatureDraftModel]:
     """The configured drafters' weights, loaded on the model thread; a tokenizer mismatch is an error.
     The trained feature drafter comes first: the plain `speculative` policy's default builds on the first."""
-    models = {}
+    models: dict[str, DraftModel | FeatureDraftModel] = {}
     run = loaded.executor.thread.run_sync
     ends = loaded.executor.ends
     if settings.eagle == "auto":
@@ -222,9 +225,9 @@ def load_draft_models(settings: ServeSettings, loaded: LoadedModel) -> dict[str,
     elif settings.eagle != "off":
         models["eagle"] = run(FeatureDraftModel.load, "eagle", Path(settings.eagle), ends)
     for entry in settings.draft_models:
-        name, _, path = entry.rpartition("=")
-        name = name or Path(path).stem
-        models[name] = run(DraftModel.load, name, path, settings.dtype, loaded.tokenizer)
+        name, _, where = entry.rpartition("=")
+        name = name or Path(where).stem
+        models[name] = run(DraftModel.load, name, where, settings.dtype, loaded.tokenizer)
     if settings.layerskip:
         models["layerskip"] = run(DraftModel.load, "layerskip", settings.model, settings.dtype, None,
                                   sorted(parse_ranges(settings.layerskip)))

@@ -12,14 +12,20 @@ import time
 from collections import deque
 from importlib import resources
 from itertools import pairwise
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field
 
 from edgespec.decoding.headsplit import HEADSPLIT
 from edgespec.model.headsplit import HeadSplitPipeline
 
+if TYPE_CHECKING:
+    from edgespec.server.service import CompletionService
+
 HISTORY = 20  # plan changes and re-plan events the state keeps for the page's log
+
+
+Mode = Literal["in-process", "workers", "controller"]  # DashboardState.mode
 
 
 class LayerRange(BaseModel):
@@ -107,7 +113,7 @@ class DashboardState(BaseModel):
     time: float = Field(description="Unix time of this read: rates are differences between two reads")
     started: float = Field(description="Unix time the dashboard (so, about, the server) started")
     model: str = Field(description="the served model's id")
-    mode: Literal["in-process", "workers", "controller"] = Field(
+    mode: Mode = Field(
         description="in-process: no workers; workers: the plan's stages hold the layers; controller: no placement "
         "over the workers left fits and the controller holds every layer until they answer again")
     n_layers: int = Field(description="decoder layers of the model")
@@ -149,7 +155,7 @@ class Dashboard:
     """Reads the state of one controller; remembers the last placement and re-plan counts it saw, so that
     changes between two reads show as events (a page that polls every second sees each as it happens)."""
 
-    def __init__(self, service):
+    def __init__(self, service: CompletionService):
         self.service = service
         self.started = time.time()
         self.events: deque[Event] = deque(maxlen=HISTORY)
@@ -168,7 +174,7 @@ class Dashboard:
         n_layers = service.loaded.cfg.n_layers
         stages = [] if cluster is None else list(cluster.plan.stages)
         here = cluster is None or cluster.here is not None  # the controller holds every layer
-        mode = "in-process" if cluster is None else "controller" if here else "workers"
+        mode: Mode = "in-process" if cluster is None else "controller" if here else "workers"
         layout = f"controller [0, {n_layers})" if here else \
             " · ".join(f"{s.device} [{s.first}, {s.last})" for s in stages) or "no placement yet"
         headsplit = self._headsplit()
@@ -192,7 +198,7 @@ class Dashboard:
         return DashboardState(
             time=now, started=self.started, model=service.model_id, mode=mode, n_layers=n_layers, layout=layout,
             placement_generation=service.engine.executor.generation,
-            predicted_ms_per_token=cluster.plan.decode_ms_per_token if stages else None,
+            predicted_ms_per_token=cluster.plan.decode_ms_per_token if cluster is not None and stages else None,
             memory_threshold=service.settings.memory_threshold, devices=devices, headsplit=headsplit, links=links,
             requests=Requests(running=gauge(metrics.sequences_running), waiting=gauge(metrics.sequences_waiting),
                               in_flight=gauge(metrics.in_flight)),
@@ -225,16 +231,16 @@ class Dashboard:
         if cluster is None:
             return [controller]
         use = by_label(metrics.worker_memory_use, "device")
-        held = {}
+        ranges: dict[str, list[LayerRange]] = {}
         for s in stages:
-            held.setdefault(s.device, []).append(LayerRange(first=s.first, last=s.last))
+            ranges.setdefault(s.device, []).append(LayerRange(first=s.first, last=s.last))
         workers = []
         for m in list(cluster.members.values()):
             try:
                 capacity = cluster.profile.device(m.name).memory_capacity_bytes
             except KeyError:  # joined since the profile was read; its budget shows after the re-plan
                 capacity = None
-            workers.append(Device(name=m.name, role="worker", url=m.url, up=m.up, layers=held.get(m.name, []),
+            workers.append(Device(name=m.name, role="worker", url=m.url, up=m.up, layers=ranges.get(m.name, []),
                                   memory_use=use.get(m.name), memory_budget_bytes=capacity, **figures(m.name)))
         return [controller, *workers]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,7 +29,7 @@ class APIError(Exception):
     """An error to send to the client as an OpenAI error object."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: Mapping[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers  # e.g. Retry-After on a 503 of a busy server

@@ -360,6 +360,14 @@ class CompletionRequest(SamplingFields):
             return v[0]
         return v
 
+    def prompt_given(self) -> str | list[int]:
+        """The prompt as validated: its text or its token ids (_one_prompt made a list of one text the text)."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        ids = [t for t in self.prompt if isinstance(t, int)]
+        assert len(ids) == len(self.prompt), "_one_prompt leaves no list of texts"
+        return ids
+
 
 class JoinRequest(CheckedBody):
     """A worker announcing itself to the controller (POST /internal/cluster/join, cluster token)."""

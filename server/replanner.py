@@ -26,7 +26,7 @@ from edgespec.engine.executor import Executor
 from edgespec.model.load import local_pipeline
 from edgespec.model.source import resolve_model
 from edgespec.model.stage import StagePipeline
-from edgespec.planning.plan import InfeasibleError, Plan, PlanOptions, even_plan, make_plan
+from edgespec.planning.plan import InfeasibleError, Plan, PlanOptions, StagePlan, even_plan, make_plan
 from edgespec.planning.profile import ClusterProfile
 from edgespec.server.metrics import Metrics
 from edgespec.server.settings import ServeSettings
@@ -271,7 +271,9 @@ class ClusterManager:
         async with httpx.AsyncClient(headers=self._auth(), timeout=self.settings.stage_timeout_s) as client:
             infos = await asyncio.gather(*(self._info(client, m) for m in members))
         placed = {s.device: s for s in self.plan.stages}
-        lost, back, hot = [], [], []
+        lost: list[str] = []
+        back: list[str] = []
+        hot: list[tuple[str, int, StagePlan]] = []  # (worker, its KV bytes, its stage)
         for m, info in zip(members, infos, strict=True):
             if info is None:
                 m.misses += 1
@@ -309,8 +311,12 @@ class ClusterManager:
     def _restart_local(self) -> None:
         # A local worker whose process died is started again, on a new port: once it answers it is back, and
         # planned in. One that dies RESTARTS times before it serves again (a crash loop) is left down.
+        respawn = self.config.respawn
+        if respawn is None:  # workers this controller did not start (it has no processes of theirs)
+            return
         for i, proc in enumerate(self.config.processes):
-            m = self.members.get(self.config.workers[i].name)
+            name = self.config.workers[i].name
+            m = self.members.get(name) if name is not None else None
             if m is None or m.up or proc is None or proc.poll() is None or m.restarts > RESTARTS:
                 continue
             m.restarts += 1
@@ -318,11 +324,11 @@ class ClusterManager:
                 log.error("local worker %s died %d times before it served again: not started again", m.name,
                           RESTARTS)
                 continue
-            self.config.respawn(i)
+            respawn(i)
             m.url = self.config.workers[i].url
             log.warning("local worker %s exited (%s); started again at %s", m.name, proc.returncode, m.url)
 
-    def _options_for(self, hot: list[tuple[str, int, object]]) -> PlanOptions:
+    def _options_for(self, hot: list[tuple[str, int, StagePlan]]) -> PlanOptions:
         # Hold the KV the busiest worker has now with room to grow (caches double as they fill), and keep
         # every device under the threshold.
         card = self.profile.model

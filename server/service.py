@@ -4,13 +4,13 @@ token ids, text and grammars."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing, asynccontextmanager
 
 from edgespec.decoding.decide import Route, Trigger
 from edgespec.decoding.embedding import embed
 from edgespec.decoding.grammar import Grammar, GrammarError, Grammars
-from edgespec.decoding.policy import UnknownPolicyError, select_policy
+from edgespec.decoding.policy import DecodingPolicy, UnknownPolicyError, select_policy
 from edgespec.decoding.types import GenerationRequest, SamplingParams, TokenEvent
 from edgespec.engine.admission import QueueFullError
 from edgespec.engine.engine import Engine
@@ -37,8 +37,8 @@ MIN_TOP_P = 1e-6
 class CompletionService:
     """Validates requests against the served model and runs them through a decoding policy."""
 
-    def __init__(self, loaded: LoadedModel, engine: Engine, policies: dict, settings: ServeSettings,
-                 metrics: Metrics, cluster: ClusterManager | None = None):
+    def __init__(self, loaded: LoadedModel, engine: Engine, policies: dict[str, DecodingPolicy],
+                 settings: ServeSettings, metrics: Metrics, cluster: ClusterManager | None = None):
         self.loaded, self.engine = loaded, engine
         self.cluster = cluster  # when the layers live on workers
         self.tokenizer = loaded.tokenizer
@@ -85,15 +85,20 @@ class CompletionService:
         if plan is None:
             return None, None, None
         param = names.get("tools", "tools") if chat.calls_allowed else "response_format"
-        # on a thread: the first grammar builds the vocabulary's byte strings (1.5 s for SmolLM2)
-        texts = [plan.grammar, plan.forced, *(g for _, g in plan.routes)]
+        def compiled(lark: str | None) -> Grammar | None:
+            return self.grammars.compile(lark) if lark else None
+
+        # on a thread: the first grammar builds the vocabulary's byte strings (1.5 s for SmolLM2); a route's
+        # grammar is never empty (structured.py)
         try:
-            grammar, forced, *routed = await asyncio.to_thread(
-                lambda: [self.grammars.compile(g) if g else None for g in texts])
+            grammar, forced, routed = await asyncio.to_thread(lambda: (
+                compiled(plan.grammar), compiled(plan.forced), [self.grammars.compile(g) for _, g in plan.routes]))
         except GrammarError as exc:
             raise APIError(400, f"the {param} schema cannot be used for generation: {exc}", param,
                            "invalid_value") from exc
-        trigger = Trigger(self._encode(plan.trigger), self.settings.tool_call_threshold, forced) if forced else None
+        trigger = None
+        if forced is not None and plan.trigger is not None:  # structured.py plans the two together
+            trigger = Trigger(self._encode(plan.trigger), self.settings.tool_call_threshold, forced)
         request = next((m.content for m in reversed(chat.messages) if m.role == "user" and m.content), None)
         route = None
         if plan.routes and request:  # one route per tool, in the tools' order
@@ -111,17 +116,19 @@ class CompletionService:
         return AnswerReader(calls, ThinkSplitter(thinking.opened) if thinking else None)
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
-        if isinstance(req.prompt, str):
-            return self.tokenizer.encode(req.prompt)
+        prompt = req.prompt_given()
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
         vocab = self.loaded.cfg.vocab_size
-        bad = [t for t in req.prompt if not 0 <= t < vocab]
+        bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"prompt token ids must be in [0, {vocab}), got {bad[0]}", "prompt")
-        return list(req.prompt)
+        return prompt
 
     def completion_echo(self, req: CompletionRequest) -> str:
         """What `echo` puts before the completion: the prompt as sent, or its token ids' text."""
-        return req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(req.prompt)
+        prompt = req.prompt_given()
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
     async def chat_request(self, req: SamplingFields, chat: ChatInput, max_tokens: int | None, logprobs: bool = False,
                            top_logprobs: int = 0, max_param: str = "max_tokens"
@@ -189,7 +196,7 @@ class CompletionService:
         return GenerationRequest(prompt_ids, max_tokens, sampling, req.stop_list(), self.stop_token_ids,
                                  policy, options, grammar, trigger, route)
 
-    async def generate(self, gen: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, gen: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         """The policy's events, with metrics; model-side failures become APIErrors."""
         policy = self.policies[gen.policy]
         self.metrics.in_flight.inc()
@@ -206,7 +213,7 @@ class CompletionService:
             self.metrics.in_flight.dec()
             self.metrics.kv_bytes.set(self.engine.executor.kv_bytes())
 
-    async def deltas(self, gen: GenerationRequest, reader: AnswerReader) -> AsyncIterator[ChatDelta]:
+    async def deltas(self, gen: GenerationRequest, reader: AnswerReader) -> AsyncGenerator[ChatDelta, None]:
         """generate()'s events as the answer's thinking, content and calls."""
         async with aclosing(self.generate(gen)) as events:
             async for event in events:
@@ -235,10 +242,10 @@ class CompletionService:
                 raise APIError(400, f"an input of {len(tokens)} tokens exceeds this model's context of "
                                f"{self.context}", "input", "context_length_exceeded")
             ids.append(tokens)
-        tokens = sum(map(len, ids))
-        self.metrics.prompt_tokens.inc(tokens)
+        total = sum(map(len, ids))
+        self.metrics.prompt_tokens.inc(total)
         async with model_errors():
-            return await embed(self.engine, ids), tokens
+            return await embed(self.engine, ids), total
 
 
 @asynccontextmanager

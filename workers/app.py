@@ -49,14 +49,14 @@ def _error(status: int, message: str, code: str | None = None, param: str | None
                         status_code=status)
 
 
-async def _announce(client: httpx.AsyncClient, settings: WorkerSettings, name: str) -> None:
-    """Tell the controller (--join) that this worker is here; retried until it answers."""
+async def _announce(client: httpx.AsyncClient, settings: WorkerSettings, join: str, name: str) -> None:
+    """Tell the controller at `join` (--join) that this worker is here; retried until it answers."""
     url = settings.advertise_url or f"http://{settings.host}:{settings.port}"
     headers = {"authorization": f"Bearer {settings.token}"}
     for _ in range(60):
         await asyncio.sleep(1)  # uvicorn starts listening after the lifespan's start-up
         try:
-            r = await client.post(settings.join.rstrip("/") + "/internal/cluster/join", headers=headers,
+            r = await client.post(join.rstrip("/") + "/internal/cluster/join", headers=headers,
                                   json={"url": url, "name": name})
             if r.status_code == 202:
                 return
@@ -112,7 +112,9 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
     async def lifespan(app: FastAPI):
         async with httpx.AsyncClient(timeout=settings.downstream_timeout_s) as client, \
                 announced(settings, host.name):  # DNS-SD on the LAN, for `serve --discover`
-            announce = asyncio.create_task(_announce(client, settings, host.name)) if settings.join else None
+            announce = None
+            if settings.join:
+                announce = asyncio.create_task(_announce(client, settings, settings.join, host.name))
             yield
             if announce is not None:
                 announce.cancel()

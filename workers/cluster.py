@@ -67,7 +67,8 @@ def free_ports(n: int, avoid: int | None = None) -> list[int]:
     one after the other can be the same (the first was free again once closed). That happened: two local
     workers were given one port, the second failed to bind, both URLs reached the first worker, and a
     re-assignment of "worker1" moved worker0's layers ("this worker holds layers [2, 4), not [0, 2]", 409)."""
-    socks, ports = [], []
+    socks: list[socket.socket] = []
+    ports: list[int] = []
     try:
         while len(ports) < n:
             s = socket.socket()
@@ -128,11 +129,10 @@ def launch_local_workers(n: int, model: str | None, threads: int, cpus: str | No
     the controller's own port, free still while it loads (a worker that took it once kept it from serving);
     `budget_gib`: each worker's memory budget (None: the worker's default)."""
     token = secrets.token_urlsafe(24)
-    config = ClusterConfig(token, [None] * n, processes=[None] * n)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cpu_sets = parse_cpu_sets(cpus, n)
 
-    def spawn(i: int, port: int | None = None) -> None:
+    def spawn(i: int, port: int | None = None) -> tuple[subprocess.Popen, WorkerSpec]:
         # a port found free can be taken before the worker binds it: wait_healthy respawns on a new one
         port, name = port or free_ports(1, avoid)[0], f"worker{i}"
         # Several local workers take turns on the same cores by design: each one's wait for another, at every
@@ -141,13 +141,15 @@ def launch_local_workers(n: int, model: str | None, threads: int, cpus: str | No
         # 2 workers 0.627x and 0.683x). A single local worker keeps it, for others' busy cores (bench/busy.py).
         command = worker_command(port, token, name, model, threads, prefault, adapt=n == 1, budget_gib=budget_gib)
         # output goes to the controller's own stderr, so a worker that fails to start says why
-        config.processes[i] = subprocess.Popen(command, stdout=sys.stderr, stderr=subprocess.STDOUT, env=env,
-                                               preexec_fn=_child_setup(cpu_sets[i]))
-        config.workers[i] = WorkerSpec(f"http://127.0.0.1:{port}", name, budget_gib)
+        process = subprocess.Popen(command, stdout=sys.stderr, stderr=subprocess.STDOUT, env=env,
+                                   preexec_fn=_child_setup(cpu_sets[i]))
+        return process, WorkerSpec(f"http://127.0.0.1:{port}", name, budget_gib)
 
-    for i, port in enumerate(free_ports(n, avoid)):
-        spawn(i, port)
-    config.respawn = spawn
+    def respawn(i: int) -> None:  # worker i again, on a new port
+        config.processes[i], config.workers[i] = spawn(i)
+
+    started = [spawn(i, port) for i, port in enumerate(free_ports(n, avoid))]
+    config = ClusterConfig(token, [spec for _, spec in started], [process for process, _ in started], respawn)
     return config
 
 
@@ -166,9 +168,9 @@ async def wait_healthy(config: ClusterConfig, timeout_s: float, tries: int = 3) 
                 if answer is not None:
                     answers.append(answer)
                     break
-                if problem and (config.respawn is None or attempt >= tries):
-                    raise RuntimeError(f"worker {config.workers[i].url} {problem}")
                 if problem:
+                    if config.respawn is None or attempt >= tries:
+                        raise RuntimeError(f"worker {config.workers[i].url} {problem}")
                     attempt += 1
                     if local is not None and local.poll() is None:
                         local.terminate()

@@ -41,8 +41,9 @@ def pack(header: dict, body: bytes = b"") -> bytes:
     return struct.pack("<I", len(head)) + head + body
 
 
-def unpack(data: bytes) -> tuple[dict, bytes]:
-    """(header, body) of a frame, checked: a JSON object with a known `op`, within MAX_HEADER bytes."""
+def unpack(data: bytes | bytearray | memoryview | str) -> tuple[dict, bytes]:
+    """(header, body) of a frame, checked: a JSON object with a known `op`, within MAX_HEADER bytes (a websocket's
+    text message is refused like any malformed frame)."""
     if not isinstance(data, bytes | bytearray | memoryview) or len(data) < 4:
         raise FrameError("a frame is a binary message of at least 4 bytes")
     (n,) = struct.unpack_from("<I", data)

@@ -153,9 +153,14 @@ class StageHost:
     # sessions
 
     def _stage(self) -> LocalStage:
-        if self.stage is None:
+        return self._held()[0]
+
+    def _held(self) -> tuple[LocalStage, ModelConfig, Assignment]:
+        """The stage with its model's config and its assignment (assign() sets the three together);
+        NotAssignedError while no layers are held."""
+        if self.stage is None or self.cfg is None or self.assignment is None:
             raise NotAssignedError("this worker holds no layers: assign it first")
-        return self.stage
+        return self.stage, self.cfg, self.assignment
 
     def ready(self, session: str, step: int) -> bool:
         """Whether a forward with this step may run now: every earlier step of its session has been applied
@@ -178,14 +183,14 @@ class StageHost:
             self.steps[session] = step
 
     def _check_capacity(self, capacity: int) -> None:
-        if capacity > self.cfg.max_position_embeddings:
-            raise ValueError(f"capacity {capacity} exceeds the model's context of {self.cfg.max_position_embeddings}")
+        cfg = self._held()[1]
+        if capacity > cfg.max_position_embeddings:
+            raise ValueError(f"capacity {capacity} exceeds the model's context of {cfg.max_position_embeddings}")
 
     def open(self, session: str, step: int, capacity: int, layers: list[int] | None = None) -> None:
         """Open a session's cache; `layers`, when given, must be what this worker holds (a controller whose
         placement failed to apply must not route through layers it does not expect)."""
-        stage = self._stage()
-        a = self.assignment
+        stage, _, a = self._held()
         if layers is not None and list(layers) != [a.first, a.last]:
             raise AssignmentError(f"this worker holds layers [{a.first}, {a.last}), not {layers}")
         self._check_capacity(capacity)
@@ -210,8 +215,8 @@ class StageHost:
         self._validate(hidden, positions, mask, start)
         if positions is None:
             positions = torch.arange(start, start + hidden.shape[1]).expand(hidden.shape[0], -1)
-        out = {"hidden": stage.forward(session, hidden, positions, start, mask)}
-        out = encode({**out, "positions": tensors.get("positions"), "mask": mask} if onward else out)
+        result = {"hidden": stage.forward(session, hidden, positions, start, mask)}
+        out = encode({**result, "positions": tensors.get("positions"), "mask": mask} if onward else result)
         self.steps[session] = step
         self.last_output[session] = (step, out)
         return out, time.perf_counter() - t0
@@ -221,7 +226,7 @@ class StageHost:
         returns the output body (the message with this stage's hidden, onward; the hidden alone for the
         controller) and the compute time. A retry of the whole batch is answered from its kept output; a
         batch in which only some sessions' steps were applied is refused."""
-        stage = self._stage()
+        stage, cfg, _ = self._held()
         retries = [self._is_retry(session, step) for session, _, _, step in message.entries]
         if any(retries):
             if all(retries) and self.last_batch is not None and self.last_batch[0] == message.key:
@@ -229,7 +234,6 @@ class StageHost:
             raise StepError(f"batch {message.key} repeats steps already applied")
         self._govern()
         t0 = time.perf_counter()
-        cfg = self.cfg
         if message.hidden.shape[1] != cfg.hidden_size:
             raise WireError(f"hidden must be [M, {cfg.hidden_size}], got {list(message.hidden.shape)}")
         if message.positions.min() < 0 or message.positions.max() >= cfg.max_position_embeddings:
@@ -250,7 +254,7 @@ class StageHost:
             self.governor.tick()
 
     def _validate(self, hidden, positions, mask, start: int) -> None:
-        cfg = self.cfg
+        cfg = self._held()[1]
         if hidden.dim() != 3 or hidden.shape[2] != cfg.hidden_size or hidden.shape[1] < 1:
             raise WireError(f"hidden must be [B, T, {cfg.hidden_size}] with T >= 1, got {list(hidden.shape)}")
         if not hidden.is_floating_point():

@@ -12,7 +12,7 @@ import datetime
 import hashlib
 import json
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,7 +74,7 @@ def _curve(d: dict) -> Curve:
 
 
 async def profile_workers(devices: list[Device], token: str, model: str | None, dtype: str, options: ProfileOptions,
-                          step: Callable[[str], None] | None = None, peers: list[Device] = ()
+                          step: Callable[[str], None] | None = None, peers: Sequence[Device] = ()
                           ) -> tuple[list[DeviceProfile], list[LinkProfile]]:
     """Each device's layer times and memory, the controller's links to them, and their links to each other and
     to already-profiled peers (both ways)."""

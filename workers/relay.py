@@ -260,7 +260,7 @@ class Relay:
         that fails on a link that was up is tried once more on a new one (a retry, for the step numbers).
         Returns the link it went on."""
         url = ws_url(base_url)
-        for attempt in range(2):
+        for _ in range(2):
             link = await self._peer(url)
             try:
                 await link.send(data)
@@ -269,8 +269,7 @@ class Relay:
             except websockets.ConnectionClosed:
                 if self.peers.get(url) is link:
                     del self.peers[url]
-                if attempt:
-                    raise ConnectionError(f"the link to {base_url} closed") from None
+        raise ConnectionError(f"the link to {base_url} closed")
 
     async def _peer(self, url: str) -> ClientConnection:
         async with self.dialing[url]:

@@ -88,7 +88,7 @@ def final_hidden(folder: Path, rows: list[dict], batch: int = 8) -> list[torch.T
     hook = model.model.layers[-1].register_forward_hook(keep)
     seqs = [r["prompt"] + r["answer"] for r in rows]
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # similar lengths together: less padding
-    feats: list[torch.Tensor | None] = [None] * len(seqs)
+    feats: dict[int, torch.Tensor] = {}  # row -> its features
     try:
         for i in track(range(0, len(order), batch), description="target hidden states"):
             idx = order[i:i + batch]
@@ -103,4 +103,4 @@ def final_hidden(folder: Path, rows: list[dict], batch: int = 8) -> list[torch.T
                 feats[j] = captured["h"][r, :len(seqs[j])].clone()  # [T, H]
     finally:
         hook.remove()
-    return feats
+    return [feats[j] for j in range(len(seqs))]

@@ -53,7 +53,7 @@ def _measure(model: str | None, heads_path: Path, sizes: list[int], context: int
             chains = {n: Tree([[0] * d for d in range(1, n)]) for n in sizes}  # n nodes: the root and a chain
             inputs = {n: await executor.call(lambda c=c: (c.positions(context), c.mask(context)))
                       for n, c in chains.items()}
-            times = {n: [] for n in sizes}
+            times: dict[int, list[float]] = {n: [] for n in sizes}
             for _ in range(reps):
                 for n in sizes:  # interleaved, so that noise on the shared machine spreads over every size
                     positions, mask = inputs[n]

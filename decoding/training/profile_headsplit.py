@@ -69,13 +69,15 @@ def profile(args: argparse.Namespace) -> dict:
     perplexity = {str(eps): held_out_perplexity(stack, ends, held, eps) for eps in [0.0, *args.epsilon]}
     timed = LayerStack.load(src, cfg, 0, 1, DTYPES[args.dtype])
     blocks = {str(c): time_blocks(timed, c) for c in args.contexts}
+    median_drift = [round(float(v), 4) for v in every.median(dim=1).values]
+    alpha = {str(eps): acceptance(drifts, eps) for eps in args.epsilon}
     record = {
         "model": files.name,
         "card": asdict(model_card(cfg, files.name, DTYPES[args.dtype])),  # the shapes the block times are for
         "calibration": {"prompts": len(rows), "tokens": tokens, "data": "alpaca_seed_tasks.jsonl, "
                         f"wizardlm_testset.jsonl (first {args.prompts}), greedy answers"},
-        "median_drift": [round(float(v), 4) for v in every.median(dim=1).values],
-        "alpha": {str(eps): acceptance(drifts, eps) for eps in args.epsilon},
+        "median_drift": median_drift,
+        "alpha": alpha,
         "held_out": {"prompts": len(held), "answer_tokens": sum(len(r["answer"]) for r in held),
                      "by_epsilon": perplexity},
         "block_ms": {"dtype": args.dtype, "by_context": blocks},
@@ -84,8 +86,8 @@ def profile(args: argparse.Namespace) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     console.print(f"{len(rows)} sequences, {tokens} tokens; median drift over layers "
-                  f"{statistics.median(record['median_drift']):.4f}")
-    for eps, alphas in record["alpha"].items():
+                  f"{statistics.median(median_drift):.4f}")
+    for eps, alphas in alpha.items():
         console.print(f"epsilon {eps}: median alpha over layers {statistics.median(alphas[1:]):.4f}, layers with "
                       f"alpha >= 0.7: {sum(a >= 0.7 for a in alphas)} of {len(alphas)}")
     exact = perplexity["0.0"]["perplexity"]

@@ -76,7 +76,8 @@ def coverage(rows: list[dict], vocab: torch.Tensor) -> float:
 def batches(examples: list[Example], batch_tokens: int, rng: random.Random) -> list[list[Example]]:
     """Length-sorted groups of about batch_tokens padded tokens, in random order."""
     order = sorted(examples, key=lambda e: len(e.ids))
-    out, cur = [], []
+    out: list[list[Example]] = []
+    cur: list[Example] = []
     for e in order:
         if cur and (len(cur) + 1) * len(e.ids) > batch_tokens:
             out.append(cur)
@@ -112,17 +113,20 @@ def loss_on(net: FeatureNet, ends: TokenEnds, head: torch.Tensor, group: list[Ex
     target = g_next[mask]  # [M, H]
     with torch.no_grad():
         want = (target @ head.T).softmax(-1)  # the target's next-token distribution over the vocabulary [M, N]
-    total, cls_first, agree = 0.0, 0.0, 0.0
+    total: torch.Tensor | None = None
+    cls_first, agree = 0.0, 0.0
     for step in range(unroll):
         out = ends.norm(net.block(g_prev, emb, positions))  # [B, W, H]
         pred = out[mask]
         logits = pred @ head.T  # [M, N]
         cls = -(want * logits.log_softmax(-1)).sum(-1).mean()
-        total = total + F.smooth_l1_loss(pred, target) + cls_weight * cls
+        loss = F.smooth_l1_loss(pred, target) + cls_weight * cls
+        total = loss if total is None else total + loss
         if step == 0:
             cls_first = cls.item()
             agree = (logits.argmax(-1) == want.argmax(-1)).float().mean().item()
         g_prev = torch.cat([g_prev[:, :1], out[:, :-1].detach()], dim=1)
+    assert total is not None, "unroll is at least 1"
     return total, cls_first, agree
 
 

@@ -89,7 +89,7 @@ def grow_tree(path_freq, size: int) -> list[tuple[list[int], float]]:
     at which the target's tokens follow `path` (all its ranks right at once). Returns the paths in the order
     added, each with its share; the sum of the shares of a tree's nodes is its expected accepted length."""
     chosen: list[tuple[list[int], float]] = []
-    frontier = {(0,): path_freq([0])}
+    frontier: dict[tuple[int, ...], float] = {(0,): path_freq([0])}
     while frontier and len(chosen) < size:
         best = max(frontier, key=lambda p: (frontier[p], -len(p)))
         share = frontier.pop(best)
