@@ -90,7 +90,7 @@ async def _score(engine: Engine, members: list[tuple[list[int], tuple[int, ...]]
 
     jobs = [Job(len(ctx) + len(cont), partial(program, i, context=ctx, continuation=cont), ctx)
             for i, (ctx, cont) in enumerate(members)]
-    async with aclosing(engine.run_group(jobs)) as events:  # type: ignore[type-var]  # pyproject: NOT YET CHECKED
+    async with aclosing(engine.run_group(jobs)) as events:
         async for _ in events:
             pass
     return scores

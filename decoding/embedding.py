@@ -26,7 +26,9 @@ async def embed(engine: Engine, inputs: list[list[int]]) -> list[list[float]]:
 
 async def _one(engine: Engine, ends: TokenEnds, ids: list[int]) -> list[float]:
     events = [e async for e in engine.run(Job(len(ids), lambda seq: _program(ends, seq, ids)))]
-    return events[-1]
+    vector = events[-1]  # the program's one event
+    assert isinstance(vector, list)
+    return vector
 
 
 def _program(ends: TokenEnds, seq: SequenceView, ids: list[int]):

@@ -101,8 +101,9 @@ class OutlinePolicy:
         ids, text = [], ""
         try:
             outline = job(self.verifiers[verify], sub, engine.cfg, text_stream(sub, tokenizer), prepared)
-            async with aclosing(engine.run(outline)) as events:  # type: ignore[type-var]  # pyproject: NOT YET CHECKED
+            async with aclosing(engine.run(outline)) as events:
                 async for event in events:
+                    assert isinstance(event, TokenEvent)  # what a policy's program yields
                     ids += event.token_ids
                     text = tokenizer.decode(ids, skip_special_tokens=True)
                     cut = cut_outline(text)
@@ -159,7 +160,7 @@ class OutlinePolicy:
             async for _ in engine.run(Job(shared + 1, partial(prefill, prompts[0][:shared]), prompts[0][:shared])):
                 pass
         # closed here, not when collected: the engine stops the points before their sessions are released
-        async with aclosing(engine.run_group(jobs)) as group:  # type: ignore[type-var]  # pyproject: NOT YET CHECKED
+        async with aclosing(engine.run_group(jobs)) as group:
             async for event in self._stream(group, points, outline_ids, stats):
                 yield event
         points_stats = [p.stats for made in prepared for p in made]

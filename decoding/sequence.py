@@ -77,6 +77,6 @@ async def run_alone(policy: SequencePolicy, request: GenerationRequest, engine: 
         request, decided = await decide(request, engine)
     extra = {"tool_choice": decided} if decided is not None else None
     job_ = job(policy, request, engine.cfg, text_stream(request, tokenizer), extra=extra)
-    async with aclosing(engine.run(job_)) as events:  # type: ignore[type-var]  # pyproject: NOT YET CHECKED
+    async with aclosing(engine.run(job_)) as events:
         async for event in events:
             yield event

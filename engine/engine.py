@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -142,14 +142,14 @@ class Engine:
         """How many sequences are running now (other than the one of session `besides`)."""
         return sum(1 for s in self.live if not s.finished and s.session is not besides)
 
-    async def run(self, job: Job) -> AsyncIterator:
+    async def run(self, job: Job) -> AsyncGenerator[object, None]:
         """Run `job`: yields what its program yields besides its rows and KV operations. Raises what the open,
         the program or its passes raised. Leaving early (a cancelled request) stops the program at the next
         step, on the model thread; its session is kept for prefix reuse and released however it ends."""
         async for _, item in self.run_group([job]):
             yield item
 
-    async def run_group(self, jobs: list[Job]) -> AsyncIterator[tuple[int, object]]:
+    async def run_group(self, jobs: list[Job]) -> AsyncGenerator[tuple[int, object], None]:
         """Run several jobs together (outline's points, a decision's scores): yields (index, item) for what
         each program yields, in the order they were yielded, until every program has ended. Every session is
         opened first (none waits for what another of the group will compute), then every program starts in the

@@ -142,7 +142,7 @@ class PrefixCache:
 
     # event loop
 
-    def pending(self, prompt: list[int], generation: int, besides: set[str] = frozenset()
+    def pending(self, prompt: list[int], generation: int, besides: frozenset[str] | set[str] = frozenset()
                 ) -> asyncio.Future | None:
         """When a running sequence (not one of `besides`) is still computing more of `prompt`'s prefix than any
         holder has computed: a future set when a holder computes more or ends, to match again then. None: open

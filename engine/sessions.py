@@ -54,7 +54,8 @@ class Sessions:
         if not await self._recover(error, generation):
             raise ClusterFault(f"{error}; and no placement of the model fits the devices left") from error
 
-    async def open(self, capacity: int, prompt: list[int] | None, besides: set[str] = frozenset()) -> Session:
+    async def open(self, capacity: int, prompt: list[int] | None,
+                   besides: frozenset[str] | set[str] = frozenset()) -> Session:
         """A new session with room for `capacity` slots, reserved on every stage's KV pool; with `prompt`,
         started from the cached blocks holding its longest prefix (session.cached of its slots), after waiting
         for a running sequence (other than those of `besides`) that is computing a longer one."""

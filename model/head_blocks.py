@@ -28,6 +28,7 @@ from edgespec.model.kv_cache import KVCache, KVCacheError
 from edgespec.model.kv_format import FLOAT32, KVFormat
 from edgespec.model.kv_pool import BLOCK_SLOTS, CapacityError, block_bytes
 from edgespec.model.linear import WeightFormat, as_format, linear_bytes
+from edgespec.model.module_list import ModuleList
 from edgespec.model.stage import SessionError, StepError
 from edgespec.model.weights import TensorSource, load_attention, load_ffn
 
@@ -68,7 +69,8 @@ class Deferred:
     it were sent); the interface of a pending device call: `result()`."""
 
     def __init__(self, fn: Callable[[], torch.Tensor]):
-        self._fn, self._done = fn, None
+        self._fn = fn
+        self._done: tuple[torch.Tensor] | None = None
 
     def result(self) -> torch.Tensor:
         if self._done is None:
@@ -83,7 +85,7 @@ class GroupBlocks(nn.Module):
         super().__init__()
         self.groups = list(groups)
         self.n_kv = len(self.groups)
-        self.blocks = nn.ModuleList(AttentionBlock(cfg, [g], dtype, with_o_bias=cfg.o_bias and g == 0)
+        self.blocks = ModuleList(AttentionBlock(cfg, [g], dtype, with_o_bias=cfg.o_bias and g == 0)
                                     for g in self.groups)
 
     def forward(self, x: torch.Tensor, rope, seqs: Sequence[SeqRows]) -> torch.Tensor:

@@ -135,7 +135,10 @@ def run_schedule(devices: Mapping[str, HeadDevice], layers: list[LayerPlace], cf
         r = cfg.residual_multiplier  # Granite's, on the whole sum as DecoderLayer applies it
         return out if r == 1.0 else out * r
 
-    def ffn_call(i: int, z: torch.Tensor) -> Pending:
+    def ffn_call(i: int, z: torch.Tensor | None) -> Pending:
+        # layer i's FFN on its Z (every caller comes after layer i's attention set it)
+        if z is None:
+            raise ValueError(f"layer {i}'s FFN was called before its attention ran")
         return devices[layers[i].ffn].start_ffn(i, z[None])
 
     x, z = hidden, None  # layer i's input X_(i-1), and the previous layer's Z while its FFN is pending

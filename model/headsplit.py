@@ -43,6 +43,7 @@ from edgespec.model.config import ModelConfig
 from edgespec.model.head_blocks import GroupKV, HeadBlocks, StepRows, attn_out_norms
 from edgespec.model.head_schedule import HeadDevice, Part, SpeculationStats, run_schedule
 from edgespec.model.kv_format import FLOAT32, KVFormat
+from edgespec.model.linear import WeightFormat
 from edgespec.model.stage import BatchEntry, SessionError, WireFigures, segments_in_turn
 from edgespec.model.weights import TensorSource
 from edgespec.planning.headsplit import LayerPlace
@@ -170,7 +171,7 @@ class HeadSplitPipeline(WireFigures):
         self.memory = memory
 
     @classmethod
-    def local(cls, src: TensorSource, cfg: ModelConfig, dtype: torch.dtype, layers: list[LayerPlace],
+    def local(cls, src: TensorSource, cfg: ModelConfig, dtype: WeightFormat | torch.dtype, layers: list[LayerPlace],
               epsilon: float = 0.05, kv_budget_bytes: int | None = None, kv: KVFormat = FLOAT32
               ) -> HeadSplitPipeline:
         """Every device of the placement as HeadBlocks in this process, caches in KV format `kv`;
@@ -321,6 +322,8 @@ class HeadSplitPipeline(WireFigures):
         planner's new placement for the slots the sessions hold, doubled for growth, within the threshold of
         every device. False when nothing is hot or no placement fits (the caches then grow until one is full)."""
         watch = self.memory
+        if watch is None:
+            return False
         used = {name: device.memory_bytes() for name, device in self.devices.items()}
         if all(used[n] <= watch.threshold * watch.capacities[n] for n in used):
             return False
@@ -351,7 +354,7 @@ class HeadSplitPipeline(WireFigures):
                     if g not in new.groups.get(device, []):
                         leaving.setdefault(device, {}).setdefault(layer, []).append(g)
         exported = {device: self.devices[device].export(groups) for device, groups in leaving.items()}
-        for name, device in self.devices.items():
+        for name, holder in self.devices.items():
             groups, ffns = blocks_of(layers, name)
             incoming: dict = {}
             for layer, gs in groups.items():
@@ -360,10 +363,10 @@ class HeadSplitPipeline(WireFigures):
                     if src != name:
                         for session, by_layer in exported[src].items():
                             incoming.setdefault(session, {}).setdefault(layer, {})[g] = by_layer[layer][g]
-            device.reshape(groups, ffns, incoming)
+            holder.reshape(groups, ffns, incoming)
         if self.gathered:
-            for device in self.devices.values():
-                cast(GatheringDevice, device).set_placement(layers)
+            for gathering in self.devices.values():
+                cast(GatheringDevice, gathering).set_placement(layers)
         self.layers = layers
         self.replacements += 1
         log.info("HeadSplit blocks re-placed (%d groups moved)", sum(len(g) for d in leaving.values()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -88,7 +89,8 @@ def build_engine(settings: ServeSettings, loaded: LoadedModel, cluster: ClusterM
     """The engine over the loaded model's executor: prefix reuse and admission from the settings; over
     workers, recovery by re-placement; with HeadSplit, its lane (built at its first request)."""
     admission = Admission(settings.max_waiting, settings.queue_timeout_s)
-    lanes = {HEADSPLIT: partial(headsplit_lane, settings, loaded, cluster)} if settings.headsplit else {}
+    lanes: dict[str, Callable[[], Sessions]] = \
+        {HEADSPLIT: partial(headsplit_lane, settings, loaded, cluster)} if settings.headsplit else {}
     return Engine(loaded.executor, prefix_cache(settings), admission, cluster.recover if cluster is not None else None,
                   lanes)
 

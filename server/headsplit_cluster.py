@@ -69,7 +69,7 @@ class HeadSplitCluster:
         def swap() -> None:  # on the model thread, between steps
             new = self.pipeline(sorted(alive))
             new.adopt(old)
-            executor.replace(new)  # type: ignore[arg-type]  # pyproject: NOT YET CHECKED
+            executor.replace(new)
             old.close()
 
         try:

@@ -75,10 +75,10 @@ class HeadHost:
         self.blocks = HeadBlocks(src, cfg, fmt, groups, ffns, kv_format(kv))
         if self.memory_budget_bytes is not None:  # the caches get what the blocks' weights leave
             self.blocks.limit_kv(self.memory_budget_bytes - self.blocks.memory_bytes())
-        self.name = name
-        if layers is not None:  # the peer links are the worker's own, kept across assignments
+        if layers is not None and name is not None:  # the peer links are the worker's own, kept across assignments
             self.peers = {peer: self.peer(peer, url) for peer, url in (peers or {}).items() if peer != name}
             self.schedule = Schedule({**self.peers, name: self.blocks}, layers, cfg, attn_out_norms(src, cfg, fmt))
+        self.name = name
         return {"groups": {str(k): v for k, v in groups.items()}, "ffns": ffns}
 
     @staticmethod
@@ -95,7 +95,7 @@ class HeadHost:
             raise NotAssignedError("this worker was assigned no placement to run")
         layers = [LayerPlace(**lp) for lp in placement]
         check_placement(layers, self.schedule.cfg)
-        if blocks_of(layers, self.name) != blocks_of_held(self.held()):
+        if self.name is None or blocks_of(layers, self.name) != blocks_of_held(self.held()):
             raise ValueError(f"the placement does not give {self.name} the blocks it holds")
         unknown = devices_named(layers) - set(self.schedule.devices)
         if unknown:
