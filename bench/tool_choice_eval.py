@@ -11,8 +11,11 @@
 
 Per set: `tool_choice: required` (every answer a valid call of a listed tool? the intended tool first? the
 intended name/area arguments, a secondary figure), `auto` (commands that call a tool, chit-chat answered in
-text), and the decision's time (`decoding.tool_choice.decide_ms` where the server reports it) and the time to
-first token.
+text), and the times: the decision's (`decoding.tool_choice.decide_ms`, where the server reports it), the
+time to first token after it (`decoding.ttft_ms`, which starts once the decision is made), the whole
+answer's as the client saw it (`wall_ms`), and that less the generation's own time (`outside_generation_ms`:
+the decision, the prompt's rendering and grammars, HTTP; the one figure the server before issue 38, which did
+not time its decision, also gives).
 
     python -m bench.tool_choice_eval --url http://127.0.0.1:8000 --label before \
         --out bench/results/issue38-tool-choice [--sets tune,check]
@@ -27,6 +30,7 @@ import argparse
 import json
 import random
 import statistics
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -72,9 +76,18 @@ def cases(name: str) -> tuple[dict, list[dict]]:
 def ask(client: httpx.Client, model: str, data: dict, prompt: str, policy: str, max_tokens: int, **extra) -> dict:
     body = {"model": model, "temperature": 0, "max_tokens": max_tokens, "decoding": policy, "tools": data["tools"],
             "messages": [{"role": "system", "content": data["system"]}, {"role": "user", "content": prompt}]}
+    began = time.perf_counter()
     r = client.post("/v1/chat/completions", json=body | extra)
     r.raise_for_status()
-    return r.json()
+    return r.json() | {"wall_ms": round(1000 * (time.perf_counter() - began), 1)}
+
+
+def generation_ms(answer: dict) -> float | None:
+    """The generation's own time as the server reports it: its time to first token and its decode."""
+    stats, tokens = answer["decoding"], answer["usage"]["completion_tokens"]
+    if not stats.get("decode_tokens_per_s"):
+        return None
+    return round(stats["ttft_ms"] + 1000 * max(tokens - 1, 0) / stats["decode_tokens_per_s"], 1)
 
 
 def calls_of(answer: dict, data: dict) -> tuple[list[dict], bool]:
@@ -123,7 +136,9 @@ def run_set(client, model: str, name: str, policy: str, max_tokens: int) -> dict
                          "args_match": first is not None and first["name"] == cmd["tool"]
                          and arguments_match(first, cmd.get("args", {}), data),
                          "tool_choice": choice, "decide_ms": choice.get("decide_ms"),
-                         "ttft_ms": answer["decoding"]["ttft_ms"],
+                         "ttft_ms": answer["decoding"]["ttft_ms"], "wall_ms": answer["wall_ms"],
+                         "outside_generation_ms": _less(answer["wall_ms"], generation_ms(answer)),
+                         "completion_tokens": answer["usage"]["completion_tokens"],
                          "prompt_tokens": answer["usage"]["prompt_tokens"]})
     chitchat = data.get("chitchat", []) if name != "check" else []  # the tuning half's row holds ha_commands'
     for prompt, intended in [(c["prompt"], c["tool"]) for c in commands] + [(p, None) for p in chitchat]:
@@ -132,7 +147,8 @@ def run_set(client, model: str, name: str, policy: str, max_tokens: int) -> dict
         choice = answer["decoding"].get("tool_choice") or {}
         auto.append({"prompt": prompt, "intended": intended, "calls": calls, "valid": valid,
                      "text": answer["choices"][0]["message"]["content"], "tool_choice": choice,
-                     "decide_ms": choice.get("decide_ms"), "ttft_ms": answer["decoding"]["ttft_ms"]})
+                     "decide_ms": choice.get("decide_ms"), "ttft_ms": answer["decoding"]["ttft_ms"],
+                     "wall_ms": answer["wall_ms"]})
     on_commands = [r for r in auto if r["intended"] is not None]
     on_chitchat = [r for r in auto if r["intended"] is None]
     return {
@@ -140,15 +156,23 @@ def run_set(client, model: str, name: str, policy: str, max_tokens: int) -> dict
         "required": {"valid": sum(r["valid"] for r in required), "intended": sum(r["intended_first"] for r in required),
                      "args_match": sum(r["args_match"] for r in required), "of": len(required),
                      "median_ttft_ms": _median([r["ttft_ms"] for r in required]),
-                     "median_decide_ms": _median([r["decide_ms"] for r in required]), "rows": required},
+                     "median_decide_ms": _median([r["decide_ms"] for r in required]),
+                     "median_wall_ms": _median([r["wall_ms"] for r in required]),
+                     "median_outside_generation_ms": _median([r["outside_generation_ms"] for r in required]),
+                     "rows": required},
         "auto": {"commands_calling": sum(r["valid"] for r in on_commands),
                  "commands_calling_intended": sum(r["valid"] and r["calls"][0]["name"] == r["intended"]
                                                   for r in on_commands),
                  "commands": len(on_commands),
                  "chitchat_text": sum(not r["calls"] and bool((r["text"] or "").strip()) for r in on_chitchat),
                  "chitchat": len(on_chitchat),
-                 "median_ttft_ms": _median([r["ttft_ms"] for r in auto]), "rows": auto},
+                 "median_ttft_ms": _median([r["ttft_ms"] for r in auto]),
+                 "median_wall_ms": _median([r["wall_ms"] for r in auto]), "rows": auto},
     }
+
+
+def _less(a: float, b: float | None) -> float | None:
+    return None if b is None else round(a - b, 1)
 
 
 def _median(values: list) -> float | None:
@@ -164,8 +188,9 @@ def summary(results: dict) -> dict:
         out[name] = (f"required: intended {req['intended']}/{req['of']}, valid {req['valid']}/{req['of']}, "
                      f"args {req['args_match']}/{req['of']}; auto: {auto['commands_calling']}/{auto['commands']} "
                      f"commands call ({auto['commands_calling_intended']} the intended tool), "
-                     f"{auto['chitchat_text']}/{auto['chitchat']} chit-chat in text; median ttft "
-                     f"{req['median_ttft_ms']} ms, decide {req['median_decide_ms']} ms")
+                     f"{auto['chitchat_text']}/{auto['chitchat']} chit-chat in text; required's median: decision "
+                     f"{req['median_decide_ms']} ms, whole answer {req['median_wall_ms']} ms of which "
+                     f"{req['median_outside_generation_ms']} ms outside the generation")
     return out
 
 

@@ -1,0 +1,151 @@
+"""What a chat request's own text says about the home it controls, for choosing a tool (decoding/decide.py):
+the entities its system prompt lists (names, domain, areas: Home Assistant's exposed-entities YAML), the
+domains each tool's parameter schema admits, and which entities, areas and domains the request names.
+
+Nothing here is keyed to a phrase or a tool's name: the names are the prompt's own, the domains the ones its
+entities have, and a tool admits a domain only where its `domain` parameter's enum says so.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from edgespec.server.chat_input import ToolSpec
+
+_WORD = re.compile(r"[^\W_]+")  # words: letters and digits (a domain's "media_player" is two)
+
+
+@dataclass(frozen=True)
+class Entity:
+    """One listed entity: its names (the first is its own, the rest aliases), domain and areas."""
+
+    names: tuple[str, ...]
+    domain: str
+    areas: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Mention:
+    """What a request names: the entities whose name (or alias) it holds, the areas, and the domains it names
+    by their own words ("fan", "media player"). `domains`: what the request's target is, as far as these say:
+    the named entities' domains, else the named domains; empty when they say nothing (an area alone)."""
+
+    entities: tuple[Entity, ...]
+    areas: tuple[str, ...]
+    domains: tuple[str, ...]
+
+
+def words(text: str) -> list[str]:
+    return _WORD.findall(text.lower())
+
+
+def listed_entities(system_texts: list[str]) -> tuple[Entity, ...]:
+    """The entities that YAML lists in the system messages name: each a mapping with `names` (or `name`) and
+    `domain`, and optionally `areas` (or `area`), the names and areas comma-separated as Home Assistant joins
+    them. Text that is not such a list is passed over."""
+    found: list[Entity] = []
+    for text in system_texts:
+        for block in _yaml_lists(text):
+            for item in block:
+                entity = _entity(item)
+                if entity is not None:
+                    found.append(entity)
+    return tuple(found)
+
+
+def admitted_domains(tool: ToolSpec) -> frozenset[str] | None:
+    """The domains `tool`'s schema admits: the enum of its `domain` parameter (a string, or an array of
+    strings); None when it names none (any domain, as far as the schema says)."""
+    props = tool.parameters.get("properties") if isinstance(tool.parameters, dict) else None
+    domain = props.get("domain") if isinstance(props, dict) else None
+    if not isinstance(domain, dict):
+        return None
+    items = domain.get("items") if domain.get("type") == "array" else domain
+    enum = items.get("enum") if isinstance(items, dict) else None
+    return frozenset(str(v) for v in enum) if isinstance(enum, list) and enum else None
+
+
+def mention(request: str, entities: tuple[Entity, ...]) -> Mention:
+    """What `request` names among `entities`: a name is named when all its words appear in the request in
+    order, adjacent (case aside). An entity whose name is named wins over an area that the name contains
+    ("Kitchen Speaker" over "Kitchen"); a longer name over a shorter one inside it."""
+    said = words(request)
+    names = sorted({n for e in entities for n in e.names}, key=lambda n: -len(words(n)))
+    spans: list[tuple[int, int]] = []
+
+    def find(name: str) -> bool:
+        w = words(name)
+        for i in range(len(said) - len(w) + 1):
+            span = (i, i + len(w))
+            if said[span[0]:span[1]] == w and not any(a < span[1] and span[0] < b for a, b in spans):
+                spans.append(span)
+                return True
+        return False
+
+    named = {n for n in names if words(n) and find(n)}
+    hit = tuple(e for e in entities if named & set(e.names))
+    areas = sorted({a for e in entities for a in e.areas}, key=lambda a: -len(words(a)))
+    hit_areas = tuple(a for a in areas if words(a) and find(a))
+    listed = sorted({e.domain for e in entities}, key=lambda d: -len(words(d)))
+    said_domains = tuple(d for d in listed if find(d))
+    domains = tuple(sorted({e.domain for e in hit})) or said_domains
+    return Mention(hit, hit_areas, domains)
+
+
+def as_domains(request: str, named: Mention) -> str:
+    """`request` with each named entity's name written as its domain's words ("Pause the TV" -> "Pause the
+    media player"): the words tools' descriptions use for what they act on, where a home's names are its own
+    ("TV", "Roomba", "Heating")."""
+    for entity in named.entities:
+        for name in sorted(entity.names, key=len, reverse=True):
+            pattern = r"\b" + r"\W+".join(map(re.escape, words(name))) + r"\b"
+            rewritten, n = re.subn(pattern, " ".join(words(entity.domain)), request, flags=re.IGNORECASE)
+            if n:
+                request = rewritten
+                break
+    return request
+
+
+def _yaml_lists(text: str) -> list[list[Any]]:
+    """Every run of lines that opens with "- " at the margin and goes on with such lines or indented ones,
+    parsed as YAML, when it parses as a list."""
+    runs: list[list[str]] = []
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith("- ") or (current is not None and line.startswith((" ", "\t")) and line.strip()):
+            if current is None:
+                current = []
+                runs.append(current)
+            current.append(line)
+        else:
+            current = None  # a break: the next "- " opens a new run
+    out = []
+    for run in runs:
+        try:
+            parsed = yaml.safe_load("\n".join(run))
+        except yaml.YAMLError:
+            continue
+        if isinstance(parsed, list):
+            out.append(parsed)
+    return out
+
+
+def _entity(item: Any) -> Entity | None:
+    if not isinstance(item, dict) or not isinstance(item.get("domain"), str):
+        return None
+    names = _listed(item.get("names", item.get("name")))
+    if not names:
+        return None
+    return Entity(names, item["domain"], _listed(item.get("areas", item.get("area"))))
+
+
+def _listed(value: Any) -> tuple[str, ...]:
+    if isinstance(value, list):
+        return tuple(str(v).strip() for v in value if str(v).strip())
+    if isinstance(value, str):
+        return tuple(v.strip() for v in value.split(",") if v.strip())
+    return ()
