@@ -29,6 +29,7 @@ from edgespec.server.ollama_protocol import (
     OllamaEmbeddingsRequest,
     OllamaEmbedRequest,
     OllamaGenerateRequest,
+    OllamaOptions,
     response_format,
 )
 from edgespec.server.ollama_render import NDJSON, OllamaRenderer, Timings, clock, load_answer, ndjson
@@ -42,6 +43,7 @@ from edgespec.server.tool_output import AnswerReader
 OLLAMA_VERSION = "0.9.6"
 RUNNING = "Ollama is running"  # what Ollama answers at /, which clients probe
 BODY = TypeVar("BODY", bound=BaseModel)
+INFERENCE = TypeVar("INFERENCE", bound=InferenceFields)
 Rendered = tuple[list[int], ThinkBlock | None]
 
 
@@ -74,6 +76,12 @@ def ollama_router(service: CompletionService, require_key: Callable[[Request], A
                             service.template.thinks, getattr(service.tokenizer, "chat_template", None) or "")
     router = APIRouter(include_in_schema=False)
     api = APIRouter(dependencies=[Depends(require_key)])
+    # `serve --ollama-options`: a request's unset options take these (checked here, at start) before Ollama's
+    defaults = OllamaOptions.model_validate(service.settings.ollama_options).model_dump(exclude_none=True)
+
+    def with_defaults(req: INFERENCE) -> INFERENCE:
+        given = req.options.model_dump(exclude_none=True)
+        return req.model_copy(update={"options": OllamaOptions.model_validate({**defaults, **given})})
 
     def check(name: str) -> None:
         if not name:
@@ -204,7 +212,7 @@ def ollama_router(service: CompletionService, require_key: Callable[[Request], A
     @api.post("/api/chat")
     async def chat(request: Request):
         timings = Timings()
-        req = await parse(request, OllamaChatRequest)
+        req = with_defaults(await parse(request, OllamaChatRequest))
         check(req.model)
         if not req.messages:
             return load_answer("chat", req.model)
@@ -219,7 +227,7 @@ def ollama_router(service: CompletionService, require_key: Callable[[Request], A
     @api.post("/api/generate")
     async def generate(request: Request):
         timings = Timings()
-        req = await parse(request, OllamaGenerateRequest)
+        req = with_defaults(await parse(request, OllamaGenerateRequest))
         check(req.model)
         if not req.prompt:
             return load_answer("generate", req.model)

@@ -4,6 +4,7 @@ token ids, text and grammars."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncGenerator
 from contextlib import aclosing, asynccontextmanager
 
@@ -146,6 +147,8 @@ class CompletionService:
         question = next((m.content for m in reversed(chat.messages) if m.role == "user"), None)
         gen = self.generation_request(req, prompt, max_tokens, logprobs, top_logprobs, "messages", grammar, trigger,
                                       route, question, max_param)
+        if stops := self.template.answer_stops(chat):
+            gen = dataclasses.replace(gen, stop=gen.stop + stops)
         return gen, self.reader(chat, thinking)
 
     def generation_request(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int | None, logprobs: bool,

@@ -483,3 +483,14 @@ def test_the_real_models_answer_is_the_openai_routes(server_url):
                                                max_tokens=24)
     assert r.message.content == reference.choices[0].message.content
     assert r.eval_count == reference.usage.completion_tokens
+
+
+def test_server_options_fill_what_a_request_leaves_unset(tiny):
+    """`serve --ollama-options` (a Modelfile's PARAMETER lines, for clients that set none, as Home Assistant's
+    integration): a chat without options answers as one that gives them, and a request's own options win."""
+    with serving(tiny, MODEL, ollama_options={"temperature": 0, "num_predict": 5}) as (url, _):
+        client = ollama.Client(host=url, headers=AUTH, timeout=120)
+        bare = client.chat(model=MODEL, messages=HI, stream=False, options={"num_ctx": 512})
+        given = client.chat(model=MODEL, messages=HI, stream=False, options={"temperature": 0, "num_predict": 5})
+        assert bare.eval_count == 5 and bare.message.content == given.message.content
+        assert client.chat(model=MODEL, messages=HI, stream=False, options={"num_predict": 2}).eval_count == 2
