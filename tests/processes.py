@@ -32,14 +32,15 @@ def free_ports(n: int) -> list[int]:
 
 
 class Proc:
-    """A child process of `python -m edgespec.server.cli ...` with its log; stopped by stop()."""
+    """A child process of `python -m edgespec.server.cli ...` (or of `command ...`: the Home Assistant tests, in a
+    venv without edgespec, run the main venv's `edgespec`) with its log; stopped by stop()."""
 
-    def __init__(self, args: list[str], log: Path, env: dict | None = None):
+    def __init__(self, args: list[str], log: Path, env: dict | None = None, command: list[str] | None = None):
         self.args, self.log = args, log
+        command = [sys.executable, "-m", "edgespec.server.cli"] if command is None else command
         with open(log, "ab") as f:
-            self.proc = subprocess.Popen([sys.executable, "-m", "edgespec.server.cli", *args], cwd=REPO, stdout=f,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=None if env is None else {**os.environ, **env})
+            self.proc = subprocess.Popen([*command, *args], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=None if env is None else {**os.environ, **env})
 
     def wait_healthy(self, url: str, headers: dict | None = None, timeout_s: float = 180) -> None:
         deadline = time.monotonic() + timeout_s
