@@ -22,7 +22,7 @@ LOCK = requirements.txt
 TEST_LOCK = requirements-test.txt
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: install install-test serve test lint typecheck lock peer-env
+.PHONY: install install-test install-ha serve test lint typecheck lock peer-env
 
 # $(call env_from,LOCK,ACCEPTED): leaves the venv as built from LOCK. A venv built from one of ACCEPTED (lock
 # files whose environment holds LOCK's) is kept as it is; one built from an older lock is removed first.
@@ -61,9 +61,27 @@ typecheck:
 	(cd "$$root" && mypy --config-file "$(CURDIR)/pyproject.toml"); status=$$?; \
 	rm "$$root/edgespec" && rmdir "$$root"; exit $$status
 
-test: install-test lint typecheck
+test: install-test install-ha lint typecheck
 	$(PY) -m pytest -q -m "not slow"
 	$(PY) -m pytest -q -m slow
+	$(HA_VENV)/bin/python -m pytest -q tests/ha
+
+# Home Assistant as the test client (tests/ha/): its own integrations (ollama, openai_conversation) drive a real
+# edgespec. Home Assistant needs Python 3.13, edgespec's lock is resolved for 3.11, so it has a venv of its own,
+# .venv-ha, from its own hash-pinned lock (requirements-ha.txt: homeassistant 2025.4.4, the
+# pytest-homeassistant-custom-component built against it and the clients its integrations pin; requirements-ha.in
+# says how it is generated). It does not hold edgespec: the tests start the main venv's `edgespec serve`.
+# .venv-ha/.lock holds the sha256 of the lock it was built from, as .venv's does: a new lock builds it anew.
+HA_PYTHON ?= $(shell pyenv prefix 3.13.0 2>/dev/null)/bin/python
+HA_VENV ?= .venv-ha
+HA_LOCK = requirements-ha.txt
+
+install-ha:
+	@[ "$$(cat $(HA_VENV)/.lock 2>/dev/null)" = "$$(sha256sum < $(HA_LOCK))" ] && exit 0; \
+	rm -rf $(HA_VENV) && $(HA_PYTHON) -m venv $(HA_VENV) && \
+	echo "installing $(HA_LOCK) into $(HA_VENV)" && \
+	$(HA_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --require-hashes -r $(HA_LOCK) && \
+	sha256sum < $(HA_LOCK) > $(HA_VENV)/.lock
 
 # Regenerates both locks from pyproject's ranges with the machine's pip configuration (its torch CPU wheel):
 # the test lock first, then the runtime lock constrained by it, so the two agree on every shared package.

@@ -27,14 +27,16 @@ from edgespec.bench.run import stream_one, summarise
 from edgespec.workers.cluster import free_port
 
 
-def start(args: list[str], log: Path, cpus: set[int] | None = None) -> tuple[subprocess.Popen, str]:
-    """`edgespec serve` with these arguments (pinned to `cpus` if given), once healthy."""
+def start(args: list[str], log: Path, cpus: set[int] | None = None,
+          timeout_s: float = 300) -> tuple[subprocess.Popen, str]:
+    """`edgespec serve` with these arguments (pinned to `cpus` if given), once healthy; stopped again if it is not
+    healthy within `timeout_s`."""
     port = free_port()
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     proc = subprocess.Popen([sys.executable, "-m", "edgespec.server.cli", "serve", "--port", str(port), *args],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, preexec_fn=pin)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server {args} exited; see {log}")
@@ -44,6 +46,8 @@ def start(args: list[str], log: Path, cpus: set[int] | None = None) -> tuple[sub
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
+    proc.terminate()
+    proc.wait(30)
     raise TimeoutError(f"server {args} not healthy; see {log}")
 
 

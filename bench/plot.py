@@ -63,3 +63,25 @@ def plot_versus(results: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_leaderboard(path: Path, title: str, rows: list[tuple[str, float]], ours: tuple[str, float]) -> None:
+    """Horizontal bars, one per leaderboard row (name, percent), with our row among them in another colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = sorted([*[(n, v, False) for n, v in rows], (*ours, True)], key=lambda r: r[1])
+    fig, ax = plt.subplots(figsize=(10, max(3.0, 0.28 * len(bars) + 1.2)))
+    ax.barh([n for n, _, _ in bars], [v for _, v, _ in bars],
+            color=["tab:orange" if mine else "tab:blue" for _, _, mine in bars])
+    for y, (_, v, _) in enumerate(bars):
+        ax.annotate(f"{v:.1f}%", (v, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+    ax.set_xlim(0, 110)
+    ax.set_xlabel("good, % of scored outputs")
+    ax.tick_params(axis="y", labelsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,7 +1,8 @@
 """Turning logits into the distribution a request samples from, and sampling it.
 
 The order of operations (fixed, shared by every policy so that exact policies sample the same distribution
-as naive): logit_bias, presence/frequency penalties over the tokens generated so far, the grammar's mask
+as naive): logit_bias, the repetition penalty and presence/frequency penalties over the tokens generated so far
+(llama.cpp's order), the grammar's mask
 (decoding/grammar.py: tokens it forbids get -inf), then temperature, top_k, top_p, min_p, renormalise.
 Temperature 0 is the point mass on the argmax of the biased, penalised, masked logits.
 """
@@ -45,6 +46,11 @@ class Sampler:
         p = self.params
         if self.bias is not None:
             logits = logits + self.bias
+        if p.repetition_penalty != 1.0:  # llama.cpp's (and Ollama's repeat_penalty): a seen token's logit is
+            # divided by the penalty when positive, multiplied by it when negative, so it always loses ground
+            seen = self.counts > 0
+            logits = torch.where(seen & (logits > 0), logits / p.repetition_penalty,
+                                 torch.where(seen, logits * p.repetition_penalty, logits))
         if p.presence_penalty or p.frequency_penalty:
             logits = logits - p.presence_penalty * (self.counts > 0) - p.frequency_penalty * self.counts
         if self.constraint is not None:

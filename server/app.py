@@ -1,4 +1,5 @@
-"""The HTTP layer: OpenAI routes, auth, SSE framing, health and metrics. No tensor code here."""
+"""The HTTP layer: OpenAI routes (and Ollama's, server/ollama_routes.py), auth, SSE framing, health and metrics.
+No tensor code here."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from sse_starlette import EventSourceResponse
 from starlette.datastructures import Headers
 
 from edgespec.server.dashboard import Dashboard, DashboardState
-from edgespec.server.errors import APIError, error_response, install_error_handlers
+from edgespec.server.errors import OLLAMA_PREFIX, APIError, error_response, install_error_handlers
+from edgespec.server.ollama_routes import ollama_router
 from edgespec.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,7 +36,7 @@ from edgespec.workers.counted_body import CountedBody
 
 class _LimitsAndCounts:
     """Refuses bodies over max_request_bytes (by Content-Length, or counted as a chunked body arrives) and
-    counts /v1 requests by route template and status.
+    counts the API's requests (/v1 and Ollama's /api) by route template and status.
 
     Plain ASGI on purpose: an @app.middleware("http") (BaseHTTPMiddleware) wraps `receive` so that
     request.is_disconnected() never sees the client leave, and a non-streamed generation would run on.
@@ -61,7 +63,7 @@ class _LimitsAndCounts:
             if body.exceeded:  # whatever the app made of the aborted body (FastAPI: a 400), the client gets a 413
                 if message["type"] == "http.response.start":
                     status = 413
-                    await error_response(too_large(f"more than {limit}"))(scope, receive, send)
+                    await error_response(too_large(f"more than {limit}"), scope["path"])(scope, receive, send)
                 return
             if message["type"] == "http.response.start":
                 status = message["status"]
@@ -70,11 +72,11 @@ class _LimitsAndCounts:
         length = Headers(scope=scope).get("content-length")
         try:
             if length and length.isdigit() and int(length) > limit:
-                await error_response(too_large(length))(scope, receive, send_counted)
+                await error_response(too_large(length), scope["path"])(scope, receive, send_counted)
             else:
                 await self.app(scope, body.receive, send_counted)
         finally:
-            if scope["path"].startswith("/v1/"):
+            if scope["path"].startswith(("/v1/", OLLAMA_PREFIX)):
                 route = scope.get("route")  # the template, so that arbitrary paths make no new series
                 self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status)).inc()
 
@@ -106,6 +108,8 @@ def create_app(service: CompletionService, on_shutdown=None) -> FastAPI:
         if api_keys and not any_bearer_ok(request.headers.get("authorization"), api_keys):
             raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'", None,
                            "invalid_api_key")
+
+    app.include_router(ollama_router(service, require_key))  # the Ollama API: server/ollama_routes.py
 
     @app.get("/health")
     async def health():

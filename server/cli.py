@@ -8,6 +8,7 @@ not installed with the package: its commands run from a checkout of the reposito
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Iterator
@@ -45,6 +46,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--queue-timeout-s", type=float, help="how long a request may wait for KV cache room (default 60)")
     p.add_argument("--tool-call-threshold", type=float, help="tool_choice auto: call when log P(the call opening) "
                    "reaches this (default -7)")
+    p.add_argument("--ollama-options", type=json.loads, help="the Ollama API's options for requests that leave "
+                   "them unset, as JSON (what a Modelfile's PARAMETER lines set), e.g. '{\"temperature\": 0}'")
     p.add_argument("--log-level")
     p.add_argument("--local-workers", type=int, help="start N worker processes on loopback and serve through them")
     p.add_argument("--cluster", help="TOML file naming running workers (see config/cluster.example.toml)")

@@ -1,6 +1,7 @@
 """OpenAI error objects: {"error": {"message", "type", "param", "code"}} with the right status code, for every
 error the controller answers: its own (APIError), invalid requests (400 naming the parameter), Starlette's (404,
-405) and any unexpected fault (500, logged with its traceback)."""
+405) and any unexpected fault (500, logged with its traceback). Under the Ollama API's paths (/api/...) the same
+errors are Ollama's error JSON, {"error": "message"}, with the same status codes."""
 
 from __future__ import annotations
 
@@ -39,8 +40,17 @@ class APIError(Exception):
                           "code": self.code}}
 
 
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+OLLAMA_PREFIX = "/api/"  # the Ollama API's routes (server/ollama_routes.py): its error shape
+
+
+def ollama_path(path: str) -> bool:
+    return path.startswith(OLLAMA_PREFIX)
+
+
+def error_response(err: APIError, path: str = "") -> JSONResponse:
+    """The error as the API at `path` answers it: Ollama's {"error": message} under /api/, else OpenAI's."""
+    body = {"error": err.message} if ollama_path(path) else err.body()
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
 def _param(loc) -> str | None:
@@ -69,16 +79,16 @@ def internal_error() -> APIError:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return error_response(exc)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError):
-        return error_response(validation_error(list(exc.errors())))
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return error_response(validation_error(list(exc.errors())), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
-        return error_response(APIError(exc.status_code, str(exc.detail), headers=exc.headers))
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return error_response(APIError(exc.status_code, str(exc.detail), headers=exc.headers), request.url.path)
 
     # Starlette runs a handler for Exception in its outermost middleware, so that even a fault in another
     # middleware is answered as an error object rather than its plain-text page (it re-raises afterwards, and
@@ -86,4 +96,4 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         log.exception("unexpected error answering %s %s", request.method, request.url.path, exc_info=exc)
-        return error_response(internal_error())
+        return error_response(internal_error(), request.url.path)

@@ -241,6 +241,8 @@ class SamplingFields(CheckedBody):
     seed: int | None = Field(None, ge=-INT64, lt=INT64, description="a signed 64-bit integer")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # vLLM's and llama.cpp's extension (Ollama's repeat_penalty): 1 is off
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     stop: str | list[str] | None = None
     max_tokens: int | None = Field(None, ge=1)

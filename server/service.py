@@ -4,6 +4,7 @@ token ids, text and grammars."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncGenerator
 from contextlib import aclosing, asynccontextmanager
 
@@ -121,10 +122,14 @@ class CompletionService:
         calls = call_extractor(self.template.syntax, enabled, legacy=chat is not None and chat.legacy_functions)
         return AnswerReader(calls, ThinkSplitter(thinking.opened) if thinking else None)
 
+    def text_prompt(self, text: str) -> list[int]:
+        """A text completion's prompt as the model reads it (with the tokenizer's own BOS, where it adds one)."""
+        return self.tokenizer.encode(text)
+
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt_given()
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return self.text_prompt(prompt)
         vocab = self.loaded.cfg.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
@@ -137,15 +142,19 @@ class CompletionService:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
     async def chat_request(self, req: SamplingFields, chat: ChatInput, max_tokens: int | None, logprobs: bool = False,
-                           top_logprobs: int = 0, max_param: str = "max_tokens"
+                           top_logprobs: int = 0, max_param: str = "max_tokens",
+                           rendered: tuple[list[int], ThinkBlock | None] | None = None
                            ) -> tuple[GenerationRequest, AnswerReader]:
-        """A chat request (chat completions or the Responses API) as the internal request: its prompt rendered
-        with its tools, and the grammar its tools and response format need; and the reader of its answer."""
-        prompt, thinking = self.chat_prompt(chat)
+        """A chat request (chat completions, the Responses API, Ollama's chat) as the internal request: its prompt
+        rendered with its tools, and the grammar its tools and response format need; and the reader of its answer.
+        rendered: chat_prompt(chat), when the caller has it already (it measured the prompt)."""
+        prompt, thinking = rendered if rendered is not None else self.chat_prompt(chat)
         grammar, trigger, route = await self.structure(chat, thinking)
         question = next((m.content for m in reversed(chat.messages) if m.role == "user"), None)
         gen = self.generation_request(req, prompt, max_tokens, logprobs, top_logprobs, "messages", grammar, trigger,
                                       route, question, max_param)
+        if stops := self.template.answer_stops(chat):
+            gen = dataclasses.replace(gen, stop=gen.stop + stops)
         return gen, self.reader(chat, thinking)
 
     def generation_request(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int | None, logprobs: bool,
@@ -195,7 +204,8 @@ class CompletionService:
         temperature = req.temperature if req.temperature >= MIN_TEMPERATURE else 0.0
         sampling = SamplingParams(
             temperature=temperature, top_p=max(req.top_p, MIN_TOP_P), top_k=req.top_k, min_p=req.min_p, seed=req.seed,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=bias,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty, logit_bias=bias,
             logprobs=logprobs, top_logprobs=top_logprobs)
         if "question" in chosen.options and "question" not in options and question:
             options = {**options, "question": question}  # outline and auto's router prompt around it
@@ -227,9 +237,12 @@ class CompletionService:
                 delta.tokens, delta.logprobs, delta.stats = len(event.token_ids), event.logprobs, event.stats
                 yield delta
 
-    async def embeddings(self, req: EmbeddingRequest) -> tuple[list[list[float]], int]:
+    async def embeddings(self, req: EmbeddingRequest, window: int | None = None,
+                         truncate: bool = False) -> tuple[list[list[float]], int]:
         """One unit vector per input (model/embedding.py: the final-normed last layer, mean-pooled), and the
-        input tokens counted."""
+        input tokens counted. An input longer than `window` tokens (default and at most: the context) is refused,
+        or with `truncate` (Ollama's) cut to its first `window` tokens."""
+        window = self.context if window is None else min(window, self.context)
         hidden = self.loaded.cfg.hidden_size
         if req.dimensions is not None and req.dimensions != hidden:
             raise APIError(400, f"this model's embeddings have {hidden} dimensions, not {req.dimensions}",
@@ -244,9 +257,12 @@ class CompletionService:
                 raise APIError(400, "input must not contain an empty string or token list", "input")
             if any(not 0 <= t < vocab for t in tokens):
                 raise APIError(400, f"input token ids must be in [0, {vocab})", "input")
-            if len(tokens) > self.context:
-                raise APIError(400, f"an input of {len(tokens)} tokens exceeds this model's context of "
-                               f"{self.context}", "input", "context_length_exceeded")
+            if truncate:
+                tokens = tokens[:window]
+            if len(tokens) > window:
+                where = "this model's context" if window == self.context else "the context window"
+                raise APIError(400, f"an input of {len(tokens)} tokens exceeds {where} of {window}", "input",
+                               "context_length_exceeded")
             ids.append(tokens)
         total = sum(map(len, ids))
         self.metrics.prompt_tokens.inc(total)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -104,6 +104,10 @@ class ServeSettings(BaseSettings):
     tool_call_threshold: float = Field(-7.0, description="tool_choice auto: the answer is a call when log P(the "
                                        "call's opening | prompt) reaches this (SmolLM2-135M: device commands "
                                        "-4.6..-6.5, chit-chat -8.2..-16.4); higher calls less often")
+    ollama_options: dict[str, Any] = Field(default_factory=dict, description="the Ollama API's options for "
+                                           "requests that leave them unset, as a Modelfile's PARAMETER lines set "
+                                           "them (Home Assistant's Ollama integration sends only num_ctx): JSON, "
+                                           "e.g. '{\"temperature\": 0, \"num_predict\": 256}'")
     log_level: str = "info"
 
     @field_validator("api_key", mode="before")

@@ -38,6 +38,18 @@ _TEXT_OR_CALLS = "\n".join([
     "TEXT_OPEN: TEXT OPEN",
     "ANY: /(?s:.*)/",
 ])
+# Text after tool results were shown in tags: words that open with a character of their own (not "<", not
+# nothing). Measured on Home Assistant's results (greedy, the 135M model): after a result the model opened its
+# text by copying the result block, markup and all, or writing one of its own (6 of 6 with the result in a user
+# turn; 2 of 4 text answers with it in the assistant's turn, tool_prompt.py); its next likeliest openings were
+# words ("Yes, it did."). An empty answer is no way out: Home Assistant's OpenAI integration (2025.4.4) asks
+# again, ten times, then fails the turn. A call after results is the trigger's alone: a text branch that still
+# offered the tag turned the refused "<" into a call (after GetLiveContext's result, GetLiveContext again).
+_SPOKEN = "\n".join([
+    "start: TEXT",
+    "TEXT: /[ \\t\\n]*[^< \\t\\n](?s:.*)/ & ~(ANY OPEN ANY)",
+    "ANY: /(?s:.*)/",
+])
 # tool_choice auto with bare JSON calls (JsonCalls): free text that does not open as a call does, or the calls.
 # The calls are the whole answer (llama.cpp reads a Llama 3.x call only at the start, too), so a text that
 # starts like one is refused and a malformed call cannot pass as text.
@@ -89,7 +101,11 @@ def _plan(chat: ChatInput, syntax: Syntax) -> GrammarPlan | None:
         raise GrammarError("tool_choice asks for a tool call, but the request lists no tools", "tool_choice")
     fmt = chat.response_format
     json_rules = _response_rules(fmt) if fmt is not None else None
+    # after results shown in a call tag's format, text opens with words (_SPOKEN), unless it is a response format
+    spoken = isinstance(syntax, CallSyntax) and json_rules is None and any(m.role == "tool" for m in chat.messages)
     if not chat.calls_allowed:
+        if spoken:
+            return GrammarPlan(f'{_SPOKEN}\nOPEN: {json.dumps(syntax.open)}')
         return None if json_rules is None else GrammarPlan(f"start: json\n{json_rules}")
     max_calls = PARALLEL_CALLS if chat.parallel_tool_calls and not chat.legacy_functions else 1
     tools = _chosen_tools(chat)
@@ -103,6 +119,8 @@ def _plan(chat: ChatInput, syntax: Syntax) -> GrammarPlan | None:
     trigger = syntax.open + ("[" if syntax.array else "")
     if json_rules is not None:
         return GrammarPlan(f"start: json | OPEN calls\n{json_rules}\n{call_rules}", forced, trigger, routes)
+    if spoken:
+        return GrammarPlan(f"{_SPOKEN}\n{call_rules}", forced, trigger, routes)
     return GrammarPlan(f"{_TEXT_OR_CALLS}\n{call_rules}", forced, trigger, routes)
 
 

@@ -27,6 +27,9 @@ class CallSyntax:
 SMOLLM2 = CallSyntax("<tool_call>", "</tool_call>", True)
 HERMES = CallSyntax("<tool_call>", "</tool_call>", False)  # Qwen / Hermes templates; several calls: several tags
 
+# How the polyfill shows a tool's result to the model (as Ollama's smollm2 template does); never an answer's text
+RESULT_OPEN, RESULT_CLOSE = "<tool_response>", "</tool_response>"
+
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.x's token before a call (3.1's built-in tools; 3.2 writes it before JSON too)
 
 
@@ -122,7 +125,9 @@ class ChatTemplate:
                 messages = _one_call_a_turn(messages)
         else:
             tools = None
-            messages = _polyfill_messages(chat)
+            messages, going_on = _polyfill_messages(chat)
+            if going_on:  # the answer after the results goes on in the turn that made the calls
+                return self._continue(messages, **chat.template_kwargs)
         try:
             return self._apply(messages, True, tools=tools, **chat.template_kwargs)
         except Exception as exc:  # the template is the model's code; any failure is the request's
@@ -146,6 +151,21 @@ class ChatTemplate:
     def _channel(self, system: str) -> str:
         text = self._apply([{"role": "system", "content": system}, {"role": "user", "content": _CHANNEL_MARK}], False)
         return text[:text.index(_CHANNEL_MARK)]
+
+    def answer_stops(self, chat: ChatInput) -> tuple[str, ...]:
+        """Where an answer ends besides the client's stop sequences: with the polyfill, where the model starts a
+        tool's result of its own (only the client writes results; after Home Assistant's GetLiveContext the
+        135M model wrote one, a made-up state inside the polyfill's markup, as its reply)."""
+        shown = chat.calls_allowed or any(m.role == "tool" for m in chat.messages)
+        return (RESULT_OPEN,) if shown and not self.native else ()
+
+    def _continue(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> str:
+        """The prompt of `messages` ending inside the last (assistant) message, for the answer to go on there."""
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True,
+                                                      **template_kwargs)
+        except Exception as exc:  # the template is the model's code; any failure is the request's
+            raise ValueError(f"the chat template rejected the conversation: {exc}") from exc
 
     def _apply(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> str:
@@ -183,7 +203,9 @@ def tool_block(tools: tuple[ToolSpec, ...]) -> str:
     return SMOLLM2_TOOL_PROMPT.format(tools=compact(listed))
 
 
-def _polyfill_messages(chat: ChatInput) -> list[dict[str, Any]]:
+def _polyfill_messages(chat: ChatInput) -> tuple[list[dict[str, Any]], bool]:
+    """The messages of `chat` in SmolLM2's function-calling format, and whether the prompt goes on in the last
+    one (an assistant turn whose calls' results end the conversation) rather than in a new turn."""
     messages = list(chat.messages)
     out: list[dict[str, Any]] = []
     if chat.calls_allowed:
@@ -196,22 +218,36 @@ def _polyfill_messages(chat: ChatInput) -> list[dict[str, Any]]:
         parts = [m.content for m in messages[:leading] if m.content] + [tool_block(chat.tools)]
         out.append({"role": "system", "content": "\n\n".join(parts)})
         messages = messages[leading:]
-    previous: Message | None = None
+    # A call, its results and what the assistant says after them are one assistant turn: the template has no
+    # role for results. Measured on Home Assistant's requests (greedy, five results of its tools): with each
+    # result in a user turn of its own, the 135M model answered as that user did, copying the result block,
+    # markup and all, as the reply HA spoke (5 of 5); inside its own turn it wrote a sentence after both action
+    # results, a new call after the error, and a result block of its own after GetLiveContext's two (text after
+    # results now opens with words: structured.py, _SPOKEN).
+    in_turn = False  # the last turn in `out` is an assistant's call turn that results and its answer extend
     for m in messages:
-        if m.role == "tool":
-            block = f"<tool_response>\n{m.content}\n</tool_response>"
-            if previous is not None and previous.role == "tool":  # consecutive results share one user turn
-                out[-1]["content"] += "\n" + block
-            else:
-                out.append({"role": "user", "content": block})
-        elif m.role == "assistant" and m.tool_calls:
-            calls = compact([{"name": c.name, "arguments": _arguments(c)} for c in m.tool_calls])
-            tag = f"{SMOLLM2.open}{calls}{SMOLLM2.close}"
-            out.append({"role": "assistant", "content": f"{m.content}\n{tag}" if m.content else tag})
+        if m.role == "tool" and in_turn:
+            out[-1]["content"] += f"\n{RESULT_OPEN}\n{m.content}\n{RESULT_CLOSE}"
+        elif m.role == "tool":  # a result of no call shown (a history that starts with one): a turn of its own
+            out.append({"role": "user", "content": f"{RESULT_OPEN}\n{m.content}\n{RESULT_CLOSE}"})
+        elif m.role == "assistant" and in_turn:
+            out[-1]["content"] += "\n" + _assistant_text(m)
         else:
-            out.append({"role": m.role, "content": m.content})
-        previous = m
-    return out
+            out.append({"role": m.role, "content": _assistant_text(m) if m.role == "assistant" else m.content})
+        in_turn = (m.role == "assistant" and bool(m.tool_calls)) or (m.role == "tool" and in_turn)
+    going_on = bool(messages) and messages[-1].role == "tool" and in_turn
+    if going_on:
+        out[-1]["content"] += "\n"  # the answer goes on in the turn, on a line of its own
+    return out, going_on
+
+
+def _assistant_text(m: Message) -> str:
+    """An assistant message's text and its calls, in SmolLM2's tag."""
+    if not m.tool_calls:
+        return m.content
+    calls = compact([{"name": c.name, "arguments": _arguments(c)} for c in m.tool_calls])
+    tag = f"{SMOLLM2.open}{calls}{SMOLLM2.close}"
+    return f"{m.content}\n{tag}" if m.content else tag
 
 
 def _arguments(call: ToolCall) -> Any:

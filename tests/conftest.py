@@ -90,3 +90,13 @@ def tiny_loaded(tiny):
     model = load_local(resolve_model(tiny), "float32", 1.0, ModelThread(1))
     yield model
     model.executor.close()
+
+
+@pytest.fixture(scope="session")
+def servers(tmp_path_factory):
+    """Servers shared by the tests that serve the same configuration (processes.Servers), stopped at the end."""
+    from processes import Servers
+
+    pool = Servers(tmp_path_factory.mktemp("servers"))
+    yield pool
+    pool.close()

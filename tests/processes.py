@@ -16,20 +16,31 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports (each socket is held until all are found)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 class Proc:
-    """A child process of `python -m edgespec.server.cli ...` with its log; stopped by stop()."""
+    """A child process of `python -m edgespec.server.cli ...` (or of `command ...`: the Home Assistant tests, in a
+    venv without edgespec, run the main venv's `edgespec`) with its log; stopped by stop()."""
 
-    def __init__(self, args: list[str], log: Path, env: dict | None = None):
+    def __init__(self, args: list[str], log: Path, env: dict | None = None, command: list[str] | None = None):
         self.args, self.log = args, log
+        command = [sys.executable, "-m", "edgespec.server.cli"] if command is None else command
         with open(log, "ab") as f:
-            self.proc = subprocess.Popen([sys.executable, "-m", "edgespec.server.cli", *args], cwd=REPO, stdout=f,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=None if env is None else {**os.environ, **env})
+            self.proc = subprocess.Popen([*command, *args], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=None if env is None else {**os.environ, **env})
 
     def wait_healthy(self, url: str, headers: dict | None = None, timeout_s: float = 180) -> None:
         deadline = time.monotonic() + timeout_s
@@ -71,12 +82,32 @@ class Proc:
 
 def start_worker(tmp: Path, token: str, model: str | None, name: str, port: int | None = None,
                  *extra: str) -> tuple[Proc, str]:
-    port = port or free_port()
-    args = ["worker", "--port", str(port), "--token", token, "--name", name, "--threads", "1", *extra]
-    proc = Proc(args + (["--model", model] if model else []), tmp / f"{name}.log")
-    url = f"http://127.0.0.1:{port}"
+    proc, url = _spawn_worker(tmp, token, model, name, port or free_port(), extra)
     proc.started(url, {"authorization": f"Bearer {token}"})
     return proc, url
+
+
+def start_workers(tmp: Path, token: str, model: str | None, extra: dict[str, tuple[str, ...]]
+                  ) -> dict[str, tuple[Proc, str]]:
+    """start_worker for each name with its extra arguments, all spawned before any is waited for (their starts,
+    seconds of importing torch each, overlap)."""
+    ports = free_ports(len(extra))
+    spawned = {name: _spawn_worker(tmp, token, model, name, port, args)
+               for (name, args), port in zip(extra.items(), ports, strict=True)}
+    try:
+        for proc, url in spawned.values():
+            proc.wait_healthy(url, {"authorization": f"Bearer {token}"})
+    except BaseException:
+        for proc, _ in spawned.values():
+            proc.stop()
+        raise
+    return spawned
+
+
+def _spawn_worker(tmp: Path, token: str, model: str | None, name: str, port: int,
+                  extra: tuple[str, ...]) -> tuple[Proc, str]:
+    args = ["worker", "--port", str(port), "--token", token, "--name", name, "--threads", "1", *extra]
+    return Proc(args + (["--model", model] if model else []), tmp / f"{name}.log"), f"http://127.0.0.1:{port}"
 
 
 def start_server(tmp: Path, name: str, *extra: str, env: dict | None = None) -> tuple[Proc, str]:
@@ -86,6 +117,32 @@ def start_server(tmp: Path, name: str, *extra: str, env: dict | None = None) -> 
     url = f"http://127.0.0.1:{port}"
     proc.started(url)
     return proc, url
+
+
+class Servers:
+    """`edgespec serve` processes by their arguments, each started at its first request and stopped by close():
+    tests that serve one configuration share one server (a start with workers is 10-30 s of processes importing
+    torch, loading the model and profiling the cluster). A test that reads a counter of a shared server reads how
+    much it moved, not its value."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.started: dict[tuple[str, ...], tuple[Proc, str]] = {}
+
+    def url(self, *args: str) -> str:
+        if args not in self.started:
+            self.started[args] = start_server(self.tmp, f"shared{len(self.started)}", *args)
+        return self.started[args][1]
+
+    def close(self) -> None:
+        for proc, _ in self.started.values():
+            proc.stop()
+
+
+def local_workers(model: str, n: int, *extra: str) -> tuple[str, ...]:
+    """serve's arguments for `model` over n local workers of one thread each, layers placed evenly (every worker
+    on the path); one spelling, so that the tests that serve it share the server (Servers)."""
+    return ("--model", model, "--local-workers", str(n), "--placement", "even", "--worker-threads", "1", *extra)
 
 
 def tiny_chat_model(folder: Path, smollm2: Path) -> Path:

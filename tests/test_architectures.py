@@ -36,14 +36,29 @@ def make_model(kind: str, folder: Path, seed: int = 0, **overrides) -> Path:
     return tiny_model(kind, folder, seed, SHAPE, **overrides)
 
 
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """kind -> (the tiny model of that architecture: its folder, and the folder as a float32 GGUF beside it or
+    None where llama.cpp's converter writes none (Ministral)), each made once for the module's tests: a GGUF's
+    config and tokenizer are read into the cache at its first load, seconds for a 150k-token vocabulary."""
+    made: dict[str, tuple[Path, Path | None]] = {}
+
+    def get(kind: str) -> tuple[Path, Path | None]:
+        if kind not in made:
+            tmp = tmp_path_factory.mktemp(kind)
+            folder = make_model(kind, tmp / "folder")
+            converted = json.loads((folder / "config.json").read_text())["model_type"] in CONVERTER
+            made[kind] = folder, write_gguf(folder, tmp / f"{kind}.f32.gguf") if converted else None
+        return made[kind]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=sorted(ARCH_CLASSES))
-def model(request, tmp_path_factory):
+def model(request, files):
     """(kind, folder, GGUF file or None where llama.cpp's converter writes none (Ministral), transformers'
     reference)."""
-    folder = make_model(request.param, tmp_path_factory.mktemp(request.param))
-    gguf = None
-    if json.loads((folder / "config.json").read_text())["model_type"] in CONVERTER:
-        gguf = write_gguf(folder, tmp_path_factory.mktemp(f"{request.param}-gguf") / f"{request.param}.f32.gguf")
+    folder, gguf = files(request.param)
     return request.param, folder, gguf, load_reference(folder)
 
 
@@ -103,10 +118,10 @@ def test_the_gguf_config_has_the_folders_shapes(model):
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
-def test_a_4bit_token_embedding_is_looked_up_exactly(kind, tmp_path):
+def test_a_4bit_token_embedding_is_looked_up_exactly(kind, files, tmp_path):
     # llama.cpp's quantizer writes token_embd in the file's 4-bit type: every request failed on it (issue 36);
     # the lookup is the same in every architecture
-    folder = make_model("qwen3", tmp_path / "qwen3")
+    folder, _ = files("qwen3")
     ref = load_reference(folder)
     gguf = write_gguf(folder, tmp_path / f"qwen3.{kind}.gguf", kinds={"token_embd.weight": kind})
     blocks = load_blocks(resolve_model(str(gguf)).folder)
@@ -246,35 +261,32 @@ def test_a_folders_generation_config_adds_its_end_ids(tmp_path):
     assert ModelConfig.from_folder(folder).eos_token_ids == (eos, 7)
 
 
-def paths_gguf(tmp_path_factory, kind: str) -> Path:
-    """A tiny model of architecture `kind` as a float32 GGUF, shared by a module's tests of the other paths."""
-    tmp = tmp_path_factory.mktemp(f"{kind}-paths")
-    return write_gguf(make_model(kind, tmp / "folder"), tmp / f"{kind}.f32.gguf")
+# the GGUFs of the other paths are the module's (files): its folder beside it is transformers' reference
 
 
 @pytest.fixture(scope="module")
-def qwen3_gguf(tmp_path_factory) -> Path:
+def qwen3_gguf(files) -> Path:
     """A Qwen3 GGUF (per-head q/k norms, heads wider than hidden / heads), for the other paths."""
-    return paths_gguf(tmp_path_factory, "qwen3")
+    return files("qwen3")[1]
 
 
 @pytest.fixture(scope="module")
-def phi3_gguf(tmp_path_factory) -> Path:
+def phi3_gguf(files) -> Path:
     """A Phi-3 GGUF (fused projections, partial rotary, longrope), for the other paths."""
-    return paths_gguf(tmp_path_factory, "phi3")
+    return files("phi3")[1]
 
 
 @pytest.fixture(scope="module")
-def smollm3_gguf(tmp_path_factory) -> Path:
+def smollm3_gguf(files) -> Path:
     """A SmolLM3 GGUF (its fourth layer NoPE), for the other paths."""
-    return paths_gguf(tmp_path_factory, "smollm3")
+    return files("smollm3")[1]
 
 
 @pytest.fixture(scope="module")
-def granite_gguf(tmp_path_factory) -> Path:
+def granite_gguf(files) -> Path:
     """A Granite GGUF (its multipliers of embeddings, attention logits, block outputs and logits), for the other
     paths."""
-    return paths_gguf(tmp_path_factory, "granite")
+    return files("granite")[1]
 
 
 @pytest.fixture(scope="module", params=["qwen3", "gemma3", "phi3", "smollm3", "granite", "ministral"])

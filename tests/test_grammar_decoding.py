@@ -106,7 +106,18 @@ def masked_probs(sampler: Sampler, logits: torch.Tensor) -> torch.Tensor:
     return sampler.probs(logits).double()
 
 
-def test_verify_under_a_grammar_samples_the_masked_target(tiny_loaded, grammars):
+@pytest.fixture
+def one_thread():
+    """This thread's torch ops on one OpenMP thread: the loop below is 1500 rounds of small ops on 49152-token
+    vectors, which a second thread does not speed up on free cores and slows about tenfold when other processes
+    hold them (each op waits for a descheduled thread: 115 s against 7 s measured on two loaded cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_verify_under_a_grammar_samples_the_masked_target(tiny_loaded, grammars, one_thread):
     # One draft from a drafter's distribution q that puts most of its mass on tokens the grammar forbids; the
     # emitted first token must follow the target masked by the grammar (a rule that read the unmasked p, or
     # kept a forbidden draft, fails: the forbidden tokens have 0 expected count).

@@ -15,13 +15,19 @@ from edgespec.server.settings import ServeSettings
 PROMPT = "Repeat this sentence twice: the quick brown fox jumps over the lazy dog."
 
 
+# float16 in-process is the default: the session's server (conftest.py), which test_api_exact.py asks too
 @pytest.mark.slow
 @pytest.mark.parametrize(("kv", "extra"), [("q8_0", ("--local-workers", "2", "--placement", "even")),
-                                           ("float16", ())], ids=["q8_0-workers", "float16-inprocess"])
-def test_exact_policies_are_exact_in_every_kv_format(kv, extra, tmp_path):
-    proc, url = start_server(tmp_path, kv, "--kv-format", kv, *extra)
-    try:
+                                           ("float16", None)], ids=["q8_0-workers", "float16-inprocess"])
+def test_exact_policies_are_exact_in_every_kv_format(kv, extra, tmp_path, request):
+    proc = None
+    if extra is None:
+        assert ServeSettings().kv_format == kv
+        client = request.getfixturevalue("client")
+    else:
+        proc, url = start_server(tmp_path, kv, "--kv-format", kv, *extra)
         client = OpenAI(base_url=url + "/v1", api_key="none")
+    try:
         naive = answer(client, PROMPT, "naive")
         for decoding in EXACT:
             assert answer(client, PROMPT, decoding, stream=True) == naive, decoding
@@ -29,7 +35,8 @@ def test_exact_policies_are_exact_in_every_kv_format(kv, extra, tmp_path):
                                                messages=[{"role": "user", "content": PROMPT}])
         assert again.usage.prompt_tokens_details.cached_tokens > 0 and again.choices[0].message.content == naive
     finally:
-        proc.stop()
+        if proc is not None:
+            proc.stop()
 
 
 def test_an_unknown_kv_format_is_refused_by_name():

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from processes import greedy, model_id, start_server, start_worker
+from processes import greedy, model_id, start_server, start_worker, start_workers
 
 from edgespec.model.config import ModelConfig
 from edgespec.model.timing import model_card
@@ -91,9 +91,10 @@ def test_memory_threshold_replans_mid_generation(tiny, reference, tmp_path):
     # 330 slots: the re-plan mid-answer must move a layer to w1 and rebuild the session's cache there.
     token = secrets.token_hex(8)
     budget = 620 * KIB
-    procs, urls = {}, {}
-    for name, gib in (("w0", budget / 2**30), ("w1", 1.0)):
-        procs[name], urls[name] = start_worker(tmp_path, token, tiny, name, None, "--memory-budget-gib", f"{gib:.9f}")
+    started = start_workers(tmp_path, token, tiny, {name: ("--memory-budget-gib", f"{gib:.9f}")
+                                                    for name, gib in (("w0", budget / 2**30), ("w1", 1.0))})
+    procs = {name: proc for name, (proc, _) in started.items()}
+    urls = {name: url for name, (_, url) in started.items()}
     profile = write_profile(tmp_path / "profile.json", tiny, {"w0": budget, "w1": 2**30})
     server, url = start_server(tmp_path, "serve", "--model", tiny, "--cluster",
                                str(cluster_file(tmp_path / "c.toml", token, urls)), "--profile", str(profile),
@@ -121,10 +122,10 @@ def test_killed_worker_replans_and_joined_worker_is_used(tiny, reference, tmp_pa
     # a feasible plan on the other two; the killed one, started again, joins back.
     token = secrets.token_hex(8)
     budget = 450 * KIB
-    procs, urls = {}, {}
-    for name in ("w0", "w1", "w2"):
-        procs[name], urls[name] = start_worker(tmp_path, token, tiny, name, None,
-                                               "--memory-budget-gib", f"{budget / 2**30:.9f}")
+    started = start_workers(tmp_path, token, tiny, dict.fromkeys(("w0", "w1", "w2"),
+                                                                 ("--memory-budget-gib", f"{budget / 2**30:.9f}")))
+    procs = {name: proc for name, (proc, _) in started.items()}
+    urls = {name: url for name, (_, url) in started.items()}
     profile = write_profile(tmp_path / "profile.json", tiny, dict.fromkeys(urls, budget))
     server, url = start_server(tmp_path, "serve", "--model", tiny, "--cluster",
                                str(cluster_file(tmp_path / "c.toml", token, urls)), "--profile", str(profile),

@@ -102,6 +102,22 @@ def test_choose_records_tokens_for_the_penalties():
     assert s.counts.tolist() == [2.0, 2.0, 0.0]
 
 
+@pytest.mark.parametrize("penalty", [0.7, 1.3])
+def test_repetition_penalty_is_transformers_rule(penalty):
+    """transformers' RepetitionPenaltyLogitsProcessor over the tokens generated so far is the reference (a seen
+    token's logit divided by the penalty when positive, multiplied when negative)."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    logits = random_logits(seed=7)
+    generated = [3, 3, 11, 0, 20]
+    s = sampler(32, repetition_penalty=penalty)
+    for t in generated:
+        s.observe(t)
+    want = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([generated]), logits.clone()[None])[0]
+    assert torch.allclose(s.adjusted_logits(logits), want, atol=1e-6)
+    assert torch.equal(sampler(32, repetition_penalty=1.0).adjusted_logits(logits), logits)
+
+
 def test_bias_applies_before_penalties_and_temperature():
     logits = torch.tensor([0.0, 1.0, 2.0])
     s = sampler(3, temperature=2.0, presence_penalty=1.0, logit_bias={0: 3.0})

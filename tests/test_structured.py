@@ -15,7 +15,7 @@ import pytest
 from model_fixtures import smollm2_folder
 from transformers import AutoTokenizer
 
-from edgespec.server.chat_input import ChatInput, Message, ResponseFormat, ToolChoiceNamed, ToolSpec
+from edgespec.server.chat_input import ChatInput, Message, ResponseFormat, ToolCall, ToolChoiceNamed, ToolSpec
 from edgespec.server.structured import GrammarError, plan
 from edgespec.server.tool_prompt import HERMES, SMOLLM2
 
@@ -233,6 +233,28 @@ def test_auto_free_text_or_calls(run):
 def test_auto_enforces_the_call_after_the_tag(run, text):
     accepted, detail = run(plan(_chat(), SMOLLM2).grammar, text)
     assert not accepted, detail
+
+
+AFTER_A_RESULT = (*USER, Message("assistant", "", (ToolCall("call_1", "GetLiveContext", "{}"),)),
+                  Message("tool", '{"success":true}', tool_call_id="call_1"))
+
+
+@pytest.mark.parametrize("choice", ["auto", "none"])
+def test_after_a_result_the_text_opens_with_words(run, choice):
+    """Once results are shown, the text branch is words: not empty, not opening with markup (the result block the
+    135M model copied), never the call tag; a call after a result is the trigger's (forced) alone."""
+    p = plan(ChatInput(AFTER_A_RESULT, HA_TOOLS, choice), SMOLLM2)
+    for text in ["The kitchen light is on.", "\nYes, it did. <b>Done</b>", " 1 < 2"]:
+        assert run(p.grammar, text, eos_only=False)[0], text
+    for text in ["", " \n", '<tool_response>\n{"success":true}\n</tool_response>', "<b>Done</b>", GOOD_CALLS[0],
+                 "Sure. " + GOOD_CALLS[0]]:
+        assert not run(p.grammar, text, eos_only=False)[0], text
+    if choice == "auto":
+        assert p.trigger == "<tool_call>[" and p.forced == plan(_chat(choice="required"), SMOLLM2).grammar
+    # a response format keeps its own grammar; before any result, text is as free as ever
+    assert plan(ChatInput(AFTER_A_RESULT, HA_TOOLS, "none", response_format=ResponseFormat("json_object")),
+                SMOLLM2).grammar.startswith("start: json")
+    assert plan(_chat(choice="none"), SMOLLM2) is None
 
 
 def test_hermes_one_object_per_tag(run):

@@ -117,13 +117,37 @@ def test_the_trained_prompt_word_for_word():
     assert SMOLLM2_TOOL_PROMPT.format(tools="TOOLS") == card
 
 
-def test_polyfill_past_calls_and_tool_results(smol):
+CALLS = ('<tool_call>[{"name":"HassTurnOn","arguments":{"name":"kitchen light"}},'
+         '{"name":"GetLiveContext","arguments":{}}]</tool_call>')
+RESULTS = '<tool_response>\n{"success":true}\n</tool_response>\n<tool_response>\nkitchen light: on\n</tool_response>'
+
+
+def test_polyfill_past_calls_and_their_results_are_the_assistants_turn(smol):
     prompt = smol.render(ChatInput(TURN, TOOLS))
-    assert ('<|im_start|>assistant\n<tool_call>[{"name":"HassTurnOn","arguments":{"name":"kitchen light"}},'
-            '{"name":"GetLiveContext","arguments":{}}]</tool_call><|im_end|>') in prompt
-    assert ('<|im_start|>user\n<tool_response>\n{"success":true}\n</tool_response>\n'
-            "<tool_response>\nkitchen light: on\n</tool_response><|im_end|>") in prompt
+    assert f"<|im_start|>assistant\n{CALLS}\n{RESULTS}<|im_end|>\n<|im_start|>user\nthanks<|im_end|>" in prompt
     assert "<|im_start|>tool" not in prompt
+
+
+def test_after_the_results_the_answer_goes_on_in_the_turn_of_the_calls(smol):
+    """The prompt ends inside the assistant's turn, after its results, with no generation prompt of a new turn;
+    what it said after them, later in the history, is part of that turn."""
+    prompt = smol.render(ChatInput(TURN[:-1], TOOLS))
+    assert prompt.endswith(f"<|im_start|>assistant\n{CALLS}\n{RESULTS}\n")
+    answered = smol.render(ChatInput((*TURN[:-1], Message("assistant", "The light is on."), TURN[-1]), TOOLS))
+    assert f"{CALLS}\n{RESULTS}\nThe light is on.<|im_end|>\n<|im_start|>user\nthanks" in answered
+
+
+def test_a_result_with_no_call_before_it_is_a_turn_of_its_own(smol):
+    prompt = smol.render(ChatInput((Message("tool", "on", tool_call_id="x"), Message("user", "and?")), TOOLS))
+    assert "<|im_start|>user\n<tool_response>\non\n</tool_response><|im_end|>" in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_an_answer_ends_where_the_model_writes_a_result_of_its_own(smol, hermes):
+    assert smol.answer_stops(ChatInput(TURN, TOOLS)) == ("<tool_response>",)
+    assert smol.answer_stops(ChatInput(TURN, TOOLS, tool_choice="none")) == ("<tool_response>",)  # results shown
+    assert smol.answer_stops(ChatInput((Message("user", "hi"),))) == ()
+    assert hermes.answer_stops(ChatInput(TURN, TOOLS)) == ()  # a native template's own format is its own
 
 
 def test_polyfill_content_before_a_call_and_arguments_that_are_not_json(smol):

@@ -14,7 +14,7 @@ import pytest
 import torch
 import websockets
 from links import TestLink
-from processes import REPO, greedy, model_id, start_server, start_worker
+from processes import REPO, greedy, local_workers, model_id, start_server, start_worker, start_workers
 
 from edgespec.model.kv_pool import CapacityError
 from edgespec.model.stage import StageFailure
@@ -27,19 +27,22 @@ PROMPTS = ["Name three rivers.", "Write a haiku about the sea, please, with care
 
 
 @pytest.fixture(scope="module")
-def reference(tiny, tmp_path_factory):
-    """Greedy outputs of the in-process server."""
-    proc, url = start_server(tmp_path_factory.mktemp("ref"), "inproc", "--model", tiny)
-    try:
-        yield {p: greedy(url, p, 24) for p in PROMPTS}
-    finally:
-        proc.stop()
+def reference(tiny, servers):
+    """Greedy outputs of the in-process server (cold: test_workers_prefill.py's reference server)."""
+    url = servers.url("--model", tiny, "--prefix-cache-mib", "0")
+    return {p: greedy(url, p, 24) for p in PROMPTS}
 
 
-@pytest.mark.parametrize("n", [1, 2, 4])
-def test_local_workers_match_in_process(n, tiny, reference, tmp_path):
-    proc, url = start_server(tmp_path, f"serve{n}", "--model", tiny, "--local-workers", str(n),
-                             "--worker-threads", "1", "--placement", "even")  # every worker on the path
+# One worker is the first and the last stage at once; three have a first, a middle and a last (a fourth would be
+# another middle, the same relay). The two- and three-worker servers are test_workers_prefill.py's (its prefill
+# cuts at every token over three): one start each for both files. Decoding is one token a step whatever the cuts.
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_local_workers_match_in_process(n, tiny, reference, servers, tmp_path):
+    proc = None
+    if n == 1:
+        proc, url = start_server(tmp_path, f"serve{n}", *local_workers(tiny, n))
+    else:
+        url = servers.url(*local_workers(tiny, n, *(("--prefill-segment", "1") if n == 3 else ())))
     try:
         for prompt, expected in reference.items():
             assert greedy(url, prompt, 24) == expected
@@ -60,7 +63,8 @@ def test_local_workers_match_in_process(n, tiny, reference, tmp_path):
         if n == 2:
             concurrent_streams_share_one_message_per_link(url, reference)
     finally:
-        proc.stop()
+        if proc is not None:
+            proc.stop()
 
 
 def metric(text: str, name: str) -> float:
@@ -192,8 +196,7 @@ def _stream(url: str, prompt: str, max_tokens: int):
 
 def test_killed_worker_costs_the_stream_nothing_and_rejoins(tiny, reference, tmp_path):
     token = secrets.token_hex(8)
-    w0, url0 = start_worker(tmp_path, token, tiny, "w0")
-    w1, url1 = start_worker(tmp_path, token, tiny, "w1")
+    (w0, url0), (w1, url1) = start_workers(tmp_path, token, tiny, {"w0": (), "w1": ()}).values()
     port1 = int(url1.rsplit(":", 1)[1])
     cluster = tmp_path / "cluster.toml"
     cluster.write_text(f'token = "{token}"\n[[workers]]\nurl = "{url0}"\nname = "w0"\n'
@@ -253,16 +256,16 @@ def tool_calls(url: str) -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def smollm2_reference(tmp_path_factory):
-    ref, url = start_server(tmp_path_factory.mktemp("smolref"), "ref")
-    try:
-        yield greedy(url, SMOL_PROMPT, 32), tool_calls(url)
-    finally:
-        ref.stop()
+def smollm2_reference(servers):
+    """In-process, cold (test_workers_prefill.py's reference server of SmolLM2)."""
+    url = servers.url("--prefix-cache-mib", "0")
+    return greedy(url, SMOL_PROMPT, 32), tool_calls(url)
 
 
+# The planner's placement over four workers puts layers on each (a first, two middles in its own order, a last):
+# everything two would show; one holds every layer, first and last at once.
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("n", [1, 4])
 def test_smollm2_over_workers_matches_in_process(n, smollm2_reference, tmp_path):
     text, calls = smollm2_reference
     assert calls  # the command is a call in-process: over workers it must be the same call
