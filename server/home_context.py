@@ -149,3 +149,43 @@ def _listed(value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         return tuple(v.strip() for v in value.split(",") if v.strip())
     return ()
+
+
+def grounded(tool: ToolSpec, entities: tuple[Entity, ...]) -> ToolSpec:
+    """`tool` as the grammar holds it when the prompt lists the home's entities and the tool acts on them (its
+    schema has a `domain` property, as Home Assistant's entity intents do): its `name`, `area` and `domain` take
+    only the listed names (aliases too), areas and domains, and the optional arrays whose schema says nothing of
+    their items are left out. Measured on SmolLM2-135M with Home Assistant 2025.4.4's own turn "Turn on the
+    kitchen light": HassTurnOn was called with `{"area": "kitchen", "domain": ["kitchen", "area", "name"]}`
+    (OpenAI integration) and with `device_class` filled with made-up words (the Ollama integration strips the
+    arrays' item enums); HA's matching refused both and the light stayed off. Every call made under the
+    grounded schema is valid under the client's."""
+    params = tool.parameters
+    props = params.get("properties") if isinstance(params, dict) else None
+    if not entities or not isinstance(props, dict) or not isinstance(props.get("domain"), dict):
+        return tool
+    required = set(params.get("required") or ())
+    listed = {"name": sorted({n for e in entities for n in e.names}), "area": sorted({a for e in entities
+                                                                                    for a in e.areas}),
+              "domain": sorted({e.domain for e in entities})}
+    out: dict[str, Any] = {}
+    for key, schema in props.items():
+        if not isinstance(schema, dict):
+            out[key] = schema
+        elif listed.get(key):
+            out[key] = _only(schema, listed[key])
+        elif key in required or schema.get("type") != "array" or "items" in schema:
+            out[key] = schema
+    return ToolSpec(tool.name, tool.description, {**params, "properties": out})
+
+
+def _only(schema: dict[str, Any], values: list[str]) -> dict[str, Any]:
+    """`schema` (a string, or an array of strings) admitting only `values` (those its own enum admits too)."""
+    array = schema.get("type") == "array"
+    inner = schema.get("items", {}) if array else schema
+    if not isinstance(inner, dict) or inner.get("type", "string") != "string":
+        return schema
+    own = inner.get("enum")
+    kept = [v for v in values if not isinstance(own, list) or v in own] or own or values
+    inner = {**inner, "type": "string", "enum": kept}
+    return {**schema, "items": inner} if array else inner

@@ -12,8 +12,11 @@ from pathlib import Path
 import jsonschema
 import pytest
 from inprocess import LoopClient, controller_app
+from model_fixtures import smollm2_folder
+from processes import tiny_chat_model
 
 HA = json.loads((Path(__file__).resolve().parents[1] / "bench/prompts/ha_commands.json").read_text())
+HA_PROPERTIES = {t["function"]["name"]: t["function"]["parameters"]["properties"] for t in HA["tools"]}
 MODEL = "tiny"
 HOME = ("Static Context: An overview of the areas and the devices in this smart home:\n"
         "- names: Soundbar\n  domain: media_player\n  areas: Lounge\n"
@@ -31,8 +34,10 @@ STOPPERS = [stopper("ToolA", "media_player"), stopper("ToolB", "vacuum")]
 
 
 @pytest.fixture(scope="module")
-def client(tiny):
-    app, service = controller_app(tiny, served_model_name=MODEL)
+def client(tmp_path_factory):
+    # Home Assistant's prompt and 23 tools take about 2,500 tokens: more than the session's tiny model holds
+    tiny = tiny_chat_model(tmp_path_factory.mktemp("tiny-4k"), smollm2_folder(), max_position_embeddings=4096)
+    app, service = controller_app(str(tiny), served_model_name=MODEL)
     client = LoopClient(app)
     yield client
     client.close()
@@ -84,6 +89,12 @@ def test_required_answers_a_valid_call_that_opens_with_the_choice(client, prompt
     assert answer["choices"][0]["finish_reason"] == "tool_calls" and names
     scores = choice["route"]["scores"]
     assert names[0] == choice["route"]["chose"] == max(scores, key=scores.get)
+    # the tools that act on entities are grounded in the listed home, whatever the random model would write
+    for call in answer["choices"][0]["message"]["tool_calls"]:
+        args = json.loads(call["function"]["arguments"])
+        assert set(args.get("domain", [])) <= {e["domain"] for e in HA["home"]}
+        if "domain" in HA_PROPERTIES[call["function"]["name"]]:
+            assert args.get("name", "Kitchen Light") in {n.strip() for e in HA["home"] for n in e["names"].split(",")}
     assert choice["decide_ms"] >= 0
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from edgespec.server.chat_input import ChatInput, Message, ToolSpec
-from edgespec.server.home_context import Entity, admitted_domains, as_domains, listed_entities, mention
+from edgespec.server.home_context import Entity, admitted_domains, as_domains, grounded, listed_entities, mention
 from edgespec.server.tool_route import ToolRouter
 
 HA = json.loads((Path(__file__).resolve().parents[1] / "bench/prompts/ha_commands.json").read_text())
@@ -63,7 +63,7 @@ def test_named_entities_are_written_as_their_domains():
 
 def plan(tools, system: str, request: str):
     chat = ChatInput((Message("system", system), Message("user", request)), tuple(tools), "required")
-    return ToolRouter().plan(chat, request)
+    return ToolRouter().plan(chat, request, listed_entities([system]))
 
 
 def test_tools_whose_schema_leaves_out_the_named_domain_are_no_candidates():
@@ -96,3 +96,28 @@ def test_a_rare_shared_word_outweighs_a_common_one():
     # words that every tool and every sentence of the prompt hold weigh nothing
     assert plan(tools, "Set the scene.", "Set the volume to 20").overlap == pytest.approx(
         [overlap["Alpha"] - overlap["Beta"], 0, 0])
+
+
+def test_a_tool_acting_on_the_home_is_grounded_in_its_listed_entities():
+    home = (Entity(("Kitchen Light",), "light", ("Kitchen",)), Entity(("TV", "Telly"), "media_player", ("Lounge",)))
+    # Home Assistant's Ollama integration sends HassTurnOn's arrays without their items
+    ollama = ToolSpec("HassTurnOn", "Turns on/opens a device or entity", {
+        "type": "object", "required": [],
+        "properties": {"name": {"type": "string"}, "area": {"type": "string"}, "floor": {"type": "string"},
+                       "domain": {"type": "array"}, "device_class": {"type": "array"}}})
+    props = grounded(ollama, home).parameters["properties"]
+    assert props == {"name": {"type": "string", "enum": ["Kitchen Light", "TV", "Telly"]},
+                     "area": {"type": "string", "enum": ["Kitchen", "Lounge"]}, "floor": {"type": "string"},
+                     "domain": {"type": "array", "items": {"type": "string", "enum": ["light", "media_player"]}}}
+    # a domain enum of its own keeps only the listed domains it admits; item enums (the OpenAI integration's) stay
+    pause = next(t for t in HA_TOOLS if t.name == "HassMediaPause")
+    props = grounded(pause, home).parameters["properties"]
+    assert props["domain"]["items"]["enum"] == ["media_player"]
+    assert props["device_class"] == pause.parameters["properties"]["device_class"]
+
+
+def test_tools_that_do_not_act_on_entities_and_homes_listing_none_stay_as_sent():
+    timer = next(t for t in HA_TOOLS if t.name == "HassStartTimer")  # its `name` is the timer's: no `domain`
+    assert grounded(timer, HOME) is timer
+    turn_on = next(t for t in HA_TOOLS if t.name == "HassTurnOn")
+    assert grounded(turn_on, ()) is turn_on
