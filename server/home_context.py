@@ -151,23 +151,31 @@ def _listed(value: Any) -> tuple[str, ...]:
     return ()
 
 
-def grounded(tool: ToolSpec, entities: tuple[Entity, ...]) -> ToolSpec:
-    """`tool` as the grammar holds it when the prompt lists the home's entities and the tool acts on them (its
+def grounded(tool: ToolSpec, home: tuple[Entity, ...], named: Mention) -> ToolSpec:
+    """`tool` as the grammar holds it when the prompt lists the `home`'s entities and the tool acts on them (its
     schema has a `domain` property, as Home Assistant's entity intents do): its `name`, `area` and `domain` take
-    only the listed names (aliases too), areas and domains, and the optional arrays whose schema says nothing of
-    their items are left out. Measured on SmolLM2-135M with Home Assistant 2025.4.4's own turn "Turn on the
-    kitchen light": HassTurnOn was called with `{"area": "kitchen", "domain": ["kitchen", "area", "name"]}`
-    (OpenAI integration) and with `device_class` filled with made-up words (the Ollama integration strips the
-    arrays' item enums); HA's matching refused both and the light stayed off. Every call made under the
-    grounded schema is valid under the client's."""
+    only the values of the entities it may target, and the optional arrays whose schema says nothing of their
+    items are left out. The targets: of the entities whose domain the tool's schema admits, the ones the request
+    `named`, else those in the domains and areas it named, else all; the areas: the named ones, else the targets'.
+
+    Measured on SmolLM2-135M with Home Assistant 2025.4.4's own turn "Turn on the kitchen light": HassTurnOn was
+    called with `{"area": "kitchen", "domain": ["kitchen", "area", "name"]}` (OpenAI integration) and with
+    `device_class` filled with made-up words (the Ollama integration strips the arrays' item enums); HA's
+    matching refused both and the light stayed off. Given every listed name, it paused the "Hallway Light" for
+    "the office speaker". Every call made under the grounded schema is valid under the client's."""
     params = tool.parameters
     props = params.get("properties") if isinstance(params, dict) else None
-    if not entities or not isinstance(props, dict) or not isinstance(props.get("domain"), dict):
+    if not home or not isinstance(props, dict) or not isinstance(props.get("domain"), dict):
         return tool
+    admitted = admitted_domains(tool)
+    fit = [e for e in home if admitted is None or e.domain in admitted] or list(home)
+    targets = [e for e in fit if e in named.entities] or [
+        e for e in fit if (not named.domains or e.domain in named.domains)
+        and (not named.areas or set(e.areas) & set(named.areas))] or fit
+    listed = {"name": sorted({n for e in targets for n in e.names}),
+              "area": sorted(set(named.areas) or {a for e in targets for a in e.areas}),
+              "domain": sorted({e.domain for e in targets})}
     required = set(params.get("required") or ())
-    listed = {"name": sorted({n for e in entities for n in e.names}), "area": sorted({a for e in entities
-                                                                                    for a in e.areas}),
-              "domain": sorted({e.domain for e in entities})}
     out: dict[str, Any] = {}
     for key, schema in props.items():
         if not isinstance(schema, dict):

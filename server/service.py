@@ -22,7 +22,7 @@ from edgespec.model.stage import StageFailure
 from edgespec.server import structured
 from edgespec.server.chat_input import ChatDelta, ChatInput
 from edgespec.server.errors import APIError
-from edgespec.server.home_context import grounded, listed_entities
+from edgespec.server.home_context import grounded, listed_entities, mention
 from edgespec.server.metrics import Metrics
 from edgespec.server.protocol import CompletionRequest, EmbeddingRequest, SamplingFields
 from edgespec.server.reasoning import ThinkBlock, ThinkSplitter, think_block
@@ -82,10 +82,14 @@ class CompletionService:
         at fault."""
         # the parameters as the request named them: the legacy fields are functions and function_call
         names = {"tools": "functions", "tool_choice": "function_call"} if chat.legacy_functions else {}
+        # the home the system prompt lists and what the last user message names in it (server/home_context.py):
+        # the grammar holds the tools grounded in it, and the route reads it
+        request = next((m.content for m in reversed(chat.messages) if m.role == "user" and m.content), None)
         home = listed_entities([m.content for m in chat.messages if m.role == "system" and m.content]
                                ) if chat.calls_allowed else ()
-        try:  # the grammar holds the tools grounded in the home the prompt lists (server/home_context.py)
-            plan = structured.plan(dataclasses.replace(chat, tools=tuple(grounded(t, home) for t in chat.tools)),
+        named = mention(request or "", home)
+        try:
+            plan = structured.plan(dataclasses.replace(chat, tools=tuple(grounded(t, home, named) for t in chat.tools)),
                                    self.template.syntax, thinking)
         except structured.GrammarError as exc:
             raise APIError(400, str(exc), names.get(exc.param, exc.param), "invalid_value") from exc
@@ -95,8 +99,7 @@ class CompletionService:
         def compiled(lark: str | None) -> Grammar | None:
             return self.grammars.compile(lark) if lark else None
 
-        request = next((m.content for m in reversed(chat.messages) if m.role == "user" and m.content), None)
-        route_plan = self.router.plan(chat, request, home) if plan.routes and request else None
+        route_plan = self.router.plan(chat, request, named) if plan.routes and request else None
         routes = [plan.routes[i] for i in route_plan.candidates] if route_plan else []
         # on a thread: the first grammar builds the vocabulary's byte strings (1.5 s for SmolLM2); a route's
         # grammar is never empty (structured.py)

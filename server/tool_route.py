@@ -26,7 +26,7 @@ from typing import Any
 import snowballstemmer
 
 from edgespec.server.chat_input import ChatInput, ToolSpec
-from edgespec.server.home_context import Entity, Mention, admitted_domains, as_domains, mention, words
+from edgespec.server.home_context import Mention, admitted_domains, as_domains, words
 
 _SENTENCE = re.compile(r"(?<=[.!?:])\s+|\n+")
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
@@ -53,12 +53,11 @@ class ToolRouter:
     def __init__(self) -> None:
         self._stem = snowballstemmer.stemmer("english").stemWord
 
-    def plan(self, chat: ChatInput, request: str, home: tuple[Entity, ...]) -> RoutePlan:
-        """The route of `request` (the last user message) among `chat`'s tools, in the `home` its system
-        messages list (home_context.listed_entities)."""
+    def plan(self, chat: ChatInput, request: str, named: Mention) -> RoutePlan:
+        """The route of `request` (the last user message) among `chat`'s tools; `named`: what it names in the
+        home its system messages list (home_context.mention)."""
         system = [m.content for m in chat.messages if m.role == "system" and m.content]
         sentences = [s.strip() for text in system for s in _SENTENCE.split(text) if s.strip()]
-        named = mention(request, home)
         candidates = tuple(i for i, t in enumerate(chat.tools) if _serves(t, named))
         if not candidates:  # a schema that admits nothing named: the schemas cannot tell, all stay
             candidates = tuple(range(len(chat.tools)))

@@ -63,7 +63,7 @@ def test_named_entities_are_written_as_their_domains():
 
 def plan(tools, system: str, request: str):
     chat = ChatInput((Message("system", system), Message("user", request)), tuple(tools), "required")
-    return ToolRouter().plan(chat, request, listed_entities([system]))
+    return ToolRouter().plan(chat, request, mention(request, listed_entities([system])))
 
 
 def test_tools_whose_schema_leaves_out_the_named_domain_are_no_candidates():
@@ -99,25 +99,39 @@ def test_a_rare_shared_word_outweighs_a_common_one():
 
 
 def test_a_tool_acting_on_the_home_is_grounded_in_its_listed_entities():
-    home = (Entity(("Kitchen Light",), "light", ("Kitchen",)), Entity(("TV", "Telly"), "media_player", ("Lounge",)))
+    home = (Entity(("Kitchen Light",), "light", ("Kitchen",)), Entity(("TV", "Telly"), "media_player", ("Lounge",)),
+            Entity(("Lounge Lamp",), "light", ("Lounge",)))
     # Home Assistant's Ollama integration sends HassTurnOn's arrays without their items
     ollama = ToolSpec("HassTurnOn", "Turns on/opens a device or entity", {
         "type": "object", "required": [],
         "properties": {"name": {"type": "string"}, "area": {"type": "string"}, "floor": {"type": "string"},
                        "domain": {"type": "array"}, "device_class": {"type": "array"}}})
-    props = grounded(ollama, home).parameters["properties"]
-    assert props == {"name": {"type": "string", "enum": ["Kitchen Light", "TV", "Telly"]},
-                     "area": {"type": "string", "enum": ["Kitchen", "Lounge"]}, "floor": {"type": "string"},
-                     "domain": {"type": "array", "items": {"type": "string", "enum": ["light", "media_player"]}}}
-    # a domain enum of its own keeps only the listed domains it admits; item enums (the OpenAI integration's) stay
+
+    def props(tool, request):
+        return grounded(tool, home, mention(request, home)).parameters["properties"]
+
+    # nothing named: every listed entity; the array without items left out
+    assert props(ollama, "Turn everything on") == {
+        "name": {"type": "string", "enum": ["Kitchen Light", "Lounge Lamp", "TV", "Telly"]},
+        "area": {"type": "string", "enum": ["Kitchen", "Lounge"]}, "floor": {"type": "string"},
+        "domain": {"type": "array", "items": {"type": "string", "enum": ["light", "media_player"]}}}
+    # an entity named: it alone, its area and domain
+    named = props(ollama, "Turn on the kitchen light")
+    assert [named[k].get("enum") or named[k]["items"]["enum"] for k in ("name", "area", "domain")] == [
+        ["Kitchen Light"], ["Kitchen"], ["light"]]
+    # an area named: the entities there, that area
+    area = props(ollama, "Switch on the lounge")
+    assert (area["name"]["enum"], area["area"]["enum"]) == (["Lounge Lamp", "TV", "Telly"], ["Lounge"])
+    # the tool's own domain enum keeps the entities it admits; item enums (the OpenAI integration's) stay
     pause = next(t for t in HA_TOOLS if t.name == "HassMediaPause")
-    props = grounded(pause, home).parameters["properties"]
-    assert props["domain"]["items"]["enum"] == ["media_player"]
-    assert props["device_class"] == pause.parameters["properties"]["device_class"]
+    media = props(pause, "Pause it")
+    assert media["name"]["enum"] == ["TV", "Telly"] and media["domain"]["items"]["enum"] == ["media_player"]
+    assert media["device_class"] == pause.parameters["properties"]["device_class"]
 
 
 def test_tools_that_do_not_act_on_entities_and_homes_listing_none_stay_as_sent():
+    nothing = mention("Start a timer", HOME)
     timer = next(t for t in HA_TOOLS if t.name == "HassStartTimer")  # its `name` is the timer's: no `domain`
-    assert grounded(timer, HOME) is timer
+    assert grounded(timer, HOME, nothing) is timer
     turn_on = next(t for t in HA_TOOLS if t.name == "HassTurnOn")
-    assert grounded(turn_on, ()) is turn_on
+    assert grounded(turn_on, (), nothing) is turn_on
