@@ -22,6 +22,7 @@ from edgespec.model.stage import StageFailure
 from edgespec.server import structured
 from edgespec.server.chat_input import ChatDelta, ChatInput
 from edgespec.server.errors import APIError
+from edgespec.server.home_context import grounded, listed_entities, mention
 from edgespec.server.metrics import Metrics
 from edgespec.server.protocol import CompletionRequest, EmbeddingRequest, SamplingFields
 from edgespec.server.reasoning import ThinkBlock, ThinkSplitter, think_block
@@ -29,6 +30,7 @@ from edgespec.server.replanner import ClusterManager
 from edgespec.server.settings import ServeSettings
 from edgespec.server.tool_output import AnswerReader, call_extractor
 from edgespec.server.tool_prompt import ChatTemplate
+from edgespec.server.tool_route import ToolRouter
 
 RETRY_AFTER_S = 5  # what a 503 of a full admission queue suggests: about one answer's time here
 MIN_TEMPERATURE = 1e-5  # vLLM's bound too: below it a temperature is greedy in all but exact ties
@@ -53,6 +55,7 @@ class CompletionService:
             eos.add(self.tokenizer.eos_token_id)
         self.stop_token_ids = frozenset(eos)
         self.template = ChatTemplate(self.tokenizer)  # probed once: the model's own tool format, or the polyfill
+        self.router = ToolRouter()
         self.grammars = Grammars(self.tokenizer, loaded.cfg.vocab_size)
         if settings.policy not in policies:
             raise UnknownPolicyError(settings.policy, sorted(policies))
@@ -79,8 +82,15 @@ class CompletionService:
         at fault."""
         # the parameters as the request named them: the legacy fields are functions and function_call
         names = {"tools": "functions", "tool_choice": "function_call"} if chat.legacy_functions else {}
+        # the home the system prompt lists and what the last user message names in it (server/home_context.py):
+        # the grammar holds the tools grounded in it, and the route reads it
+        request = next((m.content for m in reversed(chat.messages) if m.role == "user" and m.content), None)
+        home = listed_entities([m.content for m in chat.messages if m.role == "system" and m.content]
+                               ) if chat.calls_allowed else ()
+        named = mention(request or "", home)
         try:
-            plan = structured.plan(chat, self.template.syntax, thinking)
+            plan = structured.plan(dataclasses.replace(chat, tools=tuple(grounded(t, home, named) for t in chat.tools)),
+                                   self.template.syntax, thinking)
         except structured.GrammarError as exc:
             raise APIError(400, str(exc), names.get(exc.param, exc.param), "invalid_value") from exc
         if plan is None:
@@ -89,22 +99,25 @@ class CompletionService:
         def compiled(lark: str | None) -> Grammar | None:
             return self.grammars.compile(lark) if lark else None
 
+        route_plan = self.router.plan(chat, request, named) if plan.routes and request else None
+        routes = [plan.routes[i] for i in route_plan.candidates] if route_plan else []
         # on a thread: the first grammar builds the vocabulary's byte strings (1.5 s for SmolLM2); a route's
         # grammar is never empty (structured.py)
         try:
             grammar, forced, routed = await asyncio.to_thread(lambda: (
-                compiled(plan.grammar), compiled(plan.forced), [self.grammars.compile(g) for _, g in plan.routes]))
+                compiled(plan.grammar), compiled(plan.forced), [self.grammars.compile(g) for _, g in routes]))
         except GrammarError as exc:
             raise APIError(400, f"the {param} schema cannot be used for generation: {exc}", param,
                            "invalid_value") from exc
         trigger = None
         if forced is not None and plan.trigger is not None:  # structured.py plans the two together
             trigger = Trigger(self._encode(plan.trigger), self.settings.tool_call_threshold, forced)
-        request = next((m.content for m in reversed(chat.messages) if m.role == "user" and m.content), None)
         route = None
-        if plan.routes and request:  # one route per tool, in the tools' order
-            contexts = tuple(self._encode(c) for c in self.template.channel_contexts(chat.tools))
-            route = Route(tuple(n for n, _ in plan.routes), contexts, self._encode(request), tuple(routed))
+        if route_plan is not None:  # the candidates among the tools, in the tools' order
+            contexts = self.template.channel_contexts(chat.tools, route_plan.notes)
+            route = Route(tuple(n for n, _ in routes), tuple(self._encode(contexts[i]) for i in route_plan.candidates),
+                          self._encode(self.template.channel_baseline()), self._encode(route_plan.request),
+                          route_plan.overlap, tuple(routed), route_plan.figures)
         return grammar, trigger, route
 
     def _encode(self, text: str) -> tuple[int, ...]:

@@ -133,17 +133,24 @@ class ChatTemplate:
         except Exception as exc:  # the template is the model's code; any failure is the request's
             raise ValueError(f"the chat template rejected the conversation: {exc}") from exc
 
-    def channel_contexts(self, tools: tuple[ToolSpec, ...]) -> list[str]:
-        """For each tool, the text before a user turn whose system message names the tool: the context under
-        which the request's likelihood says how well the tool explains it (decoding/decide.py, the route)."""
+    def channel_contexts(self, tools: tuple[ToolSpec, ...], notes: tuple[str, ...] | None = None) -> list[str]:
+        """For each tool, the text before a user turn whose system message names the tool, its description and
+        its note (what else the prompt says of it): the context under which the request's likelihood says how
+        well the tool explains it (decoding/decide.py, the route)."""
         out = []
-        for tool in tools:
+        for tool, note in zip(tools, notes or ("",) * len(tools), strict=True):
             described = f"{tool.name}: {tool.description}" if tool.description else tool.name
-            messages = [{"role": "system", "content": f"The user asks for this function: {described}"},
-                        {"role": "user", "content": _CHANNEL_MARK}]
-            text = self._apply(messages, False)
-            out.append(text[:text.index(_CHANNEL_MARK)])
+            out.append(self._channel(f"The user asks for this function: {' '.join(filter(None, [described, note]))}"))
         return out
+
+    def channel_baseline(self) -> str:
+        """The channel's context naming no function: what the request's tokens weigh without a tool, against
+        which each tool's evidence is measured."""
+        return self._channel("The user asks for a function.")
+
+    def _channel(self, system: str) -> str:
+        text = self._apply([{"role": "system", "content": system}, {"role": "user", "content": _CHANNEL_MARK}], False)
+        return text[:text.index(_CHANNEL_MARK)]
 
     def answer_stops(self, chat: ChatInput) -> tuple[str, ...]:
         """Where an answer ends besides the client's stop sequences: with the polyfill, where the model starts a

@@ -145,11 +145,11 @@ def local_workers(model: str, n: int, *extra: str) -> tuple[str, ...]:
     return ("--model", model, "--local-workers", str(n), "--placement", "even", "--worker-threads", "1", *extra)
 
 
-def tiny_chat_model(folder: Path, smollm2: Path) -> Path:
+def tiny_chat_model(folder: Path, smollm2: Path, max_position_embeddings: int = 512) -> Path:
     """A tiny random Llama with SmolLM2's tokenizer and chat template (so the HTTP API can serve it)."""
     from model_fixtures import make_tiny_model
 
-    make_tiny_model(folder, vocab_size=49152, max_position_embeddings=512, num_hidden_layers=4,
+    make_tiny_model(folder, vocab_size=49152, max_position_embeddings=max_position_embeddings, num_hidden_layers=4,
                     bos_token_id=1, eos_token_id=2)
     for f in smollm2.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):

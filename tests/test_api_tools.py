@@ -208,7 +208,7 @@ def test_required_calls_a_listed_tool(required):
         choice = r["decoding"]["tool_choice"]
         assert "trigger_logprob" not in choice  # required: no trigger to score
         route = choice["route"]  # the route decides which tool the first call is
-        assert calls[0][0] == route["chose"] == max(route["logprobs"], key=route["logprobs"].get), prompt
+        assert calls[0][0] == route["chose"] == max(route["scores"], key=route["scores"].get), prompt
 
 
 @pytest.mark.parametrize("prompt", [COMMANDS[0], COMMANDS[6]])

@@ -54,9 +54,6 @@ async def openai_agent(hass: HomeAssistant, server: Edgespec, monkeypatch: pytes
     return entry.entry_id
 
 
-# Issue 38's tool choice is not in yet: HA's turn calls GetLiveContext, not HassTurnOn (its request is
-# recorded by this test). Strict: the day it passes, this mark fails the run and goes.
-@pytest.mark.xfail(strict=True, reason="tool choice picks GetLiveContext for this command (issue 38, open)")
 async def test_turn_on_the_kitchen_light(hass: HomeAssistant, edgespec: Edgespec, monkeypatch: pytest.MonkeyPatch,
                                          tmp_path: Path) -> None:
     """"Turn on the kitchen light": HA offers its tools, the answer calls HassTurnOn, HA executes it and the
