@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgespec.model.kernels import load
+from edgespec.model.kernels import compile_flags, isas, load
 from edgespec.model.quant import Q8, Interleaved, quantize_q4, quantize_q8, widened
 
 N, K = 100, 256  # N not a multiple of 8: the last weight group is partial
@@ -87,14 +87,35 @@ def test_attention_and_norm_match_torch():
 
 
 @pytest.mark.slow
-def test_the_portable_build_gives_the_same_bits():
-    simd, portable = load(), load(simd=False)
-    if not simd.simd():
+@pytest.mark.parametrize("isa", isas()[1:] or ["none"])
+def test_the_portable_build_gives_the_same_bits(isa):
+    # every SIMD path this CPU runs (AVX2, and VNNI where present: what load() builds), against the portable one
+    if isa == "none":
         pytest.skip("this CPU has no AVX2: the default build is the portable one")
-    assert not portable.simd()
+    simd, portable = load(isa), load(simd=False)
+    assert simd.simd() and simd.isa() == isa
+    assert not portable.simd() and portable.isa() == "portable"
     w, x, *ws = inputs(3)
     a, b = matmuls(simd, w, x, *ws), matmuls(portable, w, x, *ws)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    for m in range(1, 9):  # each pass size a kernel compiles for (rows 1..8 at once), and pairs of groups
+        part = matmuls(simd, w, x[:m].contiguous(), *ws)
+        assert all(torch.equal(part[k], b[k][:m]) for k in a), m
     q, keys = torch.randn(1, 4, 3, 64), torch.randn(1, 2, 9, 64)
     assert torch.equal(simd.attention(q, keys, keys, 6, None), portable.attention(q, keys, keys, 6, None))
     assert torch.equal(simd.rms_norm(x, w[0], 1e-5), portable.rms_norm(x, w[0], 1e-5))
+
+
+def test_the_build_is_chosen_by_the_cpus_features():
+    avx2 = {"avx2", "fma", "f16c"}
+    avx512_vnni = avx2 | {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"}
+    assert isas(avx2 | {"avx512f"}, "x86_64") == ["portable", "avx2"]
+    assert isas(avx512_vnni, "x86_64") == ["portable", "avx2", "avx512-vnni"]
+    assert isas(avx2 | {"avx_vnni"}, "x86_64") == ["portable", "avx2", "avx-vnni"]
+    assert isas(avx512_vnni - {"avx512vl"}, "x86_64") == ["portable", "avx2"]  # VNNI on zmm only: not used
+    assert isas(avx512_vnni | {"asimd", "asimddp"}, "aarch64") == ["portable"]
+    # each path compiles with flags of its own, so each has a build (and a cache key) of its own
+    flags = {isa: tuple(compile_flags(isa)) for isa in ("portable", "avx2", "avx512-vnni", "avx-vnni")}
+    assert len(set(flags.values())) == 4
+    assert "-mavx512vnni" in flags["avx512-vnni"] and "-mavxvnni" in flags["avx-vnni"]
+    assert compile_flags(False) == list(flags["portable"])

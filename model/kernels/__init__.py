@@ -2,8 +2,10 @@
 dense matmuls), `ops.cpp` (norm, rotary, attention, SwiGLU), `layer.cpp` (an attention block, an FFN, a decoder layer in
 one call each), `kv.h` (the KV cache's storage formats), `bind.cpp` (the Python module).
 
-`load()` builds the extension with the flags this CPU supports (AVX2 + FMA on x86 where present, the
-portable C++ loops elsewhere, aarch64 included) into `model/kernels/build/`, and returns the module.
+`load()` builds the extension with the flags this CPU supports (on x86: the VNNI path where the CPU has
+AVX512_VNNI with AVX512_VL, or AVX-VNNI; else AVX2 + FMA; the portable C++ loops elsewhere, aarch64 included) into
+`model/kernels/build/`, and returns the module. `load("avx2")` or `load(False)` build a narrower path on the same
+CPU: every path gives the same bits, and the tests compare all the ones this CPU can run.
 `python -m edgespec.model.kernels` builds it ahead of time (the README's install commands run it), so a server's
 first start does not pay the 20-40 s of compiling.
 """
@@ -17,6 +19,7 @@ import os
 import platform
 import sys
 from pathlib import Path
+from typing import Literal
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
@@ -36,12 +39,45 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def compile_flags(simd: bool = True) -> list[str]:
-    """The compiler flags for this CPU; simd=False gives the portable build (what an aarch64 board runs)."""
+Isa = Literal["portable", "avx2", "avx512-vnni", "avx-vnni"]
+AVX2 = {"avx2", "fma", "f16c"}
+AVX512_VNNI = AVX2 | {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"}
+AVX_VNNI = AVX2 | {"avx_vnni"}
+
+
+def isas(have: set[str] | None = None, machine: str | None = None) -> list[Isa]:
+    """The kernel paths a CPU with flags `have` (this one's by default) can run, narrowest first."""
+    have = cpu_flags() if have is None else have
+    out: list[Isa] = ["portable"]
+    if (machine or platform.machine()) not in ("x86_64", "AMD64") or not have >= AVX2:
+        return out
+    out.append("avx2")
+    if have >= AVX512_VNNI:
+        out.append("avx512-vnni")
+    elif have >= AVX_VNNI:
+        out.append("avx-vnni")
+    return out
+
+
+def chosen(simd: bool | Isa = True) -> Isa:
+    """The path `simd` names: True the widest this CPU runs, False the portable build (what an aarch64 board
+    runs), or a path by name (`isas()` lists this CPU's)."""
+    return isas()[-1] if simd is True else "portable" if simd is False else simd
+
+
+def compile_flags(simd: bool | Isa = True) -> list[str]:
+    """The compiler flags for a kernel path (`chosen(simd)`); they are part of the build's key, so a CPU with
+    other features gets a build of its own."""
+    isa = chosen(simd)
     flags = ["-O3", "-ffp-contract=off", "-fno-fast-math"]  # threads: pool.cpp, not OpenMP
-    have = cpu_flags()
-    if simd and platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= have:
+    if isa != "portable":
         flags += ["-mavx2", "-mfma", "-mf16c"]
+    if isa == "avx512-vnni":
+        # 256-bit vpdpbusd (VL); 256-bit vectors preferred for what the compiler vectorizes on its own, as the
+        # AVX2 build does (the hand-written kernels choose their widths)
+        flags += ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-mprefer-vector-width=256"]
+    elif isa == "avx-vnni":
+        flags += ["-mavxvnni"]
     return flags
 
 
@@ -61,13 +97,19 @@ def build_folder(key: str) -> Path:
         return folder
 
 
+def load(simd: bool | Isa = True):
+    """The compiled kernel module (built on first use, then loaded from the cache): the widest path this CPU
+    runs; simd=False the portable build, or a path by name (`isas()`); all give the same results bit for bit
+    (tests compare them). Its `isa()` names the path it was built with."""
+    return load_isa(chosen(simd))
+
+
 @functools.cache
-def load(simd: bool = True):
-    """The compiled kernel module (built on first use, then loaded from the cache). simd=False: the portable
-    build, which gives the same results bit for bit (tests compare them)."""
+def load_isa(isa: Isa):
+    """`load` of one path by name (cached per path: load() and load(its name) are one module)."""
     from torch.utils.cpp_extension import load as build
 
-    flags = compile_flags(simd)
+    flags = compile_flags(isa)
     import torch
 
     code = b"".join(p.read_bytes() for p in SOURCES + HEADERS)

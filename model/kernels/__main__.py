@@ -2,4 +2,4 @@
 
 from edgespec.model.kernels import load
 
-print(f"CPU kernels ready ({'AVX2' if load().simd() else 'portable'} path)")
+print(f"CPU kernels ready ({load().isa()} path)")

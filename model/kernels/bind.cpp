@@ -35,4 +35,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("ffn_block", &ffn_block, free, "SwiGLU FFN in one call");
   mod.def("decoder_layer", &decoder_layer, free, "a whole decoder layer in one call");
   mod.def("simd", &simd, "whether the AVX2 path was compiled in");
+  mod.def("isa", &isa_name, "the path compiled in: portable, avx2, avx512-vnni or avx-vnni");
 }
