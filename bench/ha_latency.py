@@ -31,6 +31,7 @@ from rich.console import Console
 
 from edgespec.bench.distributed import start
 from edgespec.bench.plot import bar_chart
+from edgespec.bench.sse import events
 from edgespec.bench.versus import machine_info
 
 PROMPTS = Path(__file__).parent / "prompts"
@@ -58,13 +59,8 @@ def to_call(client: httpx.Client, body: dict) -> dict:
     statistics (its own time to first token, the tool choice's scores)."""
     began = time.perf_counter()
     called, done, call, usage, stats = None, None, None, None, None
-    with client.stream("POST", "/v1/responses", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()}")
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
+    with events(client, "/v1/responses", body) as stream:
+        for event in stream:
             if event["type"] == "response.function_call_arguments.done" and called is None:
                 called, call = time.perf_counter(), {"name": event["name"], "arguments": event["arguments"]}
             elif event["type"] in ("response.completed", "response.incomplete"):

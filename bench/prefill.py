@@ -25,6 +25,7 @@ from rich.progress import Progress
 from edgespec.bench.distributed import start
 from edgespec.bench.plot import bar_chart
 from edgespec.bench.prompts import load_prompts
+from edgespec.bench.sse import events
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"
 QUESTIONS = ["Turn on the kitchen lights.", "Is the front door locked?", "What is the temperature upstairs?"]
@@ -39,14 +40,9 @@ def stream(client: httpx.Client, path: str, body: dict) -> dict:
     """One streamed request with max_tokens 2: client-side time to the first text, and the server's stats."""
     start = time.perf_counter()
     first = stats = usage = None
-    with client.stream("POST", path, json={**body, "stream": True, "max_tokens": 2, "temperature": 0,
-                                           "stream_options": {"include_usage": True}}) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()}")
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
+    with events(client, path, {**body, "stream": True, "max_tokens": 2, "temperature": 0,
+                               "stream_options": {"include_usage": True}}) as chunks:
+        for chunk in chunks:
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
             first = first or (time.perf_counter() if chunk["choices"] else None)

@@ -26,6 +26,7 @@ from rich.console import Console
 
 from edgespec.bench.distributed import start
 from edgespec.bench.plot import bar_chart
+from edgespec.bench.sse import events
 
 HA = json.loads((Path(__file__).parent / "prompts" / "home_assistant.json").read_text())
 QUESTIONS = ["Turn on the kitchen lights.", "Is the front door locked?", "What is the temperature upstairs?",
@@ -48,13 +49,8 @@ def first_token(client: httpx.Client, system: str, question: str, close_early: b
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
     began = time.perf_counter()
     first, usage = None, None
-    with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()}")
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
+    with events(client, "/v1/chat/completions", body) as chunks:
+        for chunk in chunks:
             if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                 first = time.perf_counter()
                 if close_early:

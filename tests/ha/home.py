@@ -149,3 +149,13 @@ def recording(base_url: str, out: Path) -> Iterator[list[dict[str, Any]]]:
             yield sent
     finally:
         out.write_text(json.dumps(sent, indent=1))
+
+
+async def recorded_turn(hass: HomeAssistant, text: str, agent_id: str, base_url: str,
+                        folder: Path) -> tuple[str, list[dict[str, Any]], str]:
+    """`converse` with the requests sent to `base_url` recorded into `folder`/requests.json: the speech, the
+    requests, and a line naming both for the tests' assertion messages."""
+    out = folder / "requests.json"
+    with recording(base_url, out) as sent:
+        speech = await converse(hass, text, agent_id)
+    return speech, sent, f"speech {speech!r}; requests: {out}"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from edgespec_proc import Edgespec
-from home import KITCHEN_LIGHT, LIVING_ROOM_LAMP, build_home, converse, recording
+from home import KITCHEN_LIGHT, LIVING_ROOM_LAMP, build_home, recorded_turn
 from homeassistant.components.ollama.const import (
     CONF_KEEP_ALIVE,
     CONF_MAX_HISTORY,
@@ -70,9 +70,7 @@ async def test_turn_on_the_kitchen_light(hass: HomeAssistant, edgespec: Edgespec
     as an object), HA executes it and the light is on; the reply after the tool's result is words."""
     await build_home(hass, [KITCHEN_LIGHT, LIVING_ROOM_LAMP])
     agent = await ollama_agent(hass, edgespec)
-    with recording(edgespec.url, tmp_path / "requests.json") as sent:
-        speech = await converse(hass, "Turn on the kitchen light", agent)
-    where = f"speech {speech!r}; requests: {tmp_path / 'requests.json'}"
+    speech, sent, where = await recorded_turn(hass, "Turn on the kitchen light", agent, edgespec.url, tmp_path)
     turns = [r for r in sent if r["path"] == "/api/chat"]
     assert turns and {t["function"]["name"] for t in turns[0]["body"]["tools"]} >= {"HassTurnOn"}, where
     assert hass.states.get(KITCHEN_LIGHT.entity_id).state == "on", where
@@ -84,9 +82,7 @@ async def test_a_question_answered_in_text(hass: HomeAssistant, edgespec: Edgesp
     """"What is the capital of France?" with the same tools offered: one chat request, answered in text."""
     await build_home(hass, [KITCHEN_LIGHT, LIVING_ROOM_LAMP])
     agent = await ollama_agent(hass, edgespec)
-    with recording(edgespec.url, tmp_path / "requests.json") as sent:
-        speech = await converse(hass, "What is the capital of France?", agent)
-    where = f"speech {speech!r}; requests: {tmp_path / 'requests.json'}"
+    speech, sent, where = await recorded_turn(hass, "What is the capital of France?", agent, edgespec.url, tmp_path)
     assert len([r for r in sent if r["path"] == "/api/chat"]) == 1, where
     assert "Paris" in speech, where
     assert hass.states.get(KITCHEN_LIGHT.entity_id).state == "off", where

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from edgespec_proc import Edgespec
-from home import KITCHEN_LIGHT, LIVING_ROOM_LAMP, build_home, converse, recording
+from home import KITCHEN_LIGHT, LIVING_ROOM_LAMP, build_home, recorded_turn
 from homeassistant.components.openai_conversation.const import (
     CONF_CHAT_MODEL,
     CONF_MAX_TOKENS,
@@ -61,9 +61,7 @@ async def test_turn_on_the_kitchen_light(hass: HomeAssistant, edgespec: Edgespec
     await build_home(hass, [KITCHEN_LIGHT, LIVING_ROOM_LAMP])
     agent = await openai_agent(hass, edgespec, monkeypatch)
     assert hass.states.get(KITCHEN_LIGHT.entity_id).state == "off"
-    with recording(edgespec.url, tmp_path / "requests.json") as sent:
-        speech = await converse(hass, "Turn on the kitchen light", agent)
-    where = f"speech {speech!r}; requests: {tmp_path / 'requests.json'}"
+    speech, sent, where = await recorded_turn(hass, "Turn on the kitchen light", agent, edgespec.url, tmp_path)
     turns = [r for r in sent if r["path"] == "/v1/responses"]
     assert turns and {t["name"] for t in turns[0]["body"]["tools"]} >= {"HassTurnOn", "HassTurnOff"}, where
     assert hass.states.get(KITCHEN_LIGHT.entity_id).state == "on", where
@@ -76,9 +74,7 @@ async def test_a_question_answered_in_text(hass: HomeAssistant, edgespec: Edgesp
     """"What is the capital of France?" with the same tools offered: one request, answered in text."""
     await build_home(hass, [KITCHEN_LIGHT, LIVING_ROOM_LAMP])
     agent = await openai_agent(hass, edgespec, monkeypatch)
-    with recording(edgespec.url, tmp_path / "requests.json") as sent:
-        speech = await converse(hass, "What is the capital of France?", agent)
-    where = f"speech {speech!r}; requests: {tmp_path / 'requests.json'}"
+    speech, sent, where = await recorded_turn(hass, "What is the capital of France?", agent, edgespec.url, tmp_path)
     assert len([r for r in sent if r["path"] == "/v1/responses"]) == 1, where
     assert "Paris" in speech, where
     assert hass.states.get(KITCHEN_LIGHT.entity_id).state == "off", where
