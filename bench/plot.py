@@ -49,16 +49,23 @@ def plot_versus(results: dict, path: Path) -> None:
              for r in rows]
     values = [r["median_decode_tokens_per_s"] or 0 for r in rows]
     colors = ["tab:orange" if r["server"] == "llama.cpp" else "tab:blue" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(rows) + 2), 4.5))
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(rows) + 2), 5.0))
     ax.bar(names, values, color=colors)
-    for x, (v, r) in enumerate(zip(values, rows, strict=True)):
-        ratio = r.get("ratio_to_llama_cpp")
+    roofs = [r.get("roofline_tokens_per_s") for r in rows]
+    for x, (v, r, roof) in enumerate(zip(values, rows, roofs, strict=True)):
+        ratio, part = r.get("ratio_to_llama_cpp"), r.get("fraction_of_roofline")
         label = f"{v:.1f}" + (f"\n×{ratio:.2f}" if ratio and r["server"] != "llama.cpp" else "")
         ax.annotate(label, (x, v), ha="center", va="bottom")
+        if roof:  # the weights' roofline: this machine's read bandwidth over the bytes a token reads
+            ax.hlines(roof, x - 0.4, x + 0.4, colors="black", linestyles="dashed")
+            ax.annotate(f"roofline {roof:.0f}" + (f" ({part:.0%})" if part else ""), (x, roof), ha="center",
+                        va="bottom", fontsize=8)
     ax.set_ylabel("median decode tokens/s")
-    ax.set_ylim(0, max(values, default=1) * 1.25 or 1)
+    ax.set_ylim(0, max([*values, *(r for r in roofs if r)], default=1) * 1.25 or 1)
     s, m = results["settings"], results["machine"]
-    ax.set_title(f"same GGUF, {s['prompts']} prompts, max {s['max_tokens']} new tokens, greedy\n{m['cpu_model']}",
+    roof = results.get("roofline")
+    read = f", reads {roof['median_gb_per_s']} GB/s" if roof else ""
+    ax.set_title(f"same GGUF, {s['prompts']} prompts, max {s['max_tokens']} new tokens, greedy\n{m['cpu_model']}{read}",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -13,7 +13,9 @@ only the previous prompt's prefix, never gets.
 The format `default` starts `edgespec serve` without --weights.
 
 Writes DIR/versus.json (per server, format and policy: median decode tokens/s, median time to first token,
-peak RSS, tokens per request, ratio of decode speed to llama.cpp's; the machine and settings),
+peak RSS, tokens per request, ratio of decode speed to llama.cpp's, and the roofline: weight bytes per token and
+the fraction of the limit that this machine's read bandwidth, measured before the servers start, sets
+(bench/roofline.py); the machine and settings),
 DIR/versus_requests.jsonl (every request, with its text), DIR/versus.png and DIR/logs/ (the servers' logs).
 """
 
@@ -37,6 +39,7 @@ from rich.table import Table
 
 from edgespec.bench.llamacpp import ServerProcess, free_port, llama_python, llamacpp_argv, llamacpp_version
 from edgespec.bench.prompts import load_prompts
+from edgespec.bench.roofline import add_roofline, edgespec_bytes_per_token, gguf_bytes_per_token, read_bandwidth
 from edgespec.bench.run import decoding_field
 
 REPO = Path(__file__).resolve().parents[1]
@@ -229,6 +232,10 @@ def run_versus(args) -> dict:
         "machine": machine_info(),
         "servers": {},
     }
+    # measured alone, before any server starts
+    console.print("measuring this machine's read bandwidth and each format's weight bytes per token")
+    results["roofline"] = read_bandwidth()
+    per_token = {LLAMA: gguf_bytes_per_token(gguf), **{fmt: edgespec_bytes_per_token(fmt) for fmt in formats}}
     # (server, format, policy, decoding field, extra request fields, argv for a port, readiness path)
     setups = [(LLAMA, gguf_format(gguf), LLAMA, None, LLAMA_REQUEST,
                lambda port: llamacpp_argv(python, gguf, port, args.llama_threads, args.llama_ctx), "/v1/models")]
@@ -287,6 +294,7 @@ def run_versus(args) -> dict:
             info["peak_rss_mib"] = round(rss / 2**20, 1) if rss is not None else None
             records += done[label]
     results["configurations"] = summarise(records, peak_rss)
+    add_roofline(results["configurations"], results["roofline"]["median_gb_per_s"] * 1e9, per_token)
     notes = list(NOTES)
     if any(r["token_count"] != "usage" for r in records):
         notes.append(CHUNK_NOTE)
@@ -312,15 +320,19 @@ def print_table(console: Console, results: dict) -> None:
     s, m = results["settings"], results["machine"]
     table = Table(title=f"{s['prompts']} prompts, max {s['max_tokens']} tokens, greedy; {m['cpu_model']}")
     for col in ("server", "format", "policy", "decode tok/s", "TTFT ms", "RSS MiB", "tokens", "tokens = llama.cpp",
-                "text = llama.cpp", "text = naive", "× llama.cpp"):
+                "text = llama.cpp", "text = naive", "× llama.cpp", "MiB/token", "of roofline"):
         table.add_column(col)
     for row in results["configurations"]:
         same = [row[k] for k in ("same_tokens_as_llama_cpp", "same_text_as_llama_cpp", "same_text_as_naive")]
         table.add_row(row["server"], row["format"], row["policy"], _cell(row["median_decode_tokens_per_s"]),
                       _cell(row["median_ttft_ms"], 0), _cell(row["peak_rss_mib"], 0), _cell(row["median_tokens"], 0),
                       *("" if n is None else f"{n}/{row['prompts']}" for n in same),
-                      _cell(row["ratio_to_llama_cpp"], 2), style="bold yellow" if row["server"] == LLAMA else None)
+                      _cell(row["ratio_to_llama_cpp"], 2), _cell(row.get("weight_mib_per_token")),
+                      _cell(row.get("fraction_of_roofline"), 2),
+                      style="bold yellow" if row["server"] == LLAMA else None)
     console.print(table)
+    if roof := results.get("roofline"):
+        console.print(f"read bandwidth {roof['median_gb_per_s']} GB/s ({roof['method']}, {roof['threads']} threads)")
     for label, info in results["servers"].items():
         if "error" in info:
             console.print(f"[red]{label} failed:[/red] {info['error']}")

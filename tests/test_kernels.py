@@ -113,9 +113,13 @@ def test_the_build_is_chosen_by_the_cpus_features():
     assert isas(avx512_vnni, "x86_64") == ["portable", "avx2", "avx512-vnni"]
     assert isas(avx2 | {"avx_vnni"}, "x86_64") == ["portable", "avx2", "avx-vnni"]
     assert isas(avx512_vnni - {"avx512vl"}, "x86_64") == ["portable", "avx2"]  # VNNI on zmm only: not used
-    assert isas(avx512_vnni | {"asimd", "asimddp"}, "aarch64") == ["portable"]
+    # aarch64: NEON on every core; sdot where /proc/cpuinfo lists asimddp (a Pi 5's A76, not a Pi 4's A72)
+    assert isas({"fp", "asimd", "asimddp"}, "aarch64") == ["portable", "neon", "neon-dotprod"]
+    assert isas({"fp", "asimd", "crc32"}, "aarch64") == ["portable", "neon"]
+    assert isas(avx512_vnni, "riscv64") == ["portable"]
     # each path compiles with flags of its own, so each has a build (and a cache key) of its own
-    flags = {isa: tuple(compile_flags(isa)) for isa in ("portable", "avx2", "avx512-vnni", "avx-vnni")}
-    assert len(set(flags.values())) == 4
+    paths = ("portable", "avx2", "avx512-vnni", "avx-vnni", "neon", "neon-dotprod")
+    flags = {isa: tuple(compile_flags(isa)) for isa in paths}
+    assert len(set(flags.values())) == len(paths)
     assert "-mavx512vnni" in flags["avx512-vnni"] and "-mavxvnni" in flags["avx-vnni"]
     assert compile_flags(False) == list(flags["portable"])

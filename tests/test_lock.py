@@ -1,5 +1,6 @@
-"""The locks the two set-up commands install from (requirements.txt, requirements-test.txt; `make lock`) agree
-with pyproject's ranges and with each other, and the environment running the tests is the test lock's."""
+"""The locks the two set-up commands install from (requirements.txt, requirements-test.txt, and an aarch64
+board's requirements-aarch64.txt; `make lock`) agree with pyproject's ranges and with each other, and the
+environment running the tests is the test lock's."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def project() -> dict:
 
 
 @pytest.mark.parametrize(("lock", "groups"), [("requirements.txt", ["runtime"]),
-                                              ("requirements-test.txt", ["runtime", "test"])])
+                                              ("requirements-test.txt", ["runtime", "test"]),
+                                              ("requirements-aarch64.txt", ["runtime"])])
 def test_every_requirement_is_pinned_within_its_range(lock, groups):
     locked = pins(lock)
     reqs = [Requirement(r) for g in groups
@@ -49,6 +51,12 @@ def test_every_requirement_is_pinned_within_its_range(lock, groups):
 def test_the_runtime_lock_is_the_test_locks_subset():
     runtime, test = pins("requirements.txt"), pins("requirements-test.txt")
     assert {n: v for n, v in test.items() if n in runtime} == runtime
+
+
+def test_an_aarch64_board_gets_the_runtime_locks_versions():
+    # the same releases (torch's without x86's +cpu); on top, what torch's aarch64 wheel from PyPI depends on
+    runtime, board = pins("requirements.txt"), pins("requirements-aarch64.txt")
+    assert {n: Version(v.public) for n, v in runtime.items()} == {n: v for n, v in board.items() if n in runtime}
 
 
 def test_the_running_environment_is_the_test_lock():

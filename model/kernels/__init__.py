@@ -3,9 +3,12 @@ dense matmuls), `ops.cpp` (norm, rotary, attention, SwiGLU), `layer.cpp` (an att
 one call each), `kv.h` (the KV cache's storage formats), `bind.cpp` (the Python module).
 
 `load()` builds the extension with the flags this CPU supports (on x86: the VNNI path where the CPU has
-AVX512_VNNI with AVX512_VL, or AVX-VNNI; else AVX2 + FMA; the portable C++ loops elsewhere, aarch64 included) into
-`model/kernels/build/`, and returns the module. `load("avx2")` or `load(False)` build a narrower path on the same
-CPU: every path gives the same bits, and the tests compare all the ones this CPU can run.
+AVX512_VNNI with AVX512_VL, or AVX-VNNI; else AVX2 + FMA; on aarch64: NEON, with sdot where the CPU has the dot
+product extension; the portable C++ loops elsewhere) into `model/kernels/build/`, and returns the module.
+`groups.h` holds the quantized matmuls' kernels without torch, and `check.cpp` compares them with the portable
+ones on their own (tests/test_kernels_aarch64.py runs it for aarch64 under qemu-user).
+`load("avx2")` or `load(False)` build a narrower path on the same CPU: every path gives the same bits, and the
+tests compare all the ones this CPU can run.
 `python -m edgespec.model.kernels` builds it ahead of time (the README's install commands run it), so a server's
 first start does not pay the 20-40 s of compiling.
 """
@@ -24,7 +27,7 @@ from typing import Literal
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [HERE / "quant.cpp", HERE / "ops.cpp", HERE / "layer.cpp", HERE / "pool.cpp", HERE / "bind.cpp"]
-HEADERS = [HERE / "common.h", HERE / "kv.h"]
+HEADERS = [HERE / name for name in ("common.h", "kv.h", "simd.h", "groups.h", "groups_x86.h", "groups_neon.h")]
 NAME = "edgespec_kernels"
 
 
@@ -39,7 +42,7 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-Isa = Literal["portable", "avx2", "avx512-vnni", "avx-vnni"]
+Isa = Literal["portable", "avx2", "avx512-vnni", "avx-vnni", "neon", "neon-dotprod"]
 AVX2 = {"avx2", "fma", "f16c"}
 AVX512_VNNI = AVX2 | {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"}
 AVX_VNNI = AVX2 | {"avx_vnni"}
@@ -48,8 +51,11 @@ AVX_VNNI = AVX2 | {"avx_vnni"}
 def isas(have: set[str] | None = None, machine: str | None = None) -> list[Isa]:
     """The kernel paths a CPU with flags `have` (this one's by default) can run, narrowest first."""
     have = cpu_flags() if have is None else have
+    machine = machine or platform.machine()
     out: list[Isa] = ["portable"]
-    if (machine or platform.machine()) not in ("x86_64", "AMD64") or not have >= AVX2:
+    if machine in ("aarch64", "arm64"):  # NEON is part of every ARMv8-A core; sdot is ARMv8.2-A's "asimddp"
+        return [*out, "neon", "neon-dotprod"] if "asimddp" in have else [*out, "neon"]
+    if machine not in ("x86_64", "AMD64") or not have >= AVX2:
         return out
     out.append("avx2")
     if have >= AVX512_VNNI:
@@ -60,8 +66,8 @@ def isas(have: set[str] | None = None, machine: str | None = None) -> list[Isa]:
 
 
 def chosen(simd: bool | Isa = True) -> Isa:
-    """The path `simd` names: True the widest this CPU runs, False the portable build (what an aarch64 board
-    runs), or a path by name (`isas()` lists this CPU's)."""
+    """The path `simd` names: True the widest this CPU runs, False the portable build, or a path by name
+    (`isas()` lists this CPU's)."""
     return isas()[-1] if simd is True else "portable" if simd is False else simd
 
 
@@ -70,7 +76,11 @@ def compile_flags(simd: bool | Isa = True) -> list[str]:
     other features gets a build of its own."""
     isa = chosen(simd)
     flags = ["-O3", "-ffp-contract=off", "-fno-fast-math"]  # threads: pool.cpp, not OpenMP
-    if isa != "portable":
+    if isa == "portable":
+        flags += ["-DES_NO_SIMD"]  # an aarch64 compiler targets NEON by default
+    elif isa == "neon-dotprod":
+        flags += ["-march=armv8.2-a+dotprod"]
+    elif isa != "neon":
         flags += ["-mavx2", "-mfma", "-mf16c"]
     if isa == "avx512-vnni":
         # 256-bit vpdpbusd (VL); 256-bit vectors preferred for what the compiler vectorizes on its own, as the

@@ -1,4 +1,4 @@
-// Shared by the kernels: includes, the SIMD switch, and the one fixed reduction of 8 float lanes.
+// Shared by the kernels: includes, the SIMD switch (simd.h), and the one fixed reduction of 8 float lanes.
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -9,33 +9,7 @@
 #include <functional>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define ES_AVX2 1
-#endif
-
-// VNNI (model/kernels/__init__.py's compile_flags): vpdpbusd on 256-bit vectors, from AVX512_VNNI + VL or from
-// AVX-VNNI; acc + the sums of 4 products of unsigned bytes u by signed bytes s, per int32 lane (exact)
-#if defined(ES_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define ES_VNNI 1
-inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
-#elif defined(ES_AVX2) && defined(__AVXVNNI__)
-#define ES_VNNI 1
-inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
-#endif
-
-// the name of the path this build compiled (`isa()` in Python; model/kernels/__init__.py's Isa)
-inline const char* isa_name() {
-#if defined(ES_VNNI) && defined(__AVX512VNNI__)
-  return "avx512-vnni";
-#elif defined(ES_VNNI)
-  return "avx-vnni";
-#elif defined(ES_AVX2)
-  return "avx2";
-#else
-  return "portable";
-#endif
-}
+#include "simd.h"
 
 // ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)): the order the _mm256 reduction below uses
 inline float reduce8(const float* a) {

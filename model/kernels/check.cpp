@@ -1,0 +1,115 @@
+// A standalone check of the group kernels, without torch or Python: every kernel this build compiles (its path,
+// simd.h) against the portable kernels on the same inputs, bit for bit, for q4 and the four q8 forms at 1-8
+// activation rows. tests/test_kernels_aarch64.py builds it with Debian's aarch64 cross compiler for NEON with and
+// without sdot and runs it under qemu-user as a Pi 4 (Cortex-A72) and a Pi 5 (Cortex-A76) would; built natively,
+// it checks this x86 CPU's path the same way. Prints one line per form, exits 1 on the first difference.
+#include <cstdio>
+#include <random>
+#include "groups.h"
+
+using namespace groups;
+
+namespace {
+
+constexpr int64_t NB = 7, K = NB * QK, MAXR = 8;
+
+struct Inputs {
+  std::vector<int32_t> pw4, pw8;    // one group's words: [NB, 4, 8] q4 nibbles, [NB, 8, 8] q8 bytes in -127..127
+  std::vector<float> d8, m8;        // [NB * 2, 8]: scales and offsets, enough for two per block
+  std::vector<int8_t> qx;           // [MAXR, K] quantized activations
+  std::vector<float> dx, sx, sh;    // [MAXR, NB], [MAXR, NB], [MAXR, NB * 2]
+};
+
+Inputs make(uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::uniform_int_distribution<int> byte(-127, 127);
+  Inputs in;
+  for (int64_t i = 0; i < NB * 4 * G8; ++i) in.pw4.push_back(static_cast<int32_t>(rng()));
+  for (int64_t i = 0; i < NB * 8 * G8; ++i) {
+    uint32_t w = 0;
+    for (int e = 0; e < 4; ++e) w |= static_cast<uint32_t>(static_cast<uint8_t>(byte(rng))) << (8 * e);
+    in.pw8.push_back(static_cast<int32_t>(w));
+  }
+  for (int64_t i = 0; i < NB * 2 * G8; ++i) {
+    in.d8.push_back(std::fabs(normal(rng)) * 1e-2f);
+    in.m8.push_back(normal(rng) * 1e-3f);
+  }
+  std::vector<float> x(K);
+  in.qx.resize(MAXR * K);
+  in.dx.resize(MAXR * NB);
+  in.sx.resize(MAXR * NB);
+  in.sh.resize(MAXR * NB * 2);
+  for (int64_t r = 0; r < MAXR; ++r) {
+    for (auto& v : x) v = normal(rng);
+    quantize_row(x.data(), K, &in.qx[r * K], &in.dx[r * NB], &in.sx[r * NB], &in.sh[r * NB * 2]);
+  }
+  return in;
+}
+
+// the outputs [R, 8] of rows 0..R-1 in steps of ROWS, as quant.cpp's run_groups takes them
+template <typename Group>
+std::vector<float> rows(int64_t R, Group group) {
+  std::vector<float> out(R * G8);
+  for (int64_t r = 0; r < R; r += ROWS) group(r, std::min<int64_t>(ROWS, R - r), &out[r * G8]);
+  return out;
+}
+
+bool same(const char* form, int64_t R, const std::vector<float>& a, const std::vector<float>& b) {
+  if (std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0) return true;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) {
+      std::printf("DIFFERENT %s: %lld rows, output %zu: %s %.9g, portable %.9g\n", form, static_cast<long long>(R), i,
+                  isa_name(), a[i], b[i]);
+      break;
+    }
+  return false;
+}
+
+template <int S, bool A>
+bool check_q8(const Inputs& in, const char* form) {
+  const std::vector<uint8_t> ux = q8_activations(in.qx.data(), in.qx.size());
+  const float* ss = S == 2 && A ? in.sh.data() : in.sx.data();
+  const float* m8 = A ? in.m8.data() : nullptr;
+  for (int64_t R = 1; R <= MAXR; ++R) {
+    auto simd = rows(R, [&](int64_t r, int64_t n, float* o) {
+      q8_group<S, A>(in.pw8.data(), in.d8.data(), m8, &in.qx[r * K], ux.empty() ? nullptr : &ux[r * K],
+                     &in.dx[r * NB], ss + r * NB * S, NB, K, n, o, G8);
+    });
+    auto portable = rows(R, [&](int64_t r, int64_t n, float* o) {
+      group_q8_portable<S, A>(in.pw8.data(), in.d8.data(), m8, &in.qx[r * K], &in.dx[r * NB], ss + r * NB * S, NB, K,
+                              n, o, G8);
+    });
+    if (!same(form, R, simd, portable)) return false;
+  }
+  std::printf("same bits: %s, %s, 1-%lld rows\n", isa_name(), form, static_cast<long long>(MAXR));
+  return true;
+}
+
+bool check_q4(const Inputs& in) {
+  for (int64_t R = 1; R <= MAXR; ++R) {
+    auto simd = rows(R, [&](int64_t r, int64_t n, float* o) {
+      q4_group(in.pw4.data(), in.d8.data(), in.m8.data(), &in.qx[r * K], &in.dx[r * NB], &in.sx[r * NB], NB, K, n, o,
+               G8);
+    });
+    auto portable = rows(R, [&](int64_t r, int64_t n, float* o) {
+      group_q4_portable(in.pw4.data(), in.d8.data(), in.m8.data(), &in.qx[r * K], &in.dx[r * NB], &in.sx[r * NB], NB,
+                        K, n, o, G8);
+    });
+    if (!same("q4", R, simd, portable)) return false;
+  }
+  std::printf("same bits: %s, q4, 1-%lld rows\n", isa_name(), static_cast<long long>(MAXR));
+  return true;
+}
+
+}  // namespace
+
+int main() {
+  for (uint32_t seed = 0; seed < 3; ++seed) {
+    const Inputs in = make(seed);
+    if (!(check_q4(in) && check_q8<1, false>(in, "q8") && check_q8<2, false>(in, "q8-halves") &&
+          check_q8<1, true>(in, "q8-affine") && check_q8<2, true>(in, "q8-affine-halves")))
+      return 1;
+  }
+  return 0;
+}

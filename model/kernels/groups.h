@@ -1,0 +1,198 @@
+// The group kernels of the quantized matmuls (quant.cpp), without torch, so that check.cpp builds them for any
+// target: llama.cpp's scheme, our own code.
+//
+// Activations are quantized per row to int8 in blocks of 32 (scale dx = max|x| / 127, plus the block's
+// sum s = dx * sum(qx)). Each output is then one float accumulator updated block by block, in block order:
+//   q4 (Q4_0/Q4_1/Q4_K as w = d q + m, q in 0..15):  y = fma(m_b, s_b, fma(<qw, qx>_b, d_b dx_b, y))
+//   q8 (w = d q, q in -127..127, one d per block):   y = fma(<qw, qx>_b, d_b dx_b, y)
+//   q8 with a d per half block (Q6_K, Q3_K):          y = fma(<qw, qx>_b1, d_b1 dx_b, fma(<qw, qx>_b0, d_b0 dx_b, y))
+//   affine q8 (w = d q + m, Q5_1 / Q5_K per block, Q2_K per half block): each (half) block's step is followed by
+//   y = fma(m, s, y), s the activations' sum over it (q4's order: a Q4 widened to affine q8 gives the same bits)
+// where <qw, qx>_b is the block's integer dot product (exact in int32, so its summation order is free). That
+// order depends only on K, never on how many rows the pass has or which thread runs it, so a position's
+// result is bitwise the same alone, in a verification pass or in a batch of rows (docs: "exact in the served
+// format"); the SIMD paths (AVX2, VNNI, NEON with or without sdot) and the portable path compute the same float
+// operations, with explicit fma, so they agree too (built with -ffp-contract=off; check.cpp and
+// tests/test_kernels.py compare them bit for bit).
+//
+// Weights are held interleaved in groups of 8 rows (model/quant.py's `interleave`, rows padded to a multiple
+// of 8): for group g and block b, word j of every row, 4 bytes, side by side, [G, nb, words, 8] int32. One
+// 32-byte load then holds 4 elements of 8 rows, one maddubs multiplies them by 4 activations broadcast, and
+// the 8 lanes of the accumulator are 8 outputs: no horizontal sum per output, and the scales of 8 rows come
+// in one load. Measured on an AVX2 EPYC, one thread, 3072x576 q4: 70 -> 33 us at one row, 229 -> 111 at
+// four; the 49152x576 q8 head 5.4 -> 2.8 ms at one row (llama.cpp's AVX2 REPACK kernels use the same idea).
+// q4 words hold the nibbles as GGUF does: the low nibbles of word j are elements 4j..4j+3 of the block, the
+// high nibbles elements 16+4j..16+4j+3. A group kernel takes pw [nb, words, 8] (one group's words), d8, m8
+// [nb * S, 8] (S scales per block), R activation rows K apart with their scales and sums nb (or nb * S) apart,
+// and writes 8 outputs per row, rows ldo apart.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#include "simd.h"
+
+namespace groups {
+
+constexpr int QK = 32;  // elements per quantization block
+constexpr int G8 = 8;   // weight rows per interleaved group
+// activation rows per call of a group's kernel (each weight block read once for them): 8 where AVX-512 VL's 32
+// vector registers hold 8 rows' sums and accumulators, 4 where 16 registers (AVX2, AVX-VNNI) hold 4 rows' (8
+// would spill), and 4 on NEON (its 128-bit registers hold 4 outputs, so a row's sums and accumulators take 4-6)
+#if defined(ES_VNNI) && defined(__AVX512VL__)
+constexpr int ROWS = 8;
+#else
+constexpr int ROWS = 4;
+#endif
+
+// x [K] float -> qx [K] int8, dx [K/32], sx [K/32] (sx = dx * sum of the block's qx), and where sh is not null
+// sh [K/16] (the same per half block: only Q2_K's offsets per 16 read them)
+inline void quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, float* sx, float* sh) {
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const float* xb = x + b * QK;
+    float amax = 0.f;
+    for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    int sum[2] = {0, 0};
+    for (int i = 0; i < QK; ++i) {
+      const int q = static_cast<int>(std::nearbyint(xb[i] * id));
+      qx[b * QK + i] = static_cast<int8_t>(q);
+      sum[i / 16] += q;
+    }
+    dx[b] = d;
+    sx[b] = d * static_cast<float>(sum[0] + sum[1]);
+    if (sh != nullptr) {
+      sh[2 * b] = d * static_cast<float>(sum[0]);
+      sh[2 * b + 1] = d * static_cast<float>(sum[1]);
+    }
+  }
+}
+
+inline int32_t word(const int8_t* p) {
+  int32_t w;
+  std::memcpy(&w, p, 4);
+  return w;
+}
+
+
+// rows 0..R-1 (1 <= R <= ROWS at run time) through the compile-time kernel `tile`
+template <typename Tile>
+inline void by_rows(int64_t R, Tile tile) {
+  switch (R) {
+    case 1: tile(std::integral_constant<int, 1>{}); break;
+    case 2: tile(std::integral_constant<int, 2>{}); break;
+    case 3: tile(std::integral_constant<int, 3>{}); break;
+#ifdef ES_VNNI
+    case 4: tile(std::integral_constant<int, 4>{}); break;
+    case 5: tile(std::integral_constant<int, 5>{}); break;
+    case 6: tile(std::integral_constant<int, 6>{}); break;
+    case 7: tile(std::integral_constant<int, 7>{}); break;
+    default: tile(std::integral_constant<int, 8>{});
+#else
+    default: tile(std::integral_constant<int, 4>{});
+#endif
+  }
+}
+
+#include "groups_x86.h"
+#include "groups_neon.h"
+
+
+// The portable kernels: the same float operations per output as the groups above, one output at a time.
+// Word j of row `lane` of a block sits at pw[(b * words + j) * 8 + lane]. Each output of rows 0..R-1 is
+// acc = step(acc, r, lane, b) over the blocks in order, from 0.
+template <typename Step>
+inline void group_portable(int64_t R, int64_t nb, float* out, int64_t ldo, Step step) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int lane = 0; lane < G8; ++lane) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) acc = step(acc, r, lane, b);
+      out[r * ldo + lane] = acc;
+    }
+}
+
+inline void group_q4_portable(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const float* dx,
+                       const float* sx, int64_t nb, int64_t K, int64_t R, float* out, int64_t ldo) {
+  group_portable(R, nb, out, ldo, [&](float acc, int64_t r, int lane, int64_t b) {
+    const int8_t* xb = qx + r * K + b * QK;
+    int dot = 0;
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t w = static_cast<uint32_t>(pw[(b * 4 + j) * G8 + lane]);
+      for (int e = 0; e < 4; ++e) {
+        const int byte = (w >> (8 * e)) & 0xFF;
+        dot += (byte & 0x0F) * xb[4 * j + e] + (byte >> 4) * xb[16 + 4 * j + e];
+      }
+    }
+    acc = std::fma(static_cast<float>(dot), d8[b * G8 + lane] * dx[r * nb + b], acc);
+    return std::fma(m8[b * G8 + lane], sx[r * nb + b], acc);
+  });
+}
+
+template <int S, bool A>
+void group_q8_portable(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const float* dx,
+                       const float* ss, int64_t nb, int64_t K, int64_t R, float* out, int64_t ldo) {
+  group_portable(R, nb, out, ldo, [&](float acc, int64_t r, int lane, int64_t b) {
+    const int8_t* xb = qx + r * K + b * QK;
+    int dot[S] = {};
+    for (int j = 0; j < 8; ++j) {
+      const int32_t w = pw[(b * 8 + j) * G8 + lane];
+      for (int e = 0; e < 4; ++e) dot[j * S / 8] += static_cast<int8_t>((w >> (8 * e)) & 0xFF) * xb[4 * j + e];
+    }
+    for (int h = 0; h < S; ++h) {
+      acc = std::fma(static_cast<float>(dot[h]), d8[(b * S + h) * G8 + lane] * dx[r * nb + b], acc);
+      if constexpr (A) acc = std::fma(m8[(b * S + h) * G8 + lane], ss[(r * nb + b) * S + h], acc);
+    }
+    return acc;
+  });
+}
+
+// The 8 outputs of one weight group for R <= ROWS activation rows, through this build's path.
+inline void q4_group(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const float* dx,
+                     const float* sx, int64_t nb, int64_t K, int64_t R, float* out, int64_t ldo) {
+#if defined(ES_VNNI)
+  by_rows(R, [&](auto Rc) { group_q4_vnni<decltype(Rc)::value>(pw, d8, m8, qx, dx, sx, nb, K, out, ldo); });
+#elif defined(ES_AVX2)
+  by_rows(R, [&](auto Rc) { group_q4<decltype(Rc)::value>(pw, d8, m8, qx, dx, sx, nb, K, out, ldo); });
+#elif defined(ES_NEON)
+  by_rows(R, [&](auto Rc) { group_q4_neon<decltype(Rc)::value>(pw, d8, m8, qx, dx, sx, nb, K, out, ldo); });
+#else
+  group_q4_portable(pw, d8, m8, qx, dx, sx, nb, K, R, out, ldo);
+#endif
+}
+
+// The activations as a q8 group kernel of this build reads them: VNNI's unsigned ux = qx + 128 (qx ^ 0x80; its
+// kernel says why), made once per pass; none on the other paths.
+inline std::vector<uint8_t> q8_activations(const int8_t* qx, int64_t n) {
+#ifdef ES_VNNI
+  std::vector<uint8_t> ux(n);
+  for (int64_t i = 0; i < n; ++i) ux[i] = static_cast<uint8_t>(qx[i]) ^ 0x80;
+  return ux;
+#else
+  (void)qx, (void)n;
+  return {};
+#endif
+}
+
+// q4_group for q8 weights: S scales per block, A with offsets (m8, and ss the activations' sums per scale); ux is
+// q8_activations' bytes of the same rows (read by VNNI only).
+template <int S, bool A>
+void q8_group(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const uint8_t* ux,
+              const float* dx, const float* ss, int64_t nb, int64_t K, int64_t R, float* out, int64_t ldo) {
+#if defined(ES_VNNI)
+  (void)qx;
+  by_rows(R, [&](auto Rc) { group_q8_vnni<decltype(Rc)::value, S, A>(pw, d8, m8, ux, dx, ss, nb, K, out, ldo); });
+#elif defined(ES_AVX2)
+  (void)ux;
+  by_rows(R, [&](auto Rc) { group_q8<decltype(Rc)::value, S, A>(pw, d8, m8, qx, dx, ss, nb, K, out, ldo); });
+#elif defined(ES_NEON)
+  (void)ux;
+  by_rows(R, [&](auto Rc) { group_q8_neon<decltype(Rc)::value, S, A>(pw, d8, m8, qx, dx, ss, nb, K, out, ldo); });
+#else
+  (void)ux;
+  group_q8_portable<S, A>(pw, d8, m8, qx, dx, ss, nb, K, R, out, ldo);
+#endif
+}
+
+}  // namespace groups

@@ -1,0 +1,74 @@
+"""The group kernels of the quantized matmuls on aarch64, proved on this x86 machine: model/kernels/check.cpp
+(the kernels without torch, every path against the portable loops on the same inputs, bit for bit) built with
+Debian's cross compiler for NEON without and with sdot, run under qemu-user as a Raspberry Pi 4 (Cortex-A72,
+no dot product extension) and a Pi 5 (Cortex-A76) would run them; and built natively for every path this CPU
+runs. `make install-test` installs the cross compiler and qemu-user (Debian's g++-aarch64-linux-gnu and
+qemu-user)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from edgespec.model.kernels import HERE, Isa, compile_flags, isas
+
+CROSS, QEMU = "aarch64-linux-gnu-g++", "qemu-aarch64"
+FORMS = ["q4", "q8", "q8-halves", "q8-affine", "q8-affine-halves"]
+
+
+def build(compiler: str, isa: Isa, out: Path) -> Path:
+    flags = [f for f in compile_flags(isa) if f != "-mprefer-vector-width=256"]
+    static = ["-static"] if compiler == CROSS else []
+    subprocess.run([compiler, "-std=c++17", "-Wall", "-Wextra", "-Werror", *flags, *static, str(HERE / "check.cpp"),
+                    "-o", str(out)], check=True)
+    return out
+
+
+def same_bits(run: list[str], isa: Isa) -> None:
+    got = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stdout + got.stderr
+    # three seeds, each form at 1-8 rows
+    assert got.stdout.splitlines() == [f"same bits: {isa}, {form}, 1-8 rows" for form in FORMS] * 3
+
+
+@pytest.fixture(scope="module")
+def cross() -> None:
+    missing = [tool for tool in (CROSS, QEMU) if shutil.which(tool) is None]
+    assert not missing, f"{missing} not installed: `make install-test` installs them (Debian packages)"
+
+
+@pytest.mark.parametrize(("isa", "cpu"), [("neon", "cortex-a72"), ("neon", "cortex-a76"),
+                                          ("neon-dotprod", "cortex-a76")])
+def test_the_aarch64_kernels_give_the_portable_bits(cross, tmp_path, isa: Isa, cpu: str):
+    same_bits([QEMU, "-cpu", cpu, str(build(CROSS, isa, tmp_path / isa))], isa)
+
+
+def test_the_dot_product_build_uses_sdot(cross, tmp_path):
+    """A Pi 4's core has no sdot: the dot-product build dies there (SIGILL), so the check above ran sdot."""
+    got = subprocess.run([QEMU, "-cpu", "cortex-a72", str(build(CROSS, "neon-dotprod", tmp_path / "dp"))],
+                         capture_output=True, timeout=120)
+    assert got.returncode != 0 and b"Illegal instruction" in got.stderr
+
+
+def test_the_check_fails_on_a_kernel_that_adds_in_another_order(cross, tmp_path):
+    """check.cpp would see a wrong rule: NEON's q4 offset step moved before the block's dot product."""
+    for name in ("simd.h", "groups.h", "groups_x86.h", "check.cpp"):
+        shutil.copy(HERE / name, tmp_path / name)
+    neon = (HERE / "groups_neon.h").read_text()
+    dot = "        acc[r][h] = vfmaq_f32(acc[r][h], vcvtq_f32_s32(s[r][h].sum()), vmulq_n_f32(d, dx[r * nb + b]));\n"
+    offset = "        acc[r][h] = vfmaq_f32(acc[r][h], m, vdupq_n_f32(sx[r * nb + b]));\n"
+    assert dot + offset in neon
+    (tmp_path / "groups_neon.h").write_text(neon.replace(dot + offset, offset + dot))
+    out = tmp_path / "wrong"
+    subprocess.run([CROSS, "-std=c++17", "-O3", "-ffp-contract=off", "-static", str(tmp_path / "check.cpp"), "-o",
+                    str(out)], check=True)
+    got = subprocess.run([QEMU, "-cpu", "cortex-a72", str(out)], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 1 and got.stdout.startswith("DIFFERENT q4: 1 rows")
+
+
+@pytest.mark.parametrize("isa", isas())
+def test_this_cpus_kernels_give_the_portable_bits(tmp_path, isa: Isa):
+    same_bits([str(build("g++", isa, tmp_path / isa))], isa)
