@@ -213,8 +213,8 @@ def run_versus(args) -> dict:
     from edgespec.model.source import default_gguf
 
     console = Console()
-    if not console.is_terminal and console.width < 130:  # piped into a log: do not squeeze the table
-        console = Console(width=130)
+    if not console.is_terminal and console.width < 170:  # piped into a log: do not squeeze the table
+        console = Console(width=170)
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(Path(args.prompts), args.limit)
