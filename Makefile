@@ -100,7 +100,7 @@ COMPILE = CUSTOM_COMPILE_COMMAND="make lock" $(PIP_TOOLS_VENV)/bin/pip-compile -
 	--allow-unsafe --strip-extras --generate-hashes --no-emit-index-url --no-emit-find-links
 
 lock:
-	[ -x $(PIP_TOOLS_VENV)/bin/pip-compile ] || \
+	[ -x $(PIP_TOOLS_VENV)/bin/pip-compile ] && [ -x $(PIP_TOOLS_VENV)/bin/uv ] || \
 		{ $(PYTHON) -m venv $(PIP_TOOLS_VENV) && $(PIP_TOOLS_VENV)/bin/pip install --quiet pip-tools==7.6.2 uv==0.13.9; }
 	$(COMPILE) --extra test -o $(TEST_LOCK) pyproject.toml
 	$(COMPILE) -c $(TEST_LOCK) -o requirements.txt pyproject.toml
