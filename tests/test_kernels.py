@@ -3,10 +3,15 @@ the SIMD one bit for bit (what makes a worker on an aarch64 board compute what a
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
-from edgespec.model.kernels import compile_flags, isas, load
+from edgespec.model.kernels import STALE_LOCK_S, build_folder, build_key, chosen, compile_flags, isas, load
 from edgespec.model.quant import Q8, Interleaved, quantize_q4, quantize_q8, widened
 
 N, K = 100, 256  # N not a multiple of 8: the last weight group is partial
@@ -123,3 +128,16 @@ def test_the_build_is_chosen_by_the_cpus_features():
     assert len(set(flags.values())) == len(paths)
     assert "-mavx512vnni" in flags["avx512-vnni"] and "-mavxvnni" in flags["avx-vnni"]
     assert compile_flags(False) == list(flags["portable"])
+
+
+def test_a_killed_compiles_lock_does_not_hang_the_next_load():
+    # torch's build lock, left by a compile that was killed long ago: the next process removes it and loads
+    load()  # built
+    lock = build_folder(build_key(chosen())) / "lock"
+    lock.touch()
+    old = time.time() - STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    done = subprocess.run([sys.executable, "-c", "from edgespec.model.kernels import load; print(load().isa())"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == chosen(), done.stderr
+    assert not lock.exists() and "left by a compile that was stopped" in done.stderr

@@ -15,12 +15,14 @@ first start does not pay the 20-40 s of compiling.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -29,6 +31,9 @@ HERE = Path(__file__).parent
 SOURCES = [HERE / "quant.cpp", HERE / "ops.cpp", HERE / "layer.cpp", HERE / "pool.cpp", HERE / "bind.cpp"]
 HEADERS = [HERE / name for name in ("common.h", "kv.h", "simd.h", "groups.h", "groups_x86.h", "groups_neon.h")]
 NAME = "edgespec_kernels"
+# torch's build lock older than this is a killed compile's (a compile takes 20-90 s): left in place, every later
+# load waited on it forever, a server start included, with nothing in its log
+STALE_LOCK_S = 600
 
 
 @functools.cache
@@ -93,6 +98,14 @@ def compile_flags(simd: bool | Isa = True) -> list[str]:
     return flags
 
 
+def build_key(isa: Isa) -> str:
+    """The build's name for path `isa`: a hash of the sources, the flags and torch's version."""
+    import torch
+
+    code = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    return hashlib.sha256(code + " ".join([*compile_flags(isa), NAME, torch.__version__]).encode()).hexdigest()[:12]
+
+
 def build_folder(key: str) -> Path:
     """Where the build for `key` lives: beside the sources, like an extension built at install (so a process
     with another HOME or EDGESPEC_CACHE, a test's or a worker's, finds it), else the user cache when the
@@ -122,11 +135,14 @@ def load_isa(isa: Isa):
     from torch.utils.cpp_extension import load as build
 
     flags = compile_flags(isa)
-    import torch
-
-    code = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-    key = hashlib.sha256(code + " ".join([*flags, NAME, torch.__version__]).encode()).hexdigest()[:12]
+    key = build_key(isa)
     folder = build_folder(key)
+    lock = folder / "lock"
+    with contextlib.suppress(FileNotFoundError):  # torch's FileBaton: a compile under way, or a killed one's
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            log.warning("removing %s, left by a compile that was stopped %.0f s ago", lock,
+                        time.time() - lock.stat().st_mtime)
+            lock.unlink()
     if not any(folder.glob("*.so")):
         log.warning("compiling the CPU kernels once (%s) into %s; this takes 20-90 s", " ".join(flags), folder)
     os.environ.setdefault("MAX_JOBS", "2")
