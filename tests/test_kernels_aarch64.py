@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sysconfig
 from pathlib import Path
 
 import pytest
+from torch.utils.cpp_extension import include_paths
 
 from edgespec.model.kernels import HERE, Isa, compile_flags, isas
 
@@ -72,3 +74,13 @@ def test_the_check_fails_on_a_kernel_that_adds_in_another_order(cross, tmp_path)
 @pytest.mark.parametrize("isa", isas())
 def test_this_cpus_kernels_give_the_portable_bits(tmp_path, isa: Isa):
     same_bits([str(build("g++", isa, tmp_path / isa))], isa)
+
+
+def test_the_extensions_matmuls_compile_for_aarch64(cross):
+    """quant.cpp, the extension's matmuls over the NEON kernels, against torch's headers (the same on aarch64):
+    what `python -m edgespec.model.kernels` compiles on a Pi 5 (torch builds extensions as C++20), checked without
+    linking (no aarch64 libtorch here)."""
+    python = sysconfig.get_paths()["include"]
+    flags = [*compile_flags("neon-dotprod"), *(f"-I{p}" for p in [*include_paths(), python])]
+    subprocess.run([CROSS, "-std=c++20", "-fsyntax-only", "-DTORCH_EXTENSION_NAME=check", *flags,
+                    str(HERE / "quant.cpp")], check=True)
