@@ -76,7 +76,6 @@ inline int32_t word(const int8_t* p) {
   return w;
 }
 
-
 // rows 0..R-1 (1 <= R <= ROWS at run time) through the compile-time kernel `tile`
 template <typename Tile>
 inline void by_rows(int64_t R, Tile tile) {
