@@ -114,8 +114,10 @@ class CompletionService:
             trigger = Trigger(self._encode(plan.trigger), self.settings.tool_call_threshold, forced)
         route = None
         if route_plan is not None:  # the candidates among the tools, in the tools' order
-            contexts = self.template.channel_contexts(chat.tools, route_plan.notes)
-            route = Route(tuple(n for n, _ in routes), tuple(self._encode(contexts[i]) for i in route_plan.candidates),
+            chosen = route_plan.candidates
+            contexts = self.template.channel_contexts(tuple(chat.tools[i] for i in chosen),
+                                                      tuple(route_plan.notes[i] for i in chosen))
+            route = Route(tuple(n for n, _ in routes), tuple(self._encode(c) for c in contexts),
                           self._encode(self.template.channel_baseline()), self._encode(route_plan.request),
                           route_plan.overlap, tuple(routed), route_plan.figures)
         return grammar, trigger, route

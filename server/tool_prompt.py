@@ -133,12 +133,12 @@ class ChatTemplate:
         except Exception as exc:  # the template is the model's code; any failure is the request's
             raise ValueError(f"the chat template rejected the conversation: {exc}") from exc
 
-    def channel_contexts(self, tools: tuple[ToolSpec, ...], notes: tuple[str, ...] | None = None) -> list[str]:
+    def channel_contexts(self, tools: tuple[ToolSpec, ...], notes: tuple[str, ...]) -> list[str]:
         """For each tool, the text before a user turn whose system message names the tool, its description and
         its note (what else the prompt says of it): the context under which the request's likelihood says how
         well the tool explains it (decoding/decide.py, the route)."""
         out = []
-        for tool, note in zip(tools, notes or ("",) * len(tools), strict=True):
+        for tool, note in zip(tools, notes, strict=True):
             described = f"{tool.name}: {tool.description}" if tool.description else tool.name
             out.append(self._channel(f"The user asks for this function: {' '.join(filter(None, [described, note]))}"))
         return out

@@ -139,9 +139,8 @@ def load_isa(isa: Isa):
     folder = build_folder(key)
     lock = folder / "lock"
     with contextlib.suppress(FileNotFoundError):  # torch's FileBaton: a compile under way, or a killed one's
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            log.warning("removing %s, left by a compile that was stopped %.0f s ago", lock,
-                        time.time() - lock.stat().st_mtime)
+        if (age := time.time() - lock.stat().st_mtime) > STALE_LOCK_S:
+            log.warning("removing %s, left by a compile that was stopped %.0f s ago", lock, age)
             lock.unlink()
     if not any(folder.glob("*.so")):
         log.warning("compiling the CPU kernels once (%s) into %s; this takes 20-90 s", " ".join(flags), folder)

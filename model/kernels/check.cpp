@@ -66,40 +66,36 @@ bool same(const char* form, int64_t R, const std::vector<float>& a, const std::v
   return false;
 }
 
+// a form's group kernel (simd) against the portable one, each (r, n, out) computing rows r..r+n-1, at 1-8 rows
+template <typename Simd, typename Portable>
+bool check(const char* form, Simd simd, Portable portable) {
+  for (int64_t R = 1; R <= MAXR; ++R)
+    if (!same(form, R, rows(R, simd), rows(R, portable))) return false;
+  std::printf("same bits: %s, %s, 1-%lld rows\n", isa_name(), form, static_cast<long long>(MAXR));
+  return true;
+}
+
 template <int S, bool A>
 bool check_q8(const Inputs& in, const char* form) {
   const std::vector<uint8_t> ux = q8_activations(in.qx.data(), in.qx.size());
   const float* ss = S == 2 && A ? in.sh.data() : in.sx.data();
   const float* m8 = A ? in.m8.data() : nullptr;
-  for (int64_t R = 1; R <= MAXR; ++R) {
-    auto simd = rows(R, [&](int64_t r, int64_t n, float* o) {
-      q8_group<S, A>(in.pw8.data(), in.d8.data(), m8, &in.qx[r * K], ux.empty() ? nullptr : &ux[r * K],
-                     &in.dx[r * NB], ss + r * NB * S, NB, K, n, o, G8);
-    });
-    auto portable = rows(R, [&](int64_t r, int64_t n, float* o) {
-      group_q8_portable<S, A>(in.pw8.data(), in.d8.data(), m8, &in.qx[r * K], &in.dx[r * NB], ss + r * NB * S, NB, K,
-                              n, o, G8);
-    });
-    if (!same(form, R, simd, portable)) return false;
-  }
-  std::printf("same bits: %s, %s, 1-%lld rows\n", isa_name(), form, static_cast<long long>(MAXR));
-  return true;
+  return check(form, [&](int64_t r, int64_t n, float* o) {
+    q8_group<S, A>(in.pw8.data(), in.d8.data(), m8, &in.qx[r * K], ux.empty() ? nullptr : &ux[r * K], &in.dx[r * NB],
+                   ss + r * NB * S, NB, K, n, o, G8);
+  }, [&](int64_t r, int64_t n, float* o) {
+    group_q8_portable<S, A>(in.pw8.data(), in.d8.data(), m8, &in.qx[r * K], &in.dx[r * NB], ss + r * NB * S, NB, K, n,
+                            o, G8);
+  });
 }
 
 bool check_q4(const Inputs& in) {
-  for (int64_t R = 1; R <= MAXR; ++R) {
-    auto simd = rows(R, [&](int64_t r, int64_t n, float* o) {
-      q4_group(in.pw4.data(), in.d8.data(), in.m8.data(), &in.qx[r * K], &in.dx[r * NB], &in.sx[r * NB], NB, K, n, o,
-               G8);
-    });
-    auto portable = rows(R, [&](int64_t r, int64_t n, float* o) {
-      group_q4_portable(in.pw4.data(), in.d8.data(), in.m8.data(), &in.qx[r * K], &in.dx[r * NB], &in.sx[r * NB], NB,
-                        K, n, o, G8);
-    });
-    if (!same("q4", R, simd, portable)) return false;
-  }
-  std::printf("same bits: %s, q4, 1-%lld rows\n", isa_name(), static_cast<long long>(MAXR));
-  return true;
+  return check("q4", [&](int64_t r, int64_t n, float* o) {
+    q4_group(in.pw4.data(), in.d8.data(), in.m8.data(), &in.qx[r * K], &in.dx[r * NB], &in.sx[r * NB], NB, K, n, o, G8);
+  }, [&](int64_t r, int64_t n, float* o) {
+    group_q4_portable(in.pw4.data(), in.d8.data(), in.m8.data(), &in.qx[r * K], &in.dx[r * NB], &in.sx[r * NB], NB, K,
+                      n, o, G8);
+  });
 }
 
 }  // namespace
