@@ -31,8 +31,9 @@ def build(compiler: str, isa: Isa, out: Path) -> Path:
 def same_bits(run: list[str], isa: Isa) -> None:
     got = subprocess.run(run, capture_output=True, text=True, timeout=120)
     assert got.returncode == 0, got.stdout + got.stderr
-    # three seeds, each form at 1-8 rows
-    assert got.stdout.splitlines() == [f"same bits: {isa}, {form}, 1-8 rows" for form in FORMS] * 3
+    # three seeds: the quantizer, then each form at 1-8 rows
+    assert got.stdout.splitlines() == ([f"same bits: {isa}, quantize_row"] +
+                                       [f"same bits: {isa}, {form}, 1-8 rows" for form in FORMS]) * 3
 
 
 @pytest.fixture(scope="module")
@@ -54,20 +55,27 @@ def test_the_dot_product_build_uses_sdot(cross, tmp_path):
     assert got.returncode != 0 and b"Illegal instruction" in got.stderr
 
 
-def test_the_check_fails_on_a_kernel_that_adds_in_another_order(cross, tmp_path):
-    """check.cpp would see a wrong rule: NEON's q4 offset step moved before the block's dot product."""
+DOT = "        acc[r][h] = vfmaq_f32(acc[r][h], vcvtq_f32_s32(s[r][h].sum()), vmulq_n_f32(d, dx[r * nb + b]));\n"
+OFFSET = "        acc[r][h] = vfmaq_f32(acc[r][h], m, vdupq_n_f32(sx[r * nb + b]));\n"
+ROUND = "q[i] = vcvtnq_s32_f32(vmulq_n_f32(v[i], id));"
+
+
+@pytest.mark.parametrize(("wrong", "right", "seen"), [
+    (OFFSET + DOT, DOT + OFFSET, "DIFFERENT q4: 1 rows"),  # q4's offset step before the block's dot product
+    (ROUND.replace("vcvtnq", "vcvtq"), ROUND, "DIFFERENT quantize_row: neon"),  # rounding toward zero
+], ids=["q4-order", "quantize-rounding"])
+def test_the_check_fails_on_a_wrong_neon_kernel(cross, tmp_path, wrong: str, right: str, seen: str):
+    """check.cpp would see a wrong rule in the NEON kernels."""
     for name in ("simd.h", "groups.h", "groups_x86.h", "check.cpp"):
         shutil.copy(HERE / name, tmp_path / name)
     neon = (HERE / "groups_neon.h").read_text()
-    dot = "        acc[r][h] = vfmaq_f32(acc[r][h], vcvtq_f32_s32(s[r][h].sum()), vmulq_n_f32(d, dx[r * nb + b]));\n"
-    offset = "        acc[r][h] = vfmaq_f32(acc[r][h], m, vdupq_n_f32(sx[r * nb + b]));\n"
-    assert dot + offset in neon
-    (tmp_path / "groups_neon.h").write_text(neon.replace(dot + offset, offset + dot))
+    assert right in neon
+    (tmp_path / "groups_neon.h").write_text(neon.replace(right, wrong))
     out = tmp_path / "wrong"
     subprocess.run([CROSS, "-std=c++17", "-O3", "-ffp-contract=off", "-static", str(tmp_path / "check.cpp"), "-o",
                     str(out)], check=True)
     got = subprocess.run([QEMU, "-cpu", "cortex-a72", str(out)], capture_output=True, text=True, timeout=120)
-    assert got.returncode == 1 and got.stdout.startswith("DIFFERENT q4: 1 rows")
+    assert got.returncode == 1 and seen in got.stdout.splitlines()[-1]
 
 
 @pytest.mark.parametrize("isa", isas())

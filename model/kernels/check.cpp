@@ -1,6 +1,6 @@
 // A standalone check of the group kernels, without torch or Python: every kernel this build compiles (its path,
-// simd.h) against the portable kernels on the same inputs, bit for bit, for q4 and the four q8 forms at 1-8
-// activation rows. tests/test_kernels_aarch64.py builds it with Debian's aarch64 cross compiler for NEON with and
+// simd.h) against the portable kernels on the same inputs, bit for bit, for the activations' quantizer and for q4
+// and the four q8 forms at 1-8 activation rows. tests/test_kernels_aarch64.py builds it with Debian's aarch64 cross compiler for NEON with and
 // without sdot and runs it under qemu-user as a Pi 4 (Cortex-A72) and a Pi 5 (Cortex-A76) would; built natively,
 // it checks this x86 CPU's path the same way. Prints one line per form, exits 1 on the first difference.
 #include <cstdio>
@@ -98,12 +98,36 @@ bool check_q4(const Inputs& in) {
   });
 }
 
+// quantize_row against quantize_row_portable on rows of normal values at several scales, a block of zeros, a
+// block of ties (127 and halves: x / d lands on .5, rounded to even) and a block with an infinitely small value
+bool check_quantize(uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(K);
+  for (const float scale : {1.f, 1e-30f, 3e4f}) {
+    for (auto& v : x) v = normal(rng) * scale;
+    std::fill(x.begin(), x.begin() + QK, 0.f);
+    for (int i = 0; i < QK; ++i) x[QK + i] = i == 0 ? 127.f : (i % 2 ? 0.5f : -1.5f) + static_cast<float>(i - 16);
+    x[2 * QK + 3] = 1e-45f;
+    std::vector<int8_t> qa(K), qb(K);
+    std::vector<float> fa(4 * NB), fb(4 * NB);  // dx, sx, sh [2 NB]
+    quantize_row(x.data(), K, qa.data(), &fa[0], &fa[NB], &fa[2 * NB]);
+    quantize_row_portable(x.data(), K, qb.data(), &fb[0], &fb[NB], &fb[2 * NB]);
+    if (qa != qb || std::memcmp(fa.data(), fb.data(), fa.size() * sizeof(float)) != 0) {
+      std::printf("DIFFERENT quantize_row: %s against portable, scale %g\n", isa_name(), scale);
+      return false;
+    }
+  }
+  std::printf("same bits: %s, quantize_row\n", isa_name());
+  return true;
+}
+
 }  // namespace
 
 int main() {
   for (uint32_t seed = 0; seed < 3; ++seed) {
     const Inputs in = make(seed);
-    if (!(check_q4(in) && check_q8<1, false>(in, "q8") && check_q8<2, false>(in, "q8-halves") &&
+    if (!(check_quantize(seed) && check_q4(in) && check_q8<1, false>(in, "q8") && check_q8<2, false>(in, "q8-halves") &&
           check_q8<1, true>(in, "q8-affine") && check_q8<2, true>(in, "q8-affine-halves")))
       return 1;
   }

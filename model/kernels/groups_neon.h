@@ -24,6 +24,29 @@ struct Dot4 {
 #endif
 };
 
+// quantize_row in NEON (groups.h: the same bits as quantize_row_portable): vmaxnm returns the number when the
+// other operand is NaN, as std::max(amax, |x|) keeps amax; fcvtns rounds to nearest even, as nearbyint does.
+inline void quantize_row_neon(const float* x, int64_t K, int8_t* qx, float* dx, float* sx, float* sh) {
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const float* xb = x + b * QK;
+    float32x4_t v[8], m = vdupq_n_f32(0.f);
+    for (int i = 0; i < 8; ++i) {
+      v[i] = vld1q_f32(xb + 4 * i);
+      m = vmaxnmq_f32(m, vabsq_f32(v[i]));
+    }
+    const float d = vmaxnmvq_f32(m) / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    int32x4_t q[8];
+    for (int i = 0; i < 8; ++i) q[i] = vcvtnq_s32_f32(vmulq_n_f32(v[i], id));
+    int16x8_t p[4];
+    for (int i = 0; i < 4; ++i) p[i] = vcombine_s16(vqmovn_s32(q[2 * i]), vqmovn_s32(q[2 * i + 1]));
+    vst1q_s8(qx + b * QK, vcombine_s8(vqmovn_s16(p[0]), vqmovn_s16(p[1])));
+    vst1q_s8(qx + b * QK + 16, vcombine_s8(vqmovn_s16(p[2]), vqmovn_s16(p[3])));
+    const int lo = vaddvq_s32(vaddq_s32(vaddq_s32(q[0], q[1]), vaddq_s32(q[2], q[3])));
+    const int hi = vaddvq_s32(vaddq_s32(vaddq_s32(q[4], q[5]), vaddq_s32(q[6], q[7])));
+    block_sums(b, d, lo, hi, dx, sx, sh);
+  }
+}
+
 // a word of 4 activation bytes in every lane
 inline int8x16_t broadcast(const int8_t* p) { return vreinterpretq_s8_s32(vdupq_n_s32(word(p))); }
 

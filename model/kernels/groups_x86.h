@@ -3,6 +3,35 @@
 #pragma once
 #ifdef ES_AVX2
 
+// quantize_row in AVX2 (groups.h: the same bits as quantize_row_portable). max_ps returns its second operand
+// when either is NaN, so a NaN |x| leaves the running max, as std::max(amax, |x|) does.
+inline void quantize_row_avx2(const float* x, int64_t K, int8_t* qx, float* dx, float* sx, float* sh) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleaving
+  auto hsum = [](__m256i v) {
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1)));
+  };
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const float* xb = x + b * QK;
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      m = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), m);
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qx + b * QK), _mm256_permutevar8x32_epi32(p, order));
+    block_sums(b, d, hsum(_mm256_add_epi32(q[0], q[1])), hsum(_mm256_add_epi32(q[2], q[3])), dx, sx, sh);
+  }
+}
+
 // The 8 outputs of one weight group for R activation rows (R a compile-time count, so the accumulators stay
 // in registers): pw [nb, 4, 8] words, d8, m8 [nb, 8]; activation rows K apart, their scales nb apart; out
 // gets 8 floats per row, rows ldo apart. The int16 sums cannot overflow: 8 maddubs of at most 2 * 15 * 127.
