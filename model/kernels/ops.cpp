@@ -73,13 +73,7 @@ inline float dot_kv(const float* a, const uint8_t* row, int64_t n) {
 // y += p * row over n values, row read by R: axpy's operations
 template <class R>
 inline void axpy_kv(float* y, const uint8_t* row, float p, int64_t n) {
-#ifdef ES_AVX2
-  const __m256 pv = _mm256_set1_ps(p);
-  for (int64_t k = 0; k < n; k += 8)
-    _mm256_storeu_ps(y + k, _mm256_fmadd_ps(pv, R::load8(row, k), _mm256_loadu_ps(y + k)));
-#else
   for (int64_t k = 0; k < n; ++k) y[k] = std::fma(p, R::at(row, k), y[k]);
-#endif
 }
 
 // What attend_keys has checked and worked out, for its body in each storage format
@@ -93,16 +87,116 @@ struct AttendArgs {
   const bool* mask;
 };
 
+#ifdef ES_AVX2
+// Scores of H query heads (qs[u], u < H) against the same n keys: each key's 8-value chunks are read (and
+// widened) once for all H heads, where a head at a time read them H times (GQA: SmolLM2's 9 query heads share 3
+// KV heads). Per (head, slot) the operations are dot_kv's: an 8-lane fma chain over the chunks, reduce8, times
+// scale; slots go 4 at a time for independent chains.
+template <class R, int H>
+void scores_grouped(const float* const* qs, const uint8_t* const* kps, int64_t n, int64_t hd, float scale,
+                    float* const* sc) {
+  int64_t j0 = 0;
+  for (; j0 + 4 <= n; j0 += 4) {
+    __m256 acc[H][4];
+    for (int u = 0; u < H; ++u)
+      for (int s = 0; s < 4; ++s) acc[u][s] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < hd; k += 8) {
+      __m256 kv[4];
+      for (int s = 0; s < 4; ++s) kv[s] = R::load8(kps[j0 + s], k);
+      for (int u = 0; u < H; ++u) {
+        const __m256 qv = _mm256_loadu_ps(qs[u] + k);
+        for (int s = 0; s < 4; ++s) acc[u][s] = _mm256_fmadd_ps(qv, kv[s], acc[u][s]);
+      }
+    }
+    for (int u = 0; u < H; ++u)
+      for (int s = 0; s < 4; ++s) sc[u][j0 + s] = reduce8(acc[u][s]) * scale;
+  }
+  for (int64_t j = j0; j < n; ++j)
+    for (int u = 0; u < H; ++u) sc[u][j] = dot_kv<R>(qs[u], kps[j], hd) * scale;
+}
+
+// o[u] = sum_j p[u][j] v_j for H heads over the same n values, each value's chunk read once for all H: per
+// output the fma chain over the slots in order, from 0 (axpy's operations). 32 values at a time (64 for one
+// head): H x C accumulators stay in registers, and each p is broadcast once per 8 C values.
+template <class R, int H>
+void values_grouped(const float* const* p, const uint8_t* const* vps, int64_t n, int64_t hd, float* const* o) {
+  constexpr int C = H == 1 ? 8 : 4;
+  int64_t c0 = 0;
+  for (; c0 + 8 * C <= hd; c0 += 8 * C) {
+    __m256 acc[H][C];
+    for (int u = 0; u < H; ++u)
+      for (int c = 0; c < C; ++c) acc[u][c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      __m256 v[C];
+      for (int c = 0; c < C; ++c) v[c] = R::load8(vps[j], c0 + 8 * c);
+      for (int u = 0; u < H; ++u) {
+        const __m256 pu = _mm256_set1_ps(p[u][j]);
+        for (int c = 0; c < C; ++c) acc[u][c] = _mm256_fmadd_ps(pu, v[c], acc[u][c]);
+      }
+    }
+    for (int u = 0; u < H; ++u)
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(o[u] + c0 + 8 * c, acc[u][c]);
+  }
+  for (; c0 < hd; c0 += 8) {
+    __m256 acc[H];
+    for (int u = 0; u < H; ++u) acc[u] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 v = R::load8(vps[j], c0);
+      for (int u = 0; u < H; ++u) acc[u] = _mm256_fmadd_ps(_mm256_set1_ps(p[u][j]), v, acc[u]);
+    }
+    for (int u = 0; u < H; ++u) _mm256_storeu_ps(o[u] + c0, acc[u]);
+  }
+}
+#endif
+
+// scores and weighted values for the heads qs[0..H) (H <= 4) of one query row: the grouped kernels above, or
+// one head at a time in the portable build (the same operations)
+template <class R>
+void heads_scores(int64_t H, const float* const* qs, const uint8_t* const* kps, int64_t n, int64_t hd, float scale,
+                  float* const* sc) {
+#ifdef ES_AVX2
+  switch (H) {
+    case 1: return scores_grouped<R, 1>(qs, kps, n, hd, scale, sc);
+    case 2: return scores_grouped<R, 2>(qs, kps, n, hd, scale, sc);
+    case 3: return scores_grouped<R, 3>(qs, kps, n, hd, scale, sc);
+    default: return scores_grouped<R, 4>(qs, kps, n, hd, scale, sc);
+  }
+#else
+  for (int64_t u = 0; u < H; ++u)
+    for (int64_t j = 0; j < n; ++j) sc[u][j] = dot_kv<R>(qs[u], kps[j], hd) * scale;
+#endif
+}
+
+template <class R>
+void heads_values(int64_t H, const float* const* p, const uint8_t* const* vps, int64_t n, int64_t hd, float* const* o) {
+#ifdef ES_AVX2
+  switch (H) {
+    case 1: return values_grouped<R, 1>(p, vps, n, hd, o);
+    case 2: return values_grouped<R, 2>(p, vps, n, hd, o);
+    case 3: return values_grouped<R, 3>(p, vps, n, hd, o);
+    default: return values_grouped<R, 4>(p, vps, n, hd, o);
+  }
+#else
+  for (int64_t u = 0; u < H; ++u) {
+    std::fill(o[u], o[u] + hd, 0.f);
+    for (int64_t j = 0; j < n; ++j) axpy_kv<R>(o[u], vps[j], p[u][j], hd);
+  }
+#endif
+}
+
 template <class R>
 void attend_body(const AttendArgs& a) {
-  const int64_t nq = a.nq, T = a.T, hd = a.hd, S = a.S, BS = a.BS;
+  const int64_t nq = a.nq, T = a.T, hd = a.hd, S = a.S, BS = a.BS, group = nq / a.nkv;
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
-  parallel_chunks(0, a.B * nq * T, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> scores(S);
+  constexpr int64_t MAXH = 4;  // query heads computed together (their accumulators fit the registers)
+  // a job is one query row of one KV head's group of query heads: the visible slots and their keys' and values'
+  // addresses are found once for the group, and each key and value read once for up to MAXH of its heads
+  parallel_chunks(0, a.B * a.nkv * T, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> scores(MAXH * S);
     std::vector<int64_t> slots(S);
     std::vector<const uint8_t*> kps(S), vps(S);
     for (int64_t job = lo; job < hi; ++job) {
-      const int64_t b = job / (nq * T), h = (job / T) % nq, t = job % T, g = h / (nq / a.nkv);
+      const int64_t b = job / (a.nkv * T), g = (job / T) % a.nkv, t = job % T;
       int64_t n = 0;
       if (a.mask) {
         const bool* row = a.mask + ((a.mrows == 1 ? 0 : b) * T + t) * S;
@@ -119,45 +213,38 @@ void attend_body(const AttendArgs& a) {
         kps[i] = a.k + tb[blk] * a.k0 + g * a.k1 + off * a.k2;
         vps[i] = a.v + tb[blk] * a.v0 + g * a.v1 + off * a.v2;
       }
-      const float* qr = a.q + ((b * nq + h) * T + t) * hd;
-      float* o = a.out + ((b * nq + h) * T + t) * hd;
-      std::fill(o, o + hd, 0.f);
-      if (n == 0) continue;
-      int64_t j0 = 0;
-#ifdef ES_AVX2
-      // four slots' dot products at once: dot8's operations, in four independent fma chains instead of one
-      // that waits on its own latency (the scores were the other half of attention's time)
-      for (; j0 + 4 <= n; j0 += 4) {
-        const uint8_t* ks[4] = {kps[j0], kps[j0 + 1], kps[j0 + 2], kps[j0 + 3]};
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t k = 0; k < hd; k += 8) {
-          const __m256 qv = _mm256_loadu_ps(qr + k);
-          for (int u = 0; u < 4; ++u) acc[u] = _mm256_fmadd_ps(qv, R::load8(ks[u], k), acc[u]);
+      // group's heads in runs of at most MAXH, as evenly as they split (a group of 5: 3 then 2)
+      const int64_t runs = (group + MAXH - 1) / MAXH;
+      for (int64_t r = 0, h0 = g * group; r < runs; ++r) {
+        const int64_t H = (group - (h0 - g * group) + (runs - r) - 1) / (runs - r);
+        const float* qs[MAXH];
+        float *o[MAXH], *sc[MAXH];
+        for (int64_t u = 0; u < H; ++u) {
+          qs[u] = a.q + ((b * nq + h0 + u) * T + t) * hd;
+          o[u] = a.out + ((b * nq + h0 + u) * T + t) * hd;
+          sc[u] = scores.data() + u * S;
         }
-        for (int u = 0; u < 4; ++u) scores[j0 + u] = reduce8(acc[u]) * scale;
+        h0 += H;
+        if (n == 0) {
+          for (int64_t u = 0; u < H; ++u) std::fill(o[u], o[u] + hd, 0.f);
+          continue;
+        }
+        // per head: scores <q, k> / sqrt(hd) in slot order, their max, exp(s - max), the sum in slot order
+        heads_scores<R>(H, qs, kps.data(), n, hd, scale, sc);
+        float sum[MAXH];
+        for (int64_t u = 0; u < H; ++u) {
+          float mx = -INFINITY;
+          for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sc[u][j]);
+          exp_shifted(sc[u], mx, n);
+          sum[u] = 0.f;
+          for (int64_t j = 0; j < n; ++j) sum[u] += sc[u][j];
+        }
+        heads_values<R>(H, sc, vps.data(), n, hd, o);
+        for (int64_t u = 0; u < H; ++u) {
+          const float inv = 1.f / sum[u];
+          for (int64_t i = 0; i < hd; ++i) o[u][i] *= inv;
+        }
       }
-#endif
-      for (int64_t j = j0; j < n; ++j) scores[j] = dot_kv<R>(qr, kps[j], hd) * scale;
-      float mx = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, scores[j]);
-      exp_shifted(scores.data(), mx, n);
-      float sum = 0.f;
-      for (int64_t j = 0; j < n; ++j) sum += scores[j];
-#ifdef ES_AVX2
-      if (hd == 64) {  // the sum of p v held in 8 registers over the slots: axpy's operations, without the
-                       // load and store of o per slot (attention over 500 slots: most of its time)
-        __m256 acc[8];
-        for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n; ++j) {
-          const __m256 p = _mm256_set1_ps(scores[j]);
-          for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(p, R::load8(vps[j], 8 * c), acc[c]);
-        }
-        for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
-      } else
-#endif
-        for (int64_t j = 0; j < n; ++j) axpy_kv<R>(o, vps[j], scores[j], hd);
-      const float inv = 1.f / sum;
-      for (int64_t i = 0; i < hd; ++i) o[i] *= inv;
     }
   });
 }
