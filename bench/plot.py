@@ -49,7 +49,10 @@ def plot_versus(results: dict, path: Path) -> None:
              for r in rows]
     values = [r["median_decode_tokens_per_s"] or 0 for r in rows]
     colors = ["tab:orange" if r["server"] == "llama.cpp" else "tab:blue" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(rows) + 2), 5.0))
+    long = (results.get("long_prompt") or {}).get("servers", {})
+    width = max(5.0, 1.3 * len(rows) + 2)
+    fig, axes = plt.subplots(1, 2 if long else 1, figsize=(width * (1.8 if long else 1), 5.0), squeeze=False)
+    ax = axes[0][0]
     ax.bar(names, values, color=colors)
     roofs = [r.get("roofline_tokens_per_s") for r in rows]
     for x, (v, r, roof) in enumerate(zip(values, rows, roofs, strict=True)):
@@ -67,6 +70,21 @@ def plot_versus(results: dict, path: Path) -> None:
     read = f", reads {roof['median_gb_per_s']} GB/s" if roof else ""
     ax.set_title(f"same GGUF, {s['prompts']} prompts, max {s['max_tokens']} new tokens, greedy\n{m['cpu_model']}{read}",
                  fontsize=10)
+    if long:  # the first token of a long prompt, per server
+        lx = axes[0][1]
+        labels = list(long)
+        ms = [long[k]["median_first_token_ms"] for k in labels]
+        lx.bar([k.replace(" ", "\n") for k in labels], ms,
+               color=["tab:orange" if k.startswith("llama.cpp") else "tab:blue" for k in labels])
+        for x, k in enumerate(labels):
+            ratio = long[k]["ratio_to_llama_cpp"]
+            lx.annotate(f"{ms[x]:.0f}" + (f"\n×{ratio:.2f}" if ratio and not k.startswith("llama.cpp") else ""),
+                        (x, ms[x]), ha="center", va="bottom")
+        lx.set_ylabel("median time to first token (ms)")
+        lx.set_ylim(0, max(ms) * 1.25)
+        tokens = sorted({t for k in labels for t in long[k]["prompt_tokens"]})
+        span = "-".join(map(str, tokens[:1] + tokens[-1:]))
+        lx.set_title(f"prompts of {span} tokens, one-token answers", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -17,6 +17,8 @@ peak RSS, tokens per request, ratio of decode speed to llama.cpp's, and the roof
 the fraction of the limit that this machine's read bandwidth, measured before the servers start, sets
 (bench/roofline.py); the machine and settings),
 DIR/versus_requests.jsonl (every request, with its text), DIR/versus.png and DIR/logs/ (the servers' logs).
+Then, unless --long-prompt-tokens is 0, the time to first token of prompts of about that many tokens, the
+servers in turn (bench/long_prompt.py): in versus.json's `long_prompt`, the table and a second panel of the PNG.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from edgespec.bench.llamacpp import ServerProcess, free_port, llama_python, llamacpp_argv, llamacpp_version
+from edgespec.bench.long_prompt import first_token, long_prompt, summarise_long
 from edgespec.bench.prompts import load_prompts
 from edgespec.bench.roofline import add_roofline, edgespec_bytes_per_token, gguf_bytes_per_token, read_bandwidth
 from edgespec.bench.run import decoding_field
@@ -285,6 +288,8 @@ def run_versus(args) -> dict:
                     results["servers"][label]["error"] = _short_error(exc)
                     console.print(f"[red]{label} failed, left out of the results:[/red] {exc}")
                 progress.advance(task)
+        if args.long_prompt_tokens:
+            results["long_prompt"] = time_long_prompts(args, prompts, live, results["servers"], progress)
         for (server, fmt, policy, *_), label, proc, *_ in live:
             info = results["servers"][label]
             if "error" in info:
@@ -312,6 +317,24 @@ def run_versus(args) -> dict:
     return results
 
 
+def time_long_prompts(args, prompts: list[str], live: list[tuple], servers: dict, progress: Progress) -> dict:
+    """bench/long_prompt.py's first-token times, the live servers in turn per repetition."""
+    times: dict[str, list[dict]] = {label: [] for _, label, *_ in live}
+    task = progress.add_task("long prompts", total=args.long_prompt_repeats * len(live))
+    for rep in range(args.long_prompt_repeats):
+        prompt = long_prompt(prompts, args.long_prompt_tokens, rep)
+        for (_, _, _, _, fields, *_), label, _proc, client, model in live:
+            if "error" not in servers[label]:
+                try:
+                    times[label].append(first_token(client, model, prompt, fields))
+                except (RuntimeError, httpx.HTTPError, KeyError, ValueError) as exc:
+                    servers[label]["error"] = _short_error(exc)
+            progress.advance(task)
+    reference = next((label for (server, *_), label, *_ in live if server == LLAMA), "")
+    return {"tokens": args.long_prompt_tokens, "repeats": args.long_prompt_repeats,
+            "servers": summarise_long(times, reference)}
+
+
 def _cell(value, digits: int = 1) -> str:
     return "" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
@@ -331,6 +354,9 @@ def print_table(console: Console, results: dict) -> None:
                       _cell(row.get("fraction_of_roofline"), 2),
                       style="bold yellow" if row["server"] == LLAMA else None)
     console.print(table)
+    for label, row in (results.get("long_prompt") or {}).get("servers", {}).items():
+        console.print(f"first token of a {'/'.join(map(str, row['prompt_tokens']))}-token prompt, {label}: median "
+                      f"{row['median_first_token_ms']} ms, x{row['ratio_to_llama_cpp']} llama.cpp's")
     if roof := results.get("roofline"):
         console.print(f"read bandwidth {roof['median_gb_per_s']} GB/s ({roof['method']}, {roof['threads']} threads)")
     for label, info in results["servers"].items():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -185,6 +186,9 @@ def _bench_peer_parser(sub) -> None:
     p.add_argument("--llama-threads", type=int, default=2, help="llama.cpp's --n_threads")
     p.add_argument("--llama-ctx", type=int, default=2048, help="llama.cpp's --n_ctx")
     p.add_argument("--ready-timeout-s", type=float, default=600, help="how long a server may take to start")
+    p.add_argument("--long-prompt-tokens", type=int, default=1024,
+                   help="then time one-token answers to prompts of about this many tokens (0: do not)")
+    p.add_argument("--long-prompt-repeats", type=int, default=5, help="long prompts per server, in turn")
     p.add_argument("--out", required=True, help="folder for versus.json, versus.png and the servers' logs")
 
 
@@ -439,8 +443,19 @@ def serve_settings(args: argparse.Namespace):
     return ServeSettings(**_overrides(args))
 
 
+# libgomp (torch's OpenMP) spins 300000 rounds of `pause` after every parallel region before its threads sleep:
+# several ms here, while the kernels' own pool (model/kernels/pool.cpp) needs the same two cores. Once a drafter's
+# or a sampler's torch ops had started the team, the default model's decode fell to 0.75-0.9x and a 1016-token
+# prompt's first token took 2.9-3.1 s instead of 2.1-2.3 (same server, before and after three speculative
+# requests). 20000 rounds (about 0.4 ms) kept that speed, and bfloat16's oneDNN matmuls, whose regions follow
+# each other closely, kept theirs (29.6/29.8 against 32.9/27.5 tok/s, alternated); OMP_WAIT_POLICY=PASSIVE did
+# not (16.9 against 30.2). libgomp reads it when torch is first imported, which happens after this.
+GOMP_SPINCOUNT = "20000"
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)  # a user's own setting wins
     try:
         commands = {"serve": serve, "worker": worker, "profile": profile, "plan": plan, "bench": bench,
                     "bench-peer": bench_peer, "eval-formats": eval_formats,

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from edgespec.bench.llamacpp import child_pids, llama_python, llamacpp_argv, peak_rss_bytes, vm_hwm_bytes
+from edgespec.bench.long_prompt import CHARS_PER_TOKEN, first_token, long_prompt, summarise_long
 from edgespec.bench.versus import LLAMA, LLAMA_REQUEST, edgespec_argv, gguf_format, machine_info, stream_chat, summarise
 
 
@@ -148,3 +149,30 @@ def test_stream_chat_counts_tokens(finish, usage, tokens, counted):
     assert r["ttft_ms"] >= 0 and r["decode_tokens_per_s"] > 0
     assert "decoding" not in bodies[0] and bodies[0]["repeat_penalty"] == 1.0 and bodies[0]["temperature"] == 0
     assert bodies[1]["decoding"] == "naive" and "repeat_penalty" not in bodies[1]
+
+
+def test_long_prompts_differ_from_the_first_line_and_reach_their_length():
+    texts = ["Plan a trip to the coast.", "Explain how tides work to a child."]
+    a, b = long_prompt(texts, 300, 0), long_prompt(texts, 300, 1)
+    assert a.splitlines()[0] != b.splitlines()[0]  # no cached prefix from the repetition before
+    assert a.splitlines()[1:] == b.splitlines()[1:] and len(a) >= 300 * CHARS_PER_TOKEN
+    assert texts[1] in a
+
+
+def test_first_token_times_a_one_token_answer_and_the_summary_compares_with_llama_cpp():
+    bodies = []
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, json={"choices": [], "usage": {"prompt_tokens": 1077, "completion_tokens": 1}})
+
+    with httpx.Client(base_url="http://peer", transport=httpx.MockTransport(reply)) as client:
+        r = first_token(client, "m", "long", LLAMA_REQUEST)
+    assert r["prompt_tokens"] == 1077 and r["ms"] >= 0
+    assert bodies[0]["max_tokens"] == 1 and bodies[0]["repeat_penalty"] == 1.0 and "stream" not in bodies[0]
+    times = {"llama.cpp Q8_0": [{"ms": 400.0, "prompt_tokens": 1077}, {"ms": 420.0, "prompt_tokens": 1077}],
+             "edgespec default naive": [{"ms": 190.0, "prompt_tokens": 1077}, {"ms": 230.0, "prompt_tokens": 1078}]}
+    out = summarise_long(times, "llama.cpp Q8_0")
+    assert out["llama.cpp Q8_0"]["median_first_token_ms"] == 410.0
+    assert out["edgespec default naive"] == {"median_first_token_ms": 210.0, "prompt_tokens": [1077, 1078],
+                                             "ms": [190.0, 230.0], "ratio_to_llama_cpp": 0.512}

@@ -1,16 +1,19 @@
-"""The thread governor's decisions on fake /proc readings and windows (no timing), and that the model thread
-applies the count it picks."""
+"""The thread governor's decisions on fake /proc readings and windows (no timing), that the model thread
+applies the count it picks, and that the CLI bounds libgomp's spinning."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from edgespec.model.cpu_share import CpuReading, ProcReader, ThreadGovernor, Tuning, Window
 from edgespec.model.thread import ModelThread
-from edgespec.server.cli import _overrides, build_parser
+from edgespec.server.cli import GOMP_SPINCOUNT, _overrides, build_parser
 from edgespec.workers.cluster import worker_command
 from edgespec.workers.host import StageHost
 from edgespec.workers.settings import WorkerSettings
@@ -158,3 +161,15 @@ def test_local_workers_govern_threads_only_alone():
     assert WorkerSettings(**_overrides(args)).adapt_threads is False
     args = build_parser().parse_args(worker_command(1, "t", "w", None, 2)[3:])
     assert WorkerSettings(**_overrides(args)).adapt_threads is True
+
+
+@pytest.mark.parametrize(("given", "seen"), [(None, GOMP_SPINCOUNT), ("5", "5")])
+def test_the_cli_bounds_libgomps_spin_before_torch_loads_unless_the_user_set_it(given, seen):
+    """server/cli.py's GOMP_SPINCOUNT says why; libgomp reads it once, when torch is first imported."""
+    code = ("import os, sys\nfrom edgespec.server import cli\n"
+            "cli.synth_model = lambda args: print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)\n"
+            "cli.main(['synth-model', '--shape', 'any'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"} | ({"GOMP_SPINCOUNT": given} if given else {})
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [seen, "False"]

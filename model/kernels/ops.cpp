@@ -115,37 +115,33 @@ void scores_grouped(const float* const* qs, const uint8_t* const* kps, int64_t n
     for (int u = 0; u < H; ++u) sc[u][j] = dot_kv<R>(qs[u], kps[j], hd) * scale;
 }
 
-// o[u] = sum_j p[u][j] v_j for H heads over the same n values, each value's chunk read once for all H: per
-// output the fma chain over the slots in order, from 0 (axpy's operations). 32 values at a time (64 for one
-// head): H x C accumulators stay in registers, and each p is broadcast once per 8 C values.
+// o[u][c0, c0 + 8 C) = sum_j p[u][j] v_j for H heads over the same n values, each value's chunk read once for
+// all H: per output the fma chain over the slots in order, from 0 (axpy's operations); H x C accumulators in
+// registers, each p broadcast once per 8 C values.
+template <class R, int H, int C>
+void values_chunks(const float* const* p, const uint8_t* const* vps, int64_t n, int64_t c0, float* const* o) {
+  __m256 acc[H][C];
+  for (int u = 0; u < H; ++u)
+    for (int c = 0; c < C; ++c) acc[u][c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    __m256 v[C];
+    for (int c = 0; c < C; ++c) v[c] = R::load8(vps[j], c0 + 8 * c);
+    for (int u = 0; u < H; ++u) {
+      const __m256 pu = _mm256_set1_ps(p[u][j]);
+      for (int c = 0; c < C; ++c) acc[u][c] = _mm256_fmadd_ps(pu, v[c], acc[u][c]);
+    }
+  }
+  for (int u = 0; u < H; ++u)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(o[u] + c0 + 8 * c, acc[u][c]);
+}
+
+// the weighted values of H heads: 32 values at a time (64 for one head), then 8
 template <class R, int H>
 void values_grouped(const float* const* p, const uint8_t* const* vps, int64_t n, int64_t hd, float* const* o) {
   constexpr int C = H == 1 ? 8 : 4;
   int64_t c0 = 0;
-  for (; c0 + 8 * C <= hd; c0 += 8 * C) {
-    __m256 acc[H][C];
-    for (int u = 0; u < H; ++u)
-      for (int c = 0; c < C; ++c) acc[u][c] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      __m256 v[C];
-      for (int c = 0; c < C; ++c) v[c] = R::load8(vps[j], c0 + 8 * c);
-      for (int u = 0; u < H; ++u) {
-        const __m256 pu = _mm256_set1_ps(p[u][j]);
-        for (int c = 0; c < C; ++c) acc[u][c] = _mm256_fmadd_ps(pu, v[c], acc[u][c]);
-      }
-    }
-    for (int u = 0; u < H; ++u)
-      for (int c = 0; c < C; ++c) _mm256_storeu_ps(o[u] + c0 + 8 * c, acc[u][c]);
-  }
-  for (; c0 < hd; c0 += 8) {
-    __m256 acc[H];
-    for (int u = 0; u < H; ++u) acc[u] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      const __m256 v = R::load8(vps[j], c0);
-      for (int u = 0; u < H; ++u) acc[u] = _mm256_fmadd_ps(_mm256_set1_ps(p[u][j]), v, acc[u]);
-    }
-    for (int u = 0; u < H; ++u) _mm256_storeu_ps(o[u] + c0, acc[u]);
-  }
+  for (; c0 + 8 * C <= hd; c0 += 8 * C) values_chunks<R, H, C>(p, vps, n, c0, o);
+  for (; c0 < hd; c0 += 8) values_chunks<R, H, 1>(p, vps, n, c0, o);
 }
 #endif
 
