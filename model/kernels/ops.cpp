@@ -186,7 +186,9 @@ void attend_body(const AttendArgs& a) {
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
   constexpr int64_t MAXH = 4;  // query heads computed together (their accumulators fit the registers)
   // a job is one query row of one KV head's group of query heads: the visible slots and their keys' and values'
-  // addresses are found once for the group, and each key and value read once for up to MAXH of its heads
+  // addresses are found once for the group, and each key and value read once for up to MAXH of its heads. Even
+  // one decode row (3 groups on 2 threads) took 0.73x the time of 9 jobs of one head each (0.033 ms against
+  // 0.045 over 500 slots, alternated): reading each key once outweighs the idle thread.
   parallel_chunks(0, a.B * a.nkv * T, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> scores(MAXH * S);
     std::vector<int64_t> slots(S);
@@ -195,9 +197,9 @@ void attend_body(const AttendArgs& a) {
       const int64_t b = job / (a.nkv * T), g = (job / T) % a.nkv, t = job % T;
       int64_t n = 0;
       if (a.mask) {
-        const bool* row = a.mask + ((a.mrows == 1 ? 0 : b) * T + t) * S;
+        const bool* mrow = a.mask + ((a.mrows == 1 ? 0 : b) * T + t) * S;
         for (int64_t j = 0; j < S; ++j)
-          if (row[j]) slots[n++] = j;
+          if (mrow[j]) slots[n++] = j;
       } else {
         for (int64_t j = 0; j <= a.start + t; ++j) slots[n++] = j;
       }
@@ -209,7 +211,7 @@ void attend_body(const AttendArgs& a) {
         kps[i] = a.k + tb[blk] * a.k0 + g * a.k1 + off * a.k2;
         vps[i] = a.v + tb[blk] * a.v0 + g * a.v1 + off * a.v2;
       }
-      // group's heads in runs of at most MAXH, as evenly as they split (a group of 5: 3 then 2)
+      // the group's heads in runs of at most MAXH, as evenly as they split (a group of 5: 3 then 2)
       const int64_t runs = (group + MAXH - 1) / MAXH;
       for (int64_t r = 0, h0 = g * group; r < runs; ++r) {
         const int64_t H = (group - (h0 - g * group) + (runs - r) - 1) / (runs - r);
