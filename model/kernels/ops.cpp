@@ -145,39 +145,39 @@ void values_grouped(const float* const* p, const uint8_t* const* vps, int64_t n,
 }
 #endif
 
-// scores and weighted values for the heads qs[0..H) (H <= 4) of one query row: the grouped kernels above, or
-// one head at a time in the portable build (the same operations)
-template <class R>
-void heads_scores(int64_t H, const float* const* qs, const uint8_t* const* kps, int64_t n, int64_t hd, float scale,
-                  float* const* sc) {
+// One run of H query heads of a KV head's group over the same n visible slots, each as attend_keys says:
+// scores <q, k> / sqrt(hd) in slot order, their max, exp(s - max), the sum in slot order, the sum of p v, times
+// 1 / sum. The H heads' max and sum chains go side by side (each head's own order unchanged): one chain of
+// dependent adds per slot was latency-bound. The grouped kernels above where the build has AVX2; else one head
+// at a time, with the same operations.
+template <class R, int H>
+void attend_run(const float* const* qs, const uint8_t* const* kps, const uint8_t* const* vps, int64_t n, int64_t hd,
+                float scale, float* const* sc, float* const* o) {
 #ifdef ES_AVX2
-  switch (H) {
-    case 1: return scores_grouped<R, 1>(qs, kps, n, hd, scale, sc);
-    case 2: return scores_grouped<R, 2>(qs, kps, n, hd, scale, sc);
-    case 3: return scores_grouped<R, 3>(qs, kps, n, hd, scale, sc);
-    default: return scores_grouped<R, 4>(qs, kps, n, hd, scale, sc);
-  }
+  scores_grouped<R, H>(qs, kps, n, hd, scale, sc);
 #else
-  for (int64_t u = 0; u < H; ++u)
+  for (int u = 0; u < H; ++u)
     for (int64_t j = 0; j < n; ++j) sc[u][j] = dot_kv<R>(qs[u], kps[j], hd) * scale;
 #endif
-}
-
-template <class R>
-void heads_values(int64_t H, const float* const* p, const uint8_t* const* vps, int64_t n, int64_t hd, float* const* o) {
+  float mx[H], sum[H];
+  for (int u = 0; u < H; ++u) mx[u] = -INFINITY, sum[u] = 0.f;
+  for (int64_t j = 0; j < n; ++j)
+    for (int u = 0; u < H; ++u) mx[u] = std::max(mx[u], sc[u][j]);
+  for (int u = 0; u < H; ++u) exp_shifted(sc[u], mx[u], n);
+  for (int64_t j = 0; j < n; ++j)
+    for (int u = 0; u < H; ++u) sum[u] += sc[u][j];
 #ifdef ES_AVX2
-  switch (H) {
-    case 1: return values_grouped<R, 1>(p, vps, n, hd, o);
-    case 2: return values_grouped<R, 2>(p, vps, n, hd, o);
-    case 3: return values_grouped<R, 3>(p, vps, n, hd, o);
-    default: return values_grouped<R, 4>(p, vps, n, hd, o);
-  }
+  values_grouped<R, H>(sc, vps, n, hd, o);
 #else
-  for (int64_t u = 0; u < H; ++u) {
+  for (int u = 0; u < H; ++u) {
     std::fill(o[u], o[u] + hd, 0.f);
-    for (int64_t j = 0; j < n; ++j) axpy_kv<R>(o[u], vps[j], p[u][j], hd);
+    for (int64_t j = 0; j < n; ++j) axpy_kv<R>(o[u], vps[j], sc[u][j], hd);
   }
 #endif
+  for (int u = 0; u < H; ++u) {
+    const float inv = 1.f / sum[u];
+    for (int64_t i = 0; i < hd; ++i) o[u][i] *= inv;
+  }
 }
 
 template <class R>
@@ -227,20 +227,11 @@ void attend_body(const AttendArgs& a) {
           for (int64_t u = 0; u < H; ++u) std::fill(o[u], o[u] + hd, 0.f);
           continue;
         }
-        // per head: scores <q, k> / sqrt(hd) in slot order, their max, exp(s - max), the sum in slot order
-        heads_scores<R>(H, qs, kps.data(), n, hd, scale, sc);
-        float sum[MAXH];
-        for (int64_t u = 0; u < H; ++u) {
-          float mx = -INFINITY;
-          for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sc[u][j]);
-          exp_shifted(sc[u], mx, n);
-          sum[u] = 0.f;
-          for (int64_t j = 0; j < n; ++j) sum[u] += sc[u][j];
-        }
-        heads_values<R>(H, sc, vps.data(), n, hd, o);
-        for (int64_t u = 0; u < H; ++u) {
-          const float inv = 1.f / sum[u];
-          for (int64_t i = 0; i < hd; ++i) o[u][i] *= inv;
+        switch (H) {
+          case 1: attend_run<R, 1>(qs, kps.data(), vps.data(), n, hd, scale, sc, o); break;
+          case 2: attend_run<R, 2>(qs, kps.data(), vps.data(), n, hd, scale, sc, o); break;
+          case 3: attend_run<R, 3>(qs, kps.data(), vps.data(), n, hd, scale, sc, o); break;
+          default: attend_run<R, 4>(qs, kps.data(), vps.data(), n, hd, scale, sc, o);
         }
       }
     }
