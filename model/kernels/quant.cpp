@@ -28,9 +28,13 @@ QuantizedRows quantize_rows(const torch::Tensor& x, bool half_sums = false) {
   int8_t* qp = q.qx.data_ptr<int8_t>();
   float *dp = q.dx.data_ptr<float>(), *sp = q.sx.data_ptr<float>();
   float* hp = half_sums ? q.sh.data_ptr<float>() : nullptr;
-  for (int64_t r = 0; r < M; ++r)
-    groups::quantize_row(xp + r * K, K, qp + r * K, dp + r * (K / QK), sp + r * (K / QK),
-                 hp != nullptr ? hp + r * 2 * (K / QK) : nullptr);
+  // rows on the pool's threads in chunks of 16 (a decode pass's few rows stay on this one: waking a thread costs
+  // more than quantizing them); each row on its own, so the split changes no bits
+  parallel_chunks(0, M, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r)
+      groups::quantize_row(xp + r * K, K, qp + r * K, dp + r * (K / QK), sp + r * (K / QK),
+                           hp != nullptr ? hp + r * 2 * (K / QK) : nullptr);
+  });
   return q;
 }
 
