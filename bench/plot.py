@@ -83,7 +83,7 @@ def plot_versus(results: dict, path: Path) -> None:
         lx.set_ylabel("median time to first token (ms)")
         lx.set_ylim(0, max(ms) * 1.25)
         tokens = sorted({t for k in labels for t in long[k]["prompt_tokens"]})
-        span = "-".join(map(str, tokens[:1] + tokens[-1:]))
+        span = str(tokens[0]) if len(tokens) == 1 else f"{tokens[0]}-{tokens[-1]}"
         lx.set_title(f"prompts of {span} tokens, one-token answers", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
