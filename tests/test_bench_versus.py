@@ -14,6 +14,7 @@ import pytest
 
 from edgespec.bench.llamacpp import child_pids, llama_python, llamacpp_argv, peak_rss_bytes, vm_hwm_bytes
 from edgespec.bench.long_prompt import CHARS_PER_TOKEN, first_token, long_prompt, summarise_long
+from edgespec.bench.plot import plot_versus
 from edgespec.bench.versus import LLAMA, LLAMA_REQUEST, edgespec_argv, gguf_format, machine_info, stream_chat, summarise
 
 
@@ -176,3 +177,21 @@ def test_first_token_times_a_one_token_answer_and_the_summary_compares_with_llam
     assert out["llama.cpp Q8_0"]["median_first_token_ms"] == 410.0
     assert out["edgespec default naive"] == {"median_first_token_ms": 210.0, "prompt_tokens": [1077, 1078],
                                              "ms": [190.0, 230.0], "ratio_to_llama_cpp": 0.512}
+
+
+def test_the_png_has_the_long_prompts_panel(tmp_path):
+    row = {"server": "llama.cpp", "format": "Q4_1", "policy": "llama.cpp", "median_decode_tokens_per_s": 90.0,
+           "ratio_to_llama_cpp": 1.0, "roofline_tokens_per_s": 300.0, "fraction_of_roofline": 0.3}
+    results = {"configurations": [row, {**row, "server": "edgespec", "format": "default", "policy": "naive",
+                                        "median_decode_tokens_per_s": 110.0, "ratio_to_llama_cpp": 1.22}],
+               "settings": {"prompts": 2, "max_tokens": 8}, "machine": {"cpu_model": "cpu"},
+               "roofline": {"median_gb_per_s": 30.0},
+               "long_prompt": {"servers": summarise_long(
+                   {"llama.cpp Q4_1": [{"ms": 400.0, "prompt_tokens": 1073}],
+                    "edgespec default naive": [{"ms": 180.0, "prompt_tokens": 1073}]}, "llama.cpp Q4_1")}}
+    plot_versus(results, tmp_path / "one.png")
+    del results["long_prompt"]
+    plot_versus(results, tmp_path / "two.png")
+    from PIL import Image
+
+    assert Image.open(tmp_path / "one.png").width > Image.open(tmp_path / "two.png").width  # a second panel
