@@ -447,9 +447,10 @@ def serve_settings(args: argparse.Namespace):
 # several ms here, while the kernels' own pool (model/kernels/pool.cpp) needs the same two cores. Once a drafter's
 # or a sampler's torch ops had started the team, the default model's decode fell to 0.73-0.92x and a 1016-token
 # prompt's first token took 2.7-3.1 s instead of 2.1-2.3 (same server, before and after three speculative
-# requests). 20000 rounds (a fifteenth of the default) kept that speed, and bfloat16's oneDNN matmuls, whose regions follow
-# each other closely, kept theirs (29.6/29.8 against 32.9/27.5 tok/s, alternated); OMP_WAIT_POLICY=PASSIVE did
-# not (16.9/16.5 against 30.2/25.2). libgomp reads it when torch is first imported, which happens after this.
+# requests). 20000 rounds (a fifteenth of the default) kept that speed, and bfloat16's oneDNN matmuls, whose
+# regions follow each other closely, kept theirs (29.6/29.8 against 32.9/27.5 tok/s, alternated);
+# OMP_WAIT_POLICY=PASSIVE did not (16.9/16.5 against 30.2/25.2). libgomp reads it when torch is first imported,
+# which happens after this.
 GOMP_SPINCOUNT = "20000"
 
 
