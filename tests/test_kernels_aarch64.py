@@ -55,8 +55,8 @@ def test_the_dot_product_build_uses_sdot(cross, tmp_path):
     assert got.returncode != 0 and b"Illegal instruction" in got.stderr
 
 
-DOT = "        acc[r][h] = vfmaq_f32(acc[r][h], vcvtq_f32_s32(s[r][h].sum()), vmulq_n_f32(d, dx[r * nb + b]));\n"
-OFFSET = "        acc[r][h] = vfmaq_f32(acc[r][h], m, vdupq_n_f32(sx[r * nb + b]));\n"
+DOT = "        acc[r][h] = vfmaq_f32(acc[r][h], vcvtq_f32_s32(s[r][h].sum()), vmulq_n_f32(d, dx[b * ROWS + r]));\n"
+OFFSET = "        acc[r][h] = vfmaq_f32(acc[r][h], m, vdupq_n_f32(sx[b * ROWS + r]));\n"
 ROUND = "q[i] = vcvtnq_s32_f32(vmulq_n_f32(v[i], id));"
 
 

@@ -16,8 +16,8 @@ constexpr int64_t NB = 7, K = NB * QK, MAXR = 8;
 struct Inputs {
   std::vector<int32_t> pw4, pw8;    // one group's words: [NB, 4, 8] q4 nibbles, [NB, 8, 8] q8 bytes in -127..127
   std::vector<float> d8, m8;        // [NB * 2, 8]: scales and offsets, enough for two per block
-  std::vector<int8_t> qx;           // [MAXR, K] quantized activations
-  std::vector<float> dx, sx, sh;    // [MAXR, NB], [MAXR, NB], [MAXR, NB * 2]
+  std::vector<int8_t> qx;           // [MAXR, K] quantized activations in tiles of ROWS rows (groups.h)
+  std::vector<float> dx, sx, sh;    // [MAXR, NB], [MAXR, NB], [MAXR, NB * 2], likewise
 };
 
 Inputs make(uint32_t seed) {
@@ -42,7 +42,8 @@ Inputs make(uint32_t seed) {
   in.sh.resize(MAXR * NB * 2);
   for (int64_t r = 0; r < MAXR; ++r) {
     for (auto& v : x) v = normal(rng);
-    quantize_row(x.data(), K, &in.qx[r * K], &in.dx[r * NB], &in.sx[r * NB], &in.sh[r * NB * 2]);
+    const int64_t at = r / ROWS * ROWS * NB + r % ROWS;  // as quant.cpp's quantize_rows places a row
+    quantize_row(x.data(), K, &in.qx[at * QK], &in.dx[at], &in.sx[at], &in.sh[2 * at], ROWS);
   }
   return in;
 }
@@ -82,18 +83,18 @@ bool check_q8(const Inputs& in, const char* form) {
   const float* m8 = A ? in.m8.data() : nullptr;
   return check(form, [&](int64_t r, int64_t n, float* o) {
     q8_group<S, A>(in.pw8.data(), in.d8.data(), m8, &in.qx[r * K], ux.empty() ? nullptr : &ux[r * K], &in.dx[r * NB],
-                   ss + r * NB * S, NB, K, n, o, G8);
+                   ss + r * NB * S, NB, n, o, G8);
   }, [&](int64_t r, int64_t n, float* o) {
-    group_q8_portable<S, A>(in.pw8.data(), in.d8.data(), m8, &in.qx[r * K], &in.dx[r * NB], ss + r * NB * S, NB, K, n,
-                            o, G8);
+    group_q8_portable<S, A>(in.pw8.data(), in.d8.data(), m8, &in.qx[r * K], &in.dx[r * NB], ss + r * NB * S, NB, n, o,
+                            G8);
   });
 }
 
 bool check_q4(const Inputs& in) {
   return check("q4", [&](int64_t r, int64_t n, float* o) {
-    q4_group(in.pw4.data(), in.d8.data(), in.m8.data(), &in.qx[r * K], &in.dx[r * NB], &in.sx[r * NB], NB, K, n, o, G8);
+    q4_group(in.pw4.data(), in.d8.data(), in.m8.data(), &in.qx[r * K], &in.dx[r * NB], &in.sx[r * NB], NB, n, o, G8);
   }, [&](int64_t r, int64_t n, float* o) {
-    group_q4_portable(in.pw4.data(), in.d8.data(), in.m8.data(), &in.qx[r * K], &in.dx[r * NB], &in.sx[r * NB], NB, K,
+    group_q4_portable(in.pw4.data(), in.d8.data(), in.m8.data(), &in.qx[r * K], &in.dx[r * NB], &in.sx[r * NB], NB,
                       n, o, G8);
   });
 }
@@ -109,13 +110,16 @@ bool check_quantize(uint32_t seed) {
     std::fill(x.begin(), x.begin() + QK, 0.f);
     for (int i = 0; i < QK; ++i) x[QK + i] = i == 0 ? 127.f : (i % 2 ? 0.5f : -1.5f) + static_cast<float>(i - 16);
     x[2 * QK + 3] = 1e-45f;
-    std::vector<int8_t> qa(K), qb(K);
-    std::vector<float> fa(4 * NB), fb(4 * NB);  // dx, sx, sh [2 NB]
-    quantize_row(x.data(), K, qa.data(), &fa[0], &fa[NB], &fa[2 * NB]);
-    quantize_row_portable(x.data(), K, qb.data(), &fb[0], &fb[NB], &fb[2 * NB]);
-    if (qa != qb || std::memcmp(fa.data(), fb.data(), fa.size() * sizeof(float)) != 0) {
-      std::printf("DIFFERENT quantize_row: %s against portable, scale %g\n", isa_name(), scale);
-      return false;
+    for (const int64_t step : {int64_t{1}, int64_t{ROWS}}) {  // a plain row, and a row of a tile
+      std::vector<int8_t> qa(K * step), qb(K * step);
+      std::vector<float> fa(4 * NB * step), fb(4 * NB * step);  // dx, sx, sh [2 NB step]
+      quantize_row(x.data(), K, qa.data(), &fa[0], &fa[NB * step], &fa[2 * NB * step], step);
+      quantize_row_portable(x.data(), K, qb.data(), &fb[0], &fb[NB * step], &fb[2 * NB * step], step);
+      if (qa != qb || std::memcmp(fa.data(), fb.data(), fa.size() * sizeof(float)) != 0) {
+        std::printf("DIFFERENT quantize_row: %s against portable, scale %g, step %lld\n", isa_name(), scale,
+                    static_cast<long long>(step));
+        return false;
+      }
     }
   }
   std::printf("same bits: %s, quantize_row\n", isa_name());

@@ -23,8 +23,12 @@
 // four; the 49152x576 q8 head 5.4 -> 2.8 ms at one row (llama.cpp's AVX2 REPACK kernels use the same idea).
 // q4 words hold the nibbles as GGUF does: the low nibbles of word j are elements 4j..4j+3 of the block, the
 // high nibbles elements 16+4j..16+4j+3. A group kernel takes pw [nb, words, 8] (one group's words), d8, m8
-// [nb * S, 8] (S scales per block), R activation rows K apart with their scales and sums nb (or nb * S) apart,
-// and writes 8 outputs per row, rows ldo apart.
+// [nb * S, 8] (S scales per block), a tile of R <= ROWS activation rows, and writes 8 outputs per row, rows ldo
+// apart. A tile holds ROWS rows block by block: block b of row r at qx + 32 (b ROWS + r), its scale and sum at
+// dx, sx [b ROWS + r], its sums per scale at ss [(b ROWS + r) S + h]. Rows K apart cost a pointer per row: at 8
+// rows GCC ran out of registers and kept 6 of them on the stack, added to in memory every block; a tile's rows
+// sit at constant offsets from one pointer per block (the served model's layer matmuls, VNNI, the old and new
+// builds alternated on a 2-core EPYC: 0.94x the time at 8 rows, 0.98x at 16, 0.97x at 64, 1.0x at 1 and 2).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -47,8 +51,9 @@ constexpr int ROWS = 8;
 constexpr int ROWS = 4;
 #endif
 
-// One block's scale and sums as quantize_row writes them: dx[b] = d, sx[b] = d * (lo + hi), and where sh is
-// not null sh[2b], sh[2b + 1] = d * lo, d * hi (lo, hi: the sums of the block's two halves of qx).
+// One block's scale and sums as quantize_row writes them at index i (the block's place in the tile, below):
+// dx[i] = d, sx[i] = d * (lo + hi), and where sh is not null sh[2i], sh[2i + 1] = d * lo, d * hi (lo, hi: the
+// sums of the block's two halves of qx).
 inline void block_sums(int64_t b, float d, int lo, int hi, float* dx, float* sx, float* sh) {
   dx[b] = d;
   sx[b] = d * static_cast<float>(lo + hi);
@@ -58,11 +63,13 @@ inline void block_sums(int64_t b, float d, int lo, int hi, float* dx, float* sx,
   }
 }
 
-// x [K] float -> qx [K] int8, dx [K/32], sx [K/32] (sx = dx * sum of the block's qx), and where sh is not null
-// sh [K/16] (the same per half block: only Q2_K's offsets per 16 read them). The SIMD quantizers (quantize_row
-// picks this build's) compute the same: max|x| ignoring NaN, as std::max does here, d and 1/d in scalars, each
+// x [K] float -> its K/32 blocks of int8 qx, their scales dx and sums sx (sx = dx * sum of the block's qx), and
+// where sh is not null the same per half block (only Q2_K's offsets per 16 read them), block b at qx + 32 b step,
+// dx[b step], sx[b step], sh[2 b step + 0..1]: step = 1 writes a plain row, step = ROWS a row of a tile (above).
+// The SIMD quantizers (quantize_row picks this build's) compute the same: max|x| ignoring NaN, as std::max does here, d and 1/d in scalars, each
 // x * (1/d) rounded to nearest even (nearbyint under the default rounding mode; cvtps and fcvtns alike).
-inline void quantize_row_portable(const float* x, int64_t K, int8_t* qx, float* dx, float* sx, float* sh) {
+inline void quantize_row_portable(const float* x, int64_t K, int8_t* qx, float* dx, float* sx, float* sh,
+                                  int64_t step) {
   for (int64_t b = 0; b < K / QK; ++b) {
     const float* xb = x + b * QK;
     float amax = 0.f;
@@ -71,10 +78,10 @@ inline void quantize_row_portable(const float* x, int64_t K, int8_t* qx, float* 
     int sum[2] = {0, 0};
     for (int i = 0; i < QK; ++i) {
       const int q = static_cast<int>(std::nearbyint(xb[i] * id));
-      qx[b * QK + i] = static_cast<int8_t>(q);
+      qx[b * step * QK + i] = static_cast<int8_t>(q);
       sum[i / 16] += q;
     }
-    block_sums(b, d, sum[0], sum[1], dx, sx, sh);
+    block_sums(b * step, d, sum[0], sum[1], dx, sx, sh);
   }
 }
 
@@ -110,13 +117,14 @@ inline void by_rows(int64_t R, Tile tile) {
 // over both: on the 2-core EPYC (AVX-512 VNNI) 4.6% of a 4-row pass's samples against the q4 kernel's 24.9% on
 // both threads; with these, the served model's layer matmuls took 0.87x the time at 4 rows, 0.80x at 8 and 0.75x
 // at 64 (old and new builds alternated in one process)
-inline void quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, float* sx, float* sh) {
+inline void quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, float* sx, float* sh,
+                         int64_t step) {
 #if defined(ES_AVX2)
-  quantize_row_avx2(x, K, qx, dx, sx, sh);
+  quantize_row_avx2(x, K, qx, dx, sx, sh, step);
 #elif defined(ES_NEON)
-  quantize_row_neon(x, K, qx, dx, sx, sh);
+  quantize_row_neon(x, K, qx, dx, sx, sh, step);
 #else
-  quantize_row_portable(x, K, qx, dx, sx, sh);
+  quantize_row_portable(x, K, qx, dx, sx, sh, step);
 #endif
 }
 
@@ -135,9 +143,9 @@ inline void group_portable(int64_t R, int64_t nb, float* out, int64_t ldo, Step 
 }
 
 inline void group_q4_portable(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const float* dx,
-                       const float* sx, int64_t nb, int64_t K, int64_t R, float* out, int64_t ldo) {
+                       const float* sx, int64_t nb, int64_t R, float* out, int64_t ldo) {
   group_portable(R, nb, out, ldo, [&](float acc, int64_t r, int lane, int64_t b) {
-    const int8_t* xb = qx + r * K + b * QK;
+    const int8_t* xb = qx + (b * ROWS + r) * QK;
     int dot = 0;
     for (int j = 0; j < 4; ++j) {
       const uint32_t w = static_cast<uint32_t>(pw[(b * 4 + j) * G8 + lane]);
@@ -146,24 +154,24 @@ inline void group_q4_portable(const int32_t* pw, const float* d8, const float* m
         dot += (byte & 0x0F) * xb[4 * j + e] + (byte >> 4) * xb[16 + 4 * j + e];
       }
     }
-    acc = std::fma(static_cast<float>(dot), d8[b * G8 + lane] * dx[r * nb + b], acc);
-    return std::fma(m8[b * G8 + lane], sx[r * nb + b], acc);
+    acc = std::fma(static_cast<float>(dot), d8[b * G8 + lane] * dx[b * ROWS + r], acc);
+    return std::fma(m8[b * G8 + lane], sx[b * ROWS + r], acc);
   });
 }
 
 template <int S, bool A>
 void group_q8_portable(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const float* dx,
-                       const float* ss, int64_t nb, int64_t K, int64_t R, float* out, int64_t ldo) {
+                       const float* ss, int64_t nb, int64_t R, float* out, int64_t ldo) {
   group_portable(R, nb, out, ldo, [&](float acc, int64_t r, int lane, int64_t b) {
-    const int8_t* xb = qx + r * K + b * QK;
+    const int8_t* xb = qx + (b * ROWS + r) * QK;
     int dot[S] = {};
     for (int j = 0; j < 8; ++j) {
       const int32_t w = pw[(b * 8 + j) * G8 + lane];
       for (int e = 0; e < 4; ++e) dot[j * S / 8] += static_cast<int8_t>((w >> (8 * e)) & 0xFF) * xb[4 * j + e];
     }
     for (int h = 0; h < S; ++h) {
-      acc = std::fma(static_cast<float>(dot[h]), d8[(b * S + h) * G8 + lane] * dx[r * nb + b], acc);
-      if constexpr (A) acc = std::fma(m8[(b * S + h) * G8 + lane], ss[(r * nb + b) * S + h], acc);
+      acc = std::fma(static_cast<float>(dot[h]), d8[(b * S + h) * G8 + lane] * dx[b * ROWS + r], acc);
+      if constexpr (A) acc = std::fma(m8[(b * S + h) * G8 + lane], ss[(b * ROWS + r) * S + h], acc);
     }
     return acc;
   });
@@ -171,15 +179,15 @@ void group_q8_portable(const int32_t* pw, const float* d8, const float* m8, cons
 
 // The 8 outputs of one weight group for R <= ROWS activation rows, through this build's path.
 inline void q4_group(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const float* dx,
-                     const float* sx, int64_t nb, int64_t K, int64_t R, float* out, int64_t ldo) {
+                     const float* sx, int64_t nb, int64_t R, float* out, int64_t ldo) {
 #if defined(ES_VNNI)
-  by_rows(R, [&](auto Rc) { group_q4_vnni<decltype(Rc)::value>(pw, d8, m8, qx, dx, sx, nb, K, out, ldo); });
+  by_rows(R, [&](auto Rc) { group_q4_vnni<decltype(Rc)::value>(pw, d8, m8, qx, dx, sx, nb, out, ldo); });
 #elif defined(ES_AVX2)
-  by_rows(R, [&](auto Rc) { group_q4<decltype(Rc)::value>(pw, d8, m8, qx, dx, sx, nb, K, out, ldo); });
+  by_rows(R, [&](auto Rc) { group_q4<decltype(Rc)::value>(pw, d8, m8, qx, dx, sx, nb, out, ldo); });
 #elif defined(ES_NEON)
-  by_rows(R, [&](auto Rc) { group_q4_neon<decltype(Rc)::value>(pw, d8, m8, qx, dx, sx, nb, K, out, ldo); });
+  by_rows(R, [&](auto Rc) { group_q4_neon<decltype(Rc)::value>(pw, d8, m8, qx, dx, sx, nb, out, ldo); });
 #else
-  group_q4_portable(pw, d8, m8, qx, dx, sx, nb, K, R, out, ldo);
+  group_q4_portable(pw, d8, m8, qx, dx, sx, nb, R, out, ldo);
 #endif
 }
 
@@ -200,19 +208,19 @@ inline std::vector<uint8_t> q8_activations(const int8_t* qx, int64_t n) {
 // q8_activations' bytes of the same rows (read by VNNI only).
 template <int S, bool A>
 void q8_group(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const uint8_t* ux,
-              const float* dx, const float* ss, int64_t nb, int64_t K, int64_t R, float* out, int64_t ldo) {
+              const float* dx, const float* ss, int64_t nb, int64_t R, float* out, int64_t ldo) {
 #if defined(ES_VNNI)
   (void)qx;
-  by_rows(R, [&](auto Rc) { group_q8_vnni<decltype(Rc)::value, S, A>(pw, d8, m8, ux, dx, ss, nb, K, out, ldo); });
+  by_rows(R, [&](auto Rc) { group_q8_vnni<decltype(Rc)::value, S, A>(pw, d8, m8, ux, dx, ss, nb, out, ldo); });
 #elif defined(ES_AVX2)
   (void)ux;
-  by_rows(R, [&](auto Rc) { group_q8<decltype(Rc)::value, S, A>(pw, d8, m8, qx, dx, ss, nb, K, out, ldo); });
+  by_rows(R, [&](auto Rc) { group_q8<decltype(Rc)::value, S, A>(pw, d8, m8, qx, dx, ss, nb, out, ldo); });
 #elif defined(ES_NEON)
   (void)ux;
-  by_rows(R, [&](auto Rc) { group_q8_neon<decltype(Rc)::value, S, A>(pw, d8, m8, qx, dx, ss, nb, K, out, ldo); });
+  by_rows(R, [&](auto Rc) { group_q8_neon<decltype(Rc)::value, S, A>(pw, d8, m8, qx, dx, ss, nb, out, ldo); });
 #else
   (void)ux;
-  group_q8_portable<S, A>(pw, d8, m8, qx, dx, ss, nb, K, R, out, ldo);
+  group_q8_portable<S, A>(pw, d8, m8, qx, dx, ss, nb, R, out, ldo);
 #endif
 }
 

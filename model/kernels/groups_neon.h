@@ -26,7 +26,8 @@ struct Dot4 {
 
 // quantize_row in NEON (groups.h: the same bits as quantize_row_portable): vmaxnm returns the number when the
 // other operand is NaN, as std::max(amax, |x|) keeps amax; fcvtns rounds to nearest even, as nearbyint does.
-inline void quantize_row_neon(const float* x, int64_t K, int8_t* qx, float* dx, float* sx, float* sh) {
+inline void quantize_row_neon(const float* x, int64_t K, int8_t* qx, float* dx, float* sx, float* sh,
+                              int64_t step) {
   for (int64_t b = 0; b < K / QK; ++b) {
     const float* xb = x + b * QK;
     float32x4_t v[8], m = vdupq_n_f32(0.f);
@@ -39,11 +40,11 @@ inline void quantize_row_neon(const float* x, int64_t K, int8_t* qx, float* dx, 
     for (int i = 0; i < 8; ++i) q[i] = vcvtnq_s32_f32(vmulq_n_f32(v[i], id));
     int16x8_t p[4];
     for (int i = 0; i < 4; ++i) p[i] = vcombine_s16(vqmovn_s32(q[2 * i]), vqmovn_s32(q[2 * i + 1]));
-    vst1q_s8(qx + b * QK, vcombine_s8(vqmovn_s16(p[0]), vqmovn_s16(p[1])));
-    vst1q_s8(qx + b * QK + 16, vcombine_s8(vqmovn_s16(p[2]), vqmovn_s16(p[3])));
+    vst1q_s8(qx + b * step * QK, vcombine_s8(vqmovn_s16(p[0]), vqmovn_s16(p[1])));
+    vst1q_s8(qx + b * step * QK + 16, vcombine_s8(vqmovn_s16(p[2]), vqmovn_s16(p[3])));
     const int lo = vaddvq_s32(vaddq_s32(vaddq_s32(q[0], q[1]), vaddq_s32(q[2], q[3])));
     const int hi = vaddvq_s32(vaddq_s32(vaddq_s32(q[4], q[5]), vaddq_s32(q[6], q[7])));
-    block_sums(b, d, lo, hi, dx, sx, sh);
+    block_sums(b * step, d, lo, hi, dx, sx, sh);
   }
 }
 
@@ -52,7 +53,7 @@ inline int8x16_t broadcast(const int8_t* p) { return vreinterpretq_s8_s32(vdupq_
 
 template <int R>
 void group_q4_neon(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const float* dx,
-                   const float* sx, int64_t nb, int64_t K, float* out, int64_t ldo) {
+                   const float* sx, int64_t nb, float* out, int64_t ldo) {
   float32x4_t acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vdupq_n_f32(0.f);
   const uint8x16_t low = vdupq_n_u8(0x0F);
@@ -67,7 +68,7 @@ void group_q4_neon(const int32_t* pw, const float* d8, const float* m8, const in
         hi[h] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
       }
       for (int r = 0; r < R; ++r) {
-        const int8_t* xb = qx + r * K + b * QK;
+        const int8_t* xb = qx + (b * ROWS + r) * QK;
         const int8x16_t xl = broadcast(xb + 4 * j), xh = broadcast(xb + 16 + 4 * j);
         for (int h = 0; h < 2; ++h) {
           s[r][h].add(lo[h], xl);
@@ -78,8 +79,8 @@ void group_q4_neon(const int32_t* pw, const float* d8, const float* m8, const in
     for (int h = 0; h < 2; ++h) {
       const float32x4_t d = vld1q_f32(d8 + b * G8 + 4 * h), m = vld1q_f32(m8 + b * G8 + 4 * h);
       for (int r = 0; r < R; ++r) {
-        acc[r][h] = vfmaq_f32(acc[r][h], vcvtq_f32_s32(s[r][h].sum()), vmulq_n_f32(d, dx[r * nb + b]));
-        acc[r][h] = vfmaq_f32(acc[r][h], m, vdupq_n_f32(sx[r * nb + b]));
+        acc[r][h] = vfmaq_f32(acc[r][h], vcvtq_f32_s32(s[r][h].sum()), vmulq_n_f32(d, dx[b * ROWS + r]));
+        acc[r][h] = vfmaq_f32(acc[r][h], m, vdupq_n_f32(sx[b * ROWS + r]));
       }
     }
   }
@@ -91,7 +92,7 @@ void group_q4_neon(const int32_t* pw, const float* d8, const float* m8, const in
 
 template <int R, int S, bool A>
 void group_q8_neon(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const float* dx,
-                   const float* ss, int64_t nb, int64_t K, float* out, int64_t ldo) {
+                   const float* ss, int64_t nb, float* out, int64_t ldo) {
   float32x4_t acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vdupq_n_f32(0.f);
   for (int64_t b = 0; b < nb; ++b) {
@@ -100,7 +101,7 @@ void group_q8_neon(const int32_t* pw, const float* d8, const float* m8, const in
       const int8_t* p = reinterpret_cast<const int8_t*>(pw + (b * 8 + j) * G8);
       const int8x16_t w[2] = {vld1q_s8(p), vld1q_s8(p + 16)};
       for (int r = 0; r < R; ++r) {
-        const int8x16_t x = broadcast(qx + r * K + b * QK + 4 * j);
+        const int8x16_t x = broadcast(qx + (b * ROWS + r) * QK + 4 * j);
         for (int h = 0; h < 2; ++h) s[j * S / 8][r][h].add(w[h], x);
       }
     }
@@ -108,10 +109,10 @@ void group_q8_neon(const int32_t* pw, const float* d8, const float* m8, const in
       for (int h = 0; h < 2; ++h) {
         const float32x4_t d = vld1q_f32(d8 + (b * S + k) * G8 + 4 * h);
         for (int r = 0; r < R; ++r) {
-          acc[r][h] = vfmaq_f32(acc[r][h], vcvtq_f32_s32(s[k][r][h].sum()), vmulq_n_f32(d, dx[r * nb + b]));
+          acc[r][h] = vfmaq_f32(acc[r][h], vcvtq_f32_s32(s[k][r][h].sum()), vmulq_n_f32(d, dx[b * ROWS + r]));
           if constexpr (A)
             acc[r][h] = vfmaq_f32(acc[r][h], vld1q_f32(m8 + (b * S + k) * G8 + 4 * h),
-                                  vdupq_n_f32(ss[(r * nb + b) * S + k]));
+                                  vdupq_n_f32(ss[(b * ROWS + r) * S + k]));
         }
       }
   }

@@ -5,7 +5,8 @@
 
 // quantize_row in AVX2 (groups.h: the same bits as quantize_row_portable). max_ps returns its second operand
 // when either is NaN, so a NaN |x| leaves the running max, as std::max(amax, |x|) does.
-inline void quantize_row_avx2(const float* x, int64_t K, int8_t* qx, float* dx, float* sx, float* sh) {
+inline void quantize_row_avx2(const float* x, int64_t K, int8_t* qx, float* dx, float* sx, float* sh,
+                              int64_t step) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleaving
   auto hsum = [](__m256i v) {
@@ -27,8 +28,8 @@ inline void quantize_row_avx2(const float* x, int64_t K, int8_t* qx, float* dx, 
     __m256i q[4];
     for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
     const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qx + b * QK), _mm256_permutevar8x32_epi32(p, order));
-    block_sums(b, d, hsum(_mm256_add_epi32(q[0], q[1])), hsum(_mm256_add_epi32(q[2], q[3])), dx, sx, sh);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qx + b * step * QK), _mm256_permutevar8x32_epi32(p, order));
+    block_sums(b * step, d, hsum(_mm256_add_epi32(q[0], q[1])), hsum(_mm256_add_epi32(q[2], q[3])), dx, sx, sh);
   }
 }
 
@@ -37,7 +38,7 @@ inline void quantize_row_avx2(const float* x, int64_t K, int8_t* qx, float* dx, 
 // gets 8 floats per row, rows ldo apart. The int16 sums cannot overflow: 8 maddubs of at most 2 * 15 * 127.
 template <int R>
 void group_q4(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const float* dx,
-              const float* sx, int64_t nb, int64_t K, float* out, int64_t ldo) {
+              const float* sx, int64_t nb, float* out, int64_t ldo) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -48,7 +49,7 @@ void group_q4(const int32_t* pw, const float* d8, const float* m8, const int8_t*
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + (b * 4 + j) * G8));
       const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
       for (int r = 0; r < R; ++r) {
-        const int8_t* xb = qx + r * K + b * QK;
+        const int8_t* xb = qx + (b * ROWS + r) * QK;
         s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(word(xb + 4 * j))));
         s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(word(xb + 16 + 4 * j))));
       }
@@ -56,8 +57,8 @@ void group_q4(const int32_t* pw, const float* d8, const float* m8, const int8_t*
     const __m256 d = _mm256_loadu_ps(d8 + b * G8), m = _mm256_loadu_ps(m8 + b * G8);
     for (int r = 0; r < R; ++r) {
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r], ones));
-      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
-      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(dx[b * ROWS + r])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[b * ROWS + r]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
@@ -69,7 +70,7 @@ void group_q4(const int32_t* pw, const float* d8, const float* m8, const int8_t*
 // pair of products reaches 2 * 127 * 127, so each maddubs is widened to int32 before adding.
 template <int R, int S, bool A>
 void group_q8(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const float* dx,
-              const float* ss, int64_t nb, int64_t K, float* out, int64_t ldo) {
+              const float* ss, int64_t nb, float* out, int64_t ldo) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
@@ -81,7 +82,7 @@ void group_q8(const int32_t* pw, const float* d8, const float* m8, const int8_t*
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + (b * 8 + j) * G8));
       const __m256i a = _mm256_sign_epi8(v, v);  // |w| (w = -128 never occurs: |q| <= 127)
       for (int r = 0; r < R; ++r) {
-        const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(word(qx + r * K + b * QK + 4 * j)), v);
+        const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(word(qx + (b * ROWS + r) * QK + 4 * j)), v);
         __m256i& acc_s = s[j * S / 8][r];
         acc_s = _mm256_add_epi32(acc_s, _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), ones));
       }
@@ -89,9 +90,9 @@ void group_q8(const int32_t* pw, const float* d8, const float* m8, const int8_t*
     for (int h = 0; h < S; ++h) {
       const __m256 d = _mm256_loadu_ps(d8 + (b * S + h) * G8);
       for (int r = 0; r < R; ++r) {
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[h][r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[h][r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[b * ROWS + r])), acc[r]);
         if constexpr (A)
-          acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(m8 + (b * S + h) * G8), _mm256_set1_ps(ss[(r * nb + b) * S + h]),
+          acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(m8 + (b * S + h) * G8), _mm256_set1_ps(ss[(b * ROWS + r) * S + h]),
                                    acc[r]);
       }
     }
@@ -116,7 +117,7 @@ constexpr int chains() { return R == 1 ? 4 : R == 2 ? 2 : 1; }
 // at one row against 6.1 for these 256-bit kernels, 13.2 against 11.0 at eight (one thread, same run).
 template <int R>
 void group_q4_vnni(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const float* dx,
-                   const float* sx, int64_t nb, int64_t K, float* out, int64_t ldo) {
+                   const float* sx, int64_t nb, float* out, int64_t ldo) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -129,7 +130,7 @@ void group_q4_vnni(const int32_t* pw, const float* d8, const float* m8, const in
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + (b * 4 + j) * G8));
       const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
       for (int r = 0; r < R; ++r) {
-        const int8_t* xb = qx + r * K + b * QK;
+        const int8_t* xb = qx + (b * ROWS + r) * QK;
         s[(2 * j) % C][r] = dpbusd(s[(2 * j) % C][r], lo, _mm256_set1_epi32(word(xb + 4 * j)));
         s[(2 * j + 1) % C][r] = dpbusd(s[(2 * j + 1) % C][r], hi, _mm256_set1_epi32(word(xb + 16 + 4 * j)));
       }
@@ -138,8 +139,8 @@ void group_q4_vnni(const int32_t* pw, const float* d8, const float* m8, const in
       for (int r = 0; r < R; ++r) s[0][r] = _mm256_add_epi32(s[0][r], s[c][r]);
     const __m256 d = _mm256_loadu_ps(d8 + b * G8), m = _mm256_loadu_ps(m8 + b * G8);
     for (int r = 0; r < R; ++r) {
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[0][r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
-      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[0][r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[b * ROWS + r])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[b * ROWS + r]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
@@ -151,7 +152,7 @@ void group_q4_vnni(const int32_t* pw, const float* d8, const float* m8, const in
 // trick (|w| times x with w's sign) takes two.
 template <int R, int S, bool A>
 void group_q8_vnni(const int32_t* pw, const float* d8, const float* m8, const uint8_t* ux, const float* dx,
-                   const float* ss, int64_t nb, int64_t K, float* out, int64_t ldo) {
+                   const float* ss, int64_t nb, float* out, int64_t ldo) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
@@ -169,7 +170,7 @@ void group_q8_vnni(const int32_t* pw, const float* d8, const float* m8, const ui
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + (b * 8 + j) * G8));
       c[h][k] = dpbusd(c[h][k], bias, v);
       for (int r = 0; r < R; ++r) {
-        const int8_t* xb = reinterpret_cast<const int8_t*>(ux + r * K + b * QK);
+        const int8_t* xb = reinterpret_cast<const int8_t*>(ux + (b * ROWS + r) * QK);
         s[h][k][r] = dpbusd(s[h][k][r], _mm256_set1_epi32(word(xb + 4 * j)), v);
       }
     }
@@ -182,9 +183,9 @@ void group_q8_vnni(const int32_t* pw, const float* d8, const float* m8, const ui
       const __m256 d = _mm256_loadu_ps(d8 + (b * S + h) * G8);
       for (int r = 0; r < R; ++r) {
         const __m256 dot = _mm256_cvtepi32_ps(_mm256_sub_epi32(s[h][0][r], c[h][0]));
-        acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(dx[b * ROWS + r])), acc[r]);
         if constexpr (A)
-          acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(m8 + (b * S + h) * G8), _mm256_set1_ps(ss[(r * nb + b) * S + h]),
+          acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(m8 + (b * S + h) * G8), _mm256_set1_ps(ss[(b * ROWS + r) * S + h]),
                                    acc[r]);
       }
     }

@@ -16,14 +16,15 @@ void dot_f32(const float* w, const float* x, int64_t K, int64_t r0, int64_t r1, 
 }
 
 struct QuantizedRows {
-  torch::Tensor qx, dx, sx, sh;  // [M, K] int8, [M, K/32], [M, K/32], [M, K/16] (empty unless asked for)
+  // tiles of ROWS rows as the group kernels read them (groups.h), M rounded up to a whole tile: [Mt, K] int8,
+  // [Mt, K/32], [Mt, K/32], [Mt, K/16] (empty unless asked for); the rows after M are never read
+  torch::Tensor qx, dx, sx, sh;
 };
 
 QuantizedRows quantize_rows(const torch::Tensor& x, bool half_sums = false) {
-  const int64_t M = x.size(0), K = x.size(1);
-  QuantizedRows q{torch::empty({M, K}, torch::kInt8), torch::empty({M, K / QK}, torch::kFloat),
-                  torch::empty({M, K / QK}, torch::kFloat),
-                  torch::empty({half_sums ? M : 0, 2 * K / QK}, torch::kFloat)};
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK, Mt = (M + ROWS - 1) / ROWS * ROWS;
+  QuantizedRows q{torch::empty({Mt, K}, torch::kInt8), torch::empty({Mt, nb}, torch::kFloat),
+                  torch::empty({Mt, nb}, torch::kFloat), torch::empty({half_sums ? Mt : 0, 2 * nb}, torch::kFloat)};
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q.qx.data_ptr<int8_t>();
   float *dp = q.dx.data_ptr<float>(), *sp = q.sx.data_ptr<float>();
@@ -31,9 +32,11 @@ QuantizedRows quantize_rows(const torch::Tensor& x, bool half_sums = false) {
   // rows on the pool's threads in chunks of 16 (a decode pass's few rows stay on this one: waking a thread costs
   // more than quantizing them); each row on its own, so the split changes no bits
   parallel_chunks(0, M, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r)
-      groups::quantize_row(xp + r * K, K, qp + r * K, dp + r * (K / QK), sp + r * (K / QK),
-                           hp != nullptr ? hp + r * 2 * (K / QK) : nullptr);
+    for (int64_t r = lo; r < hi; ++r) {
+      const int64_t at = r / ROWS * ROWS * nb + r % ROWS;  // the row's first block in its tile, in blocks
+      groups::quantize_row(xp + r * K, K, qp + at * QK, dp + at, sp + at, hp != nullptr ? hp + 2 * at : nullptr,
+                           ROWS);
+    }
   });
   return q;
 }
@@ -53,19 +56,19 @@ void check_groups(const torch::Tensor& pw, const torch::Tensor& d8, int64_t word
 }
 
 // All outputs [M, N] by weight groups: group(g, r, R, out, ldo) computes the 8 outputs of group g for rows
-// r..r+R-1 (R <= ROWS). Work is split over groups only; within a thread's groups, activation rows go in tiles of
-// 16 so that a tile's quantized rows stay in L1 while the groups stream past, and each group's weights are
-// reused for the tile's ROWS-row steps. The last group, when N is not a multiple of 8, writes through a buffer.
+// r..r+R-1 (R <= ROWS, r a multiple of ROWS: one tile of quantize_rows'). Work is split over groups only; within a
+// thread's groups, activation rows go in runs of 16 so that a run's quantized rows stay in L1 while the groups
+// stream past, and each group's weights are reused for the run's ROWS-row steps. The last group, when N is not a multiple of 8, writes through a buffer.
 template <typename Group>
 torch::Tensor run_groups(int64_t M, int64_t N, Group group) {
-  constexpr int64_t TILE = 16;
+  constexpr int64_t RUN = 16;
   auto out = torch::empty({M, N}, torch::kFloat);
   float* op = out.data_ptr<float>();
   const int64_t G = (N + G8 - 1) / G8;
   parallel_chunks(0, G, 2, [&](int64_t lo, int64_t hi) {
-    for (int64_t r0 = 0; r0 < M; r0 += TILE)
+    for (int64_t r0 = 0; r0 < M; r0 += RUN)
       for (int64_t g = lo; g < hi; ++g)
-        for (int64_t r = r0; r < std::min(M, r0 + TILE); r += ROWS) {
+        for (int64_t r = r0; r < std::min(M, r0 + RUN); r += ROWS) {
           const int64_t R = std::min<int64_t>(ROWS, M - r), n = g * G8;
           if (n + G8 <= N) {
             group(g, r, R, op + r * N + n, N);
@@ -108,7 +111,7 @@ torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, tor
   const float *dx = q.dx.data_ptr<float>(), *sx = q.sx.data_ptr<float>();
   auto one = [&](int64_t g, int64_t r, int64_t R, float* o, int64_t ldo) {
     groups::q4_group(w + g * nb * 4 * G8, dp + g * nb * G8, mp + g * nb * G8, qx + r * K, dx + r * nb, sx + r * nb, nb,
-                     K, R, o, ldo);
+                     R, o, ldo);
   };
   return run_groups(x.size(0), N, one);
 }
@@ -143,8 +146,8 @@ torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, c10
     const uint8_t* gu = ux.empty() ? nullptr : ux.data() + r * K;
     auto kernel = [&](auto Sc, auto Ac) {
       constexpr int SS = decltype(Sc)::value;
-      groups::q8_group<SS, decltype(Ac)::value>(gw, gd, gm, qx + r * K, gu, dx + r * nb, ss + r * nb * SS, nb, K, R,
-                                                o, ldo);
+      groups::q8_group<SS, decltype(Ac)::value>(gw, gd, gm, qx + r * K, gu, dx + r * nb, ss + r * nb * SS, nb, R, o,
+                                                ldo);
     };
     using One = std::integral_constant<int, 1>;
     using Two = std::integral_constant<int, 2>;
