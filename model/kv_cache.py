@@ -89,6 +89,11 @@ class KVCache:
         k, v [N, n_kv, B, row] in its format's storage and the block table [nb]."""
         return self.pool.k[layer], self.pool.v[layer], self.table_tensor()
 
+    def every_layer(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """storage() for every layer at once (a compiled stack's one call): the pool's k, v per layer and the
+        block table."""
+        return self.pool.k, self.pool.v, self.table_tensor()
+
     def _where(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # slots [n] -> their blocks and offsets, each [n]
         return self.table_tensor()[slots // self.pool.block], slots % self.pool.block

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgespec.model.blocks import DecoderLayer, Rotary, SeqRows, norm
+from edgespec.model.blocks import CompiledLayers, DecoderLayer, Rotary, SeqRows, norm
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache
 from edgespec.model.kv_format import FLOAT32, KVFormat
@@ -34,6 +34,8 @@ class LayerStack(nn.Module):
         with torch.device("meta"):  # weights come from the checkpoint: skip random initialisation
             self.layers = ModuleList(DecoderLayer(cfg, dtype, i) for i in range(first, last))
         self.layers.to_empty(device="cpu")
+        # the layers as one compiled call, once their weights are in (load), where every layer is compiled
+        self.fused_layers: CompiledLayers | None = None
 
     @classmethod
     def load(cls, src, cfg: ModelConfig, first: int, last: int, fmt: WeightFormat | torch.dtype,
@@ -45,6 +47,8 @@ class LayerStack(nn.Module):
         with torch.no_grad():
             for i, layer in enumerate(stack.layers):
                 load_layer(layer, src, cfg, first + i, fmt)
+        if all(layer.compiled for layer in stack.layers):
+            stack.fused_layers = CompiledLayers(list(stack.layers))
         return stack
 
     def new_pool(self, nbytes: int, prefault: bool = False) -> KVPool:
@@ -76,9 +80,12 @@ class LayerStack(nn.Module):
         cache.check_write(start, t)
         cache.ensure(start, start + t)
         rope = self.rotary(positions)
-        x = hidden.to(self.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, cache, i, start, mask)
+        if self.fused_layers is not None:
+            x = self.fused_layers(hidden[0], rope, [SeqRows(cache, start, t, mask)])[None]
+        else:
+            x = hidden.to(self.dtype)
+            for i, layer in enumerate(self.layers):
+                x = layer(x, rope, cache, i, start, mask)
         cache.length = start + t
         return x
 
@@ -91,9 +98,12 @@ class LayerStack(nn.Module):
             s.cache.check_write(s.start, s.length)
             s.cache.ensure(s.start, s.start + s.length)
         rope = self.rotary(positions[None])  # [1, 1, M, hd]
-        x = hidden.to(self.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer.rows(x, rope, seqs, i)
+        if self.fused_layers is not None:
+            x = self.fused_layers(hidden, rope, seqs)
+        else:
+            x = hidden.to(self.dtype)
+            for i, layer in enumerate(self.layers):
+                x = layer.rows(x, rope, seqs, i)
         for s in seqs:
             s.cache.length = s.start + s.length
         return x

@@ -100,6 +100,33 @@ def test_a_layer_in_one_call_gives_the_bits_of_its_blocks(tiny_folder):
         assert torch.equal(whole, z + normed(layer.ffn_out_norm, layer.ffn(layer.post_norm(z)))), i
 
 
+def test_a_stack_in_one_call_gives_the_bits_of_its_layers_one_by_one(tiny_folder):
+    """Where every layer is compiled, a LayerStack runs them in one call (layer.cpp's decoder_stack): a prompt, a
+    verification pass with a tree's mask and a batch step of two sequences give the per-layer calls' bits."""
+    cfg, stack, ends = load(tiny_folder, "q4_1")
+    fused = stack.fused_layers
+    assert (fused is not None) == all(layer.compiled for layer in stack.layers)
+    if {"llama", "smollm3"} & set(cfg.arch.hf_types):  # SmolLM3's NoPE layers too (their own tables)
+        assert fused is not None
+    if fused is None:
+        return
+    ids = torch.tensor([[(i * 13) % cfg.vocab_size for i in range(12)]])
+    mask = torch.tril(torch.ones(4, 12, dtype=torch.bool), diagonal=8)
+    mask[3, 10] = False  # a branch: row 3 does not see row 2
+    out = {}
+    for one_call in (True, False):
+        stack.fused_layers = fused if one_call else None
+        cache, other = stack.new_cache(16), stack.new_cache(16)
+        prompt = stack(ends.embed_tokens(ids[:, :8]), torch.arange(8)[None], cache, 0)
+        tree = stack(ends.embed_tokens(ids[:, 8:]), torch.tensor([[8, 9, 9, 10]]), cache, 8, mask[None])
+        stack(ends.embed_tokens(ids[:, :5]), torch.arange(5)[None], other, 0)
+        rows = stack.forward_rows(ends.embed_tokens(ids[:, 5:8])[0], torch.tensor([12, 5, 6]),
+                                  [SeqRows(cache, 12, 1), SeqRows(other, 5, 2)])
+        out[one_call] = (prompt, tree, rows)
+    for a, b in zip(out[True], out[False], strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3", "phi3", "smollm3", "granite", "ministral"])
 def tiny_folder(request, tmp_path_factory):
     # dims in whole 32-element blocks, so the layers really run as Q4 / Q8 blocks and heads of 32 hold a q8_0

@@ -34,6 +34,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("attention_block", &attention_block, free, "a layer's attention (or some of its KV groups) in one call");
   mod.def("ffn_block", &ffn_block, free, "SwiGLU FFN in one call");
   mod.def("decoder_layer", &decoder_layer, free, "a whole decoder layer in one call");
+  pybind11::class_<LayerWeights>(mod, "LayerWeights", pybind11::module_local(), "a compiled decoder layer's weights")
+      .def(pybind11::init<torch::Tensor, torch::Tensor, double, Linear, Linear, Linear, Linear, int64_t, int64_t>());
+  pybind11::class_<SeqLayers>(mod, "SeqLayers", pybind11::module_local(), "one sequence's share of a pass of a stack")
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor, int64_t, int64_t,
+                          c10::optional<torch::Tensor>>());
+  mod.def("decoder_stack", &decoder_stack, free, "a stack of decoder layers over several sequences' rows in one call");
   mod.def("simd", &simd, "whether the AVX2 path was compiled in");
   mod.def("isa", &isa_name, "the path compiled in: portable, avx2, avx512-vnni or avx-vnni");
 }

@@ -170,3 +170,24 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor norm1, torch::Tensor 
                             const Linear& o, const Linear& gate_up, const Linear& down, int64_t n_q, int64_t n_kv,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor k, torch::Tensor v,
                             torch::Tensor table, int64_t start, c10::optional<torch::Tensor> mask);
+
+// A compiled decoder layer's weights, gathered once (model/stack.py's LayerStack at load): decoder_layer_rows'
+// arguments besides the rows, their rotation and their caches.
+struct LayerWeights {
+  torch::Tensor norm1, norm2;
+  double eps;
+  Linear qkv, o, gate_up, down;
+  int64_t n_q, n_kv;
+};
+
+// One sequence's share of a pass through a stack of layers: SeqKV's, with the keys and values of every layer
+// (k[i], v[i]: layer i's pool tensors; one block table for all of them).
+struct SeqLayers {
+  std::vector<torch::Tensor> k, v;
+  torch::Tensor table;
+  int64_t start, T;
+  c10::optional<torch::Tensor> mask;
+};
+torch::Tensor decoder_stack(torch::Tensor x, const std::vector<LayerWeights>& layers,
+                            const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
+                            const std::vector<SeqLayers>& seqs);
