@@ -142,8 +142,8 @@ torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor norm1, torch::Tensor 
 // x [M, H] through every layer in turn (decoder_layer_rows each), rows as decoder_layer_rows takes them: layer
 // i's rotation cos[i], sin[i] [M, hd] (a layer that does not rotate has its own), its caches seqs[s].k[i], .v[i].
 // One call for the whole stack: called layer by layer from Python, a one-row pass of SmolLM2-135M's 30 layers
-// spent about 1 ms of its 3.5-5 outside the kernels (attribute lookups on torch modules, the argument
-// conversions, taking the GIL back 30 times, from the event loop when it held it). -> [M, H]
+// took 4.3 ms against 3.5 in one call (attribute lookups on torch modules, the arguments' conversions, the GIL
+// taken back 30 times, from the event loop when it held it). -> [M, H]
 torch::Tensor decoder_stack(torch::Tensor x, const std::vector<LayerWeights>& layers,
                             const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
                             const std::vector<SeqLayers>& seqs) {
