@@ -38,6 +38,8 @@ def verify(sampler: Sampler, target_logits: torch.Tensor, drafts: list[int],
     """target_logits [K+1, V] float32 at the positions that predict each draft and the token after them;
     drafts: K token ids; draft_probs [K, V] the drafter's distributions, or None for point masses.
     Records every emitted token in the sampler (for penalties)."""
+    if sampler.params.greedy:
+        return _verify_greedy(sampler, target_logits, drafts)
     out: list[int] = []
     for i, x in enumerate(drafts):
         p = sampler.probs(target_logits[i]).double()  # [V]
@@ -60,3 +62,17 @@ def verify(sampler: Sampler, target_logits: torch.Tensor, drafts: list[int],
     bonus = sampler.sample(sampler.probs(target_logits[len(drafts)]))
     sampler.observe(bonus)
     return Verdict([*out, bonus], len(drafts))
+
+
+def _verify_greedy(sampler: Sampler, target_logits: torch.Tensor, drafts: list[int]) -> Verdict:
+    # The rule at temperature 0, whatever q: p_i is one-hot on the argmax a_i, so x_i is kept iff x_i = a_i, and the
+    # replacement, from max(0, p_i - q_i), is a_i. Each a_i is what Sampler.choose picks (penalties and grammar
+    # applied, the token recorded), without the rule's vocabulary-wide vectors (one-hot p, q, the residual): over
+    # SmolLM2's 49k ids, 33 us against 65 with no draft, 116 against 165 for two drafts with the second rejected.
+    out: list[int] = []
+    for i, x in enumerate(drafts):
+        out.append(sampler.choose(target_logits[i]))
+        if out[-1] != x:
+            return Verdict(out, i)
+    out.append(sampler.choose(target_logits[len(drafts)]))
+    return Verdict(out, len(drafts))
