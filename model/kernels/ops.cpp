@@ -25,11 +25,15 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   auto out = torch::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = w.contiguous().data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = xp + r * H;
-    const float scale = 1.f / std::sqrt(dot8(xr, xr, H) / static_cast<float>(H) + static_cast<float>(eps));
-    for (int64_t i = 0; i < H; ++i) op[r * H + i] = wp[i] * (xr[i] * scale);
-  }
+  // rows on the pool's threads in runs of 16, as quant.cpp's quantizer (a prompt's: a decode pass's few rows
+  // stay on this thread); each row on its own, so the split changes no bits
+  parallel_chunks(0, rows, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* xr = xp + r * H;
+      const float scale = 1.f / std::sqrt(dot8(xr, xr, H) / static_cast<float>(H) + static_cast<float>(eps));
+      for (int64_t i = 0; i < H; ++i) op[r * H + i] = wp[i] * (xr[i] * scale);
+    }
+  });
   return out;
 }
 
@@ -311,11 +315,15 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   auto out = torch::empty(sizes, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < I; ++i) {
-      const float g = gp[r * 2 * I + i], u = gp[r * 2 * I + I + i];
-      op[r * I + i] = g / (1.f + std::exp(-g)) * u;
-    }
+  // rows on the pool's threads as rms_norm's: a layer's silu_mul and two norms over a 1073-row prompt took 1.92 ms
+  // on the two threads of a 2-core EPYC against 3.35 on one (alternated, the same bits)
+  parallel_chunks(0, rows, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r)
+      for (int64_t i = 0; i < I; ++i) {
+        const float g = gp[r * 2 * I + i], u = gp[r * 2 * I + I + i];
+        op[r * I + i] = g / (1.f + std::exp(-g)) * u;
+      }
+  });
   return out;
 }
 
