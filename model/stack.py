@@ -35,7 +35,7 @@ class LayerStack(nn.Module):
             self.layers = ModuleList(DecoderLayer(cfg, dtype, i) for i in range(first, last))
         self.layers.to_empty(device="cpu")
         # the layers as one compiled call, once their weights are in (load), where every layer is compiled
-        self.fused_layers: CompiledLayers | None = None
+        self.compiled_layers: CompiledLayers | None = None
 
     @classmethod
     def load(cls, src, cfg: ModelConfig, first: int, last: int, fmt: WeightFormat | torch.dtype,
@@ -48,7 +48,7 @@ class LayerStack(nn.Module):
             for i, layer in enumerate(stack.layers):
                 load_layer(layer, src, cfg, first + i, fmt)
         if all(layer.compiled for layer in stack.layers):
-            stack.fused_layers = CompiledLayers(list(stack.layers))
+            stack.compiled_layers = CompiledLayers(list(stack.layers))
         return stack
 
     def new_pool(self, nbytes: int, prefault: bool = False) -> KVPool:
@@ -80,10 +80,10 @@ class LayerStack(nn.Module):
         cache.check_write(start, t)
         cache.ensure(start, start + t)
         rope = self.rotary(positions)
-        if self.fused_layers is not None:
-            x = self.fused_layers(hidden[0], rope, [SeqRows(cache, start, t, mask)])[None]
+        x = hidden.to(self.dtype)
+        if self.compiled_layers is not None:
+            x = self.compiled_layers(x[0], rope, [SeqRows(cache, start, t, mask)])[None]
         else:
-            x = hidden.to(self.dtype)
             for i, layer in enumerate(self.layers):
                 x = layer(x, rope, cache, i, start, mask)
         cache.length = start + t
@@ -98,10 +98,10 @@ class LayerStack(nn.Module):
             s.cache.check_write(s.start, s.length)
             s.cache.ensure(s.start, s.start + s.length)
         rope = self.rotary(positions[None])  # [1, 1, M, hd]
-        if self.fused_layers is not None:
-            x = self.fused_layers(hidden, rope, seqs)
+        x = hidden.to(self.dtype)
+        if self.compiled_layers is not None:
+            x = self.compiled_layers(x, rope, seqs)
         else:
-            x = hidden.to(self.dtype)
             for i, layer in enumerate(self.layers):
                 x = layer.rows(x, rope, seqs, i)
         for s in seqs:

@@ -104,7 +104,7 @@ def test_a_stack_in_one_call_gives_the_bits_of_its_layers_one_by_one(tiny_folder
     """Where every layer is compiled, a LayerStack runs them in one call (layer.cpp's decoder_stack): a prompt, a
     verification pass with a tree's mask and a batch step of two sequences give the per-layer calls' bits."""
     cfg, stack, ends = load(tiny_folder, "q4_1")
-    fused = stack.fused_layers
+    fused = stack.compiled_layers
     assert (fused is not None) == all(layer.compiled for layer in stack.layers)
     if {"llama", "smollm3"} & set(cfg.arch.hf_types):  # SmolLM3's NoPE layers too (their own tables)
         assert fused is not None
@@ -115,7 +115,7 @@ def test_a_stack_in_one_call_gives_the_bits_of_its_layers_one_by_one(tiny_folder
     mask[3, 10] = False  # a branch: row 3 does not see row 2
     out = {}
     for one_call in (True, False):
-        stack.fused_layers = fused if one_call else None
+        stack.compiled_layers = fused if one_call else None
         cache, other = stack.new_cache(16), stack.new_cache(16)
         prompt = stack(ends.embed_tokens(ids[:, :8]), torch.arange(8)[None], cache, 0)
         tree = stack(ends.embed_tokens(ids[:, 8:]), torch.tensor([[8, 9, 9, 10]]), cache, 8, mask[None])
