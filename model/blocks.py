@@ -394,6 +394,11 @@ class CompiledLayers:
         self.weights = [layer.weights() for layer in layers]
         self.rotates = [layer.rotates for layer in layers]
 
+    @classmethod
+    def of(cls, layers: Sequence[DecoderLayer]) -> CompiledLayers | None:
+        """The layers in one call where every one is compiled, else None (they run one by one)."""
+        return cls(layers) if all(layer.compiled for layer in layers) else None
+
     def __call__(self, x: torch.Tensor, rope: Rope, seqs: Sequence[SeqRows]) -> torch.Tensor:
         """x [M, H] holds each sequence's rows in turn, rope their rotation [1, 1, M, hd] -> [M, H]."""
         k, hd = compiled(), rope.cos.shape[-1]

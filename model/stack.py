@@ -47,8 +47,7 @@ class LayerStack(nn.Module):
         with torch.no_grad():
             for i, layer in enumerate(stack.layers):
                 load_layer(layer, src, cfg, first + i, fmt)
-        if all(layer.compiled for layer in stack.layers):
-            stack.compiled_layers = CompiledLayers(list(stack.layers))
+        stack.compiled_layers = CompiledLayers.of(list(stack.layers))
         return stack
 
     def new_pool(self, nbytes: int, prefault: bool = False) -> KVPool:

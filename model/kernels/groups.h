@@ -66,8 +66,9 @@ inline void block_sums(int64_t b, float d, int lo, int hi, float* dx, float* sx,
 // x [K] float -> its K/32 blocks of int8 qx, their scales dx and sums sx (sx = dx * sum of the block's qx), and
 // where sh is not null the same per half block (only Q2_K's offsets per 16 read them), block b at qx + 32 b step,
 // dx[b step], sx[b step], sh[2 b step + 0..1]: step = 1 writes a plain row, step = ROWS a row of a tile (above).
-// The SIMD quantizers (quantize_row picks this build's) compute the same: max|x| ignoring NaN, as std::max does here, d and 1/d in scalars, each
-// x * (1/d) rounded to nearest even (nearbyint under the default rounding mode; cvtps and fcvtns alike).
+// The SIMD quantizers (quantize_row picks this build's) compute the same: max|x| ignoring NaN, as std::max does
+// here, d and 1/d in scalars, each x * (1/d) rounded to nearest even (nearbyint under the default rounding mode;
+// cvtps and fcvtns alike).
 inline void quantize_row_portable(const float* x, int64_t K, int8_t* qx, float* dx, float* sx, float* sh,
                                   int64_t step) {
   for (int64_t b = 0; b < K / QK; ++b) {

@@ -90,7 +90,8 @@ void group_q8(const int32_t* pw, const float* d8, const float* m8, const int8_t*
     for (int h = 0; h < S; ++h) {
       const __m256 d = _mm256_loadu_ps(d8 + (b * S + h) * G8);
       for (int r = 0; r < R; ++r) {
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[h][r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[b * ROWS + r])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[h][r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[b * ROWS + r])),
+                                 acc[r]);
         if constexpr (A)
           acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(m8 + (b * S + h) * G8), _mm256_set1_ps(ss[(b * ROWS + r) * S + h]),
                                    acc[r]);

@@ -25,7 +25,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   auto out = torch::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = w.contiguous().data_ptr<float>();
   float* op = out.data_ptr<float>();
-  // rows on the pool's threads in runs of 16, as quant.cpp's quantizer (a prompt's: a decode pass's few rows
+  // a prompt's rows on the pool's threads in runs of 16, as quant.cpp's quantizer does (a decode pass's few rows
   // stay on this thread); each row on its own, so the split changes no bits
   parallel_chunks(0, rows, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {

@@ -58,7 +58,8 @@ void check_groups(const torch::Tensor& pw, const torch::Tensor& d8, int64_t word
 // All outputs [M, N] by weight groups: group(g, r, R, out, ldo) computes the 8 outputs of group g for rows
 // r..r+R-1 (R <= ROWS, r a multiple of ROWS: one tile of quantize_rows'). Work is split over groups only; within a
 // thread's groups, activation rows go in runs of 16 so that a run's quantized rows stay in L1 while the groups
-// stream past, and each group's weights are reused for the run's ROWS-row steps. The last group, when N is not a multiple of 8, writes through a buffer.
+// stream past, and each group's weights are reused for the run's ROWS-row steps. The last group, when N is not a
+// multiple of 8, writes through a buffer.
 template <typename Group>
 torch::Tensor run_groups(int64_t M, int64_t N, Group group) {
   constexpr int64_t RUN = 16;
