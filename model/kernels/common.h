@@ -145,6 +145,7 @@ struct SeqKV {
   int64_t start, T;
   c10::optional<torch::Tensor> mask;
 };
+torch::Tensor attend_seqs(torch::Tensor q, const std::vector<SeqKV>& seqs);
 
 // One linear layer in a compiled format (layer.cpp), built once per weight and called per pass.
 struct Linear {

@@ -27,9 +27,9 @@ torch::Tensor Linear::operator()(const torch::Tensor& x) const {
 
 // The attention of the rows of several sequences in one pass (a batch step): x [M, H] float, already normed,
 // holds each sequence's rows in turn (seqs[i].T of them); cos, sin [M, hd] per row. The projections run once
-// over all M rows; rotary, the KV write and attention run per sequence over its own blocks. Each output row
-// is computed as when its sequence runs alone (the matmuls are row-invariant, attention is per query row), so
-// batching changes no bits. -> [M, H] (partial when the block holds some of the layer's groups).
+// over all M rows; rotary and the KV write per sequence into its own blocks, then every sequence's attention
+// in one run over the threads (attend_seqs). Each output row is computed as when its sequence runs alone (the
+// matmuls are row-invariant, attention is per query row), so batching changes no bits. -> [M, H] (partial when the block holds some of the layer's groups).
 torch::Tensor attention_rows(torch::Tensor x, const Linear& qkv, const Linear& o, int64_t n_q, int64_t n_kv,
                              torch::Tensor cos, torch::Tensor sin, const std::vector<SeqKV>& seqs) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2, "x must be float [M, H]");
@@ -43,8 +43,9 @@ torch::Tensor attention_rows(torch::Tensor x, const Linear& qkv, const Linear& o
   torch::Tensor y = qkv(x.contiguous());  // [M, heads*hd]
   const int64_t hd = cos.size(1), heads = n_q + 2 * n_kv;
   TORCH_CHECK(y.size(1) == heads * hd, "qkv gives ", y.size(1), " columns, not ", heads * hd);
-  auto attn = torch::empty({M, n_q * hd}, x.options());
+  auto q = torch::empty({M, n_q, hd}, x.options());  // each row's rotated queries, as attend_seqs reads them
   const float *yp = y.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
   int64_t r0 = 0;
   for (const SeqKV& s : seqs) {
     const int64_t T = s.T, BS = s.k.size(2);
@@ -58,15 +59,13 @@ torch::Tensor attention_rows(torch::Tensor x, const Linear& qkv, const Linear& o
     const int64_t nb = s.table.size(0);
     TORCH_CHECK(s.start >= 0 && s.start + T <= nb * BS, "the write does not fit the sequence's blocks");
     const int64_t* tp = s.table.data_ptr<int64_t>();
-    auto q = torch::empty({1, n_q, T, hd}, x.options());
-    float* qp = q.data_ptr<float>();
     uint8_t *kp = static_cast<uint8_t*>(s.k.data_ptr()), *vp = static_cast<uint8_t*>(s.v.data_ptr());
     std::vector<float> key(hd);
     for (int64_t t = 0; t < T; ++t) {
       const int64_t m = r0 + t, slot = s.start + t, blk = tp[slot / BS];
       TORCH_CHECK(blk >= 0 && blk < s.k.size(0), "block ", blk, " is not in the pool");
       const float *row = yp + m * heads * hd, *c = cp + m * hd, *sn = sp + m * hd;
-      for (int64_t h = 0; h < n_q; ++h) rotate(row + h * hd, c, sn, hd, qp + (h * T + t) * hd);
+      for (int64_t h = 0; h < n_q; ++h) rotate(row + h * hd, c, sn, hd, qp + (m * n_q + h) * hd);
       for (int64_t g = 0; g < n_kv; ++g) {
         const int64_t at = ((blk * n_kv + g) * BS + slot % BS) * row_bytes;  // each head vector stored on its own
         rotate(row + (n_q + g) * hd, c, sn, hd, key.data());
@@ -74,12 +73,9 @@ torch::Tensor attention_rows(torch::Tensor x, const Linear& qkv, const Linear& o
         kv_write(kind, row + (n_q + n_kv + g) * hd, hd, vp + at);
       }
     }
-    const Keys keys{s.k, s.v, tp, 1, nb};
-    torch::Tensor out = attend_keys(q, keys, s.start, s.mask);  // [1, n_q, T, hd]
-    attn.narrow(0, r0, T).copy_(out[0].transpose(0, 1).reshape({T, n_q * hd}));
     r0 += T;
   }
-  return o(attn);
+  return o(attend_seqs(q, seqs).view({M, n_q * hd}));
 }
 
 namespace {

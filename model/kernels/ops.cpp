@@ -80,10 +80,13 @@ inline void axpy_kv(float* y, const uint8_t* row, float p, int64_t n) {
   for (int64_t k = 0; k < n; ++k) y[k] = std::fma(p, R::at(row, k), y[k]);
 }
 
-// What attend_keys has checked and worked out, for its body in each storage format
+// One attention call's part (attend_keys': all of it; attend_seqs': one sequence's), checked and worked out by
+// attend_part, for the body in each storage format. Query (b, h, t) is at q + b qb + h qh + t qt; its output at
+// the same offsets from out.
 struct AttendArgs {
   const float* q;
   float* out;
+  int64_t qb, qh, qt;  // the queries' and outputs' strides in floats
   const uint8_t *k, *v;  // the stores' first bytes
   int64_t k0, k1, k2, v0, v1, v2;  // their strides in bytes
   const int64_t* table;
@@ -184,65 +187,128 @@ void attend_run(const float* const* qs, const uint8_t* const* kps, const uint8_t
   }
 }
 
+// One job of a part: one query row t of one KV head's group of query heads in row b. The visible slots and
+// their keys' and values' addresses are found once for the group, and each key and value read once for up to
+// MAXH of its heads. Even one decode row (3 groups on 2 threads) took 0.73x the time of 9 jobs of one head each
+// (0.033 ms against 0.045 over 500 slots, alternated): reading each key once outweighs the idle thread.
+// Causal rows cost as many slots as they see, and the threads take equal runs of jobs: rows in the order 0,
+// T-1, 1, T-2, ... so that any run of them costs about the same (in row order, one of two threads had 58% of a
+// prompt's attention and the other waited for it). The order changes no bits: each job is one row's own.
+// Scratch: scores [MAXH * S], slots [S], kps, vps [S] for the part's S.
+constexpr int64_t MAXH = 4;  // query heads computed together (their accumulators fit the registers)
+
 template <class R>
-void attend_body(const AttendArgs& a) {
-  const int64_t nq = a.nq, T = a.T, hd = a.hd, S = a.S, BS = a.BS, group = nq / a.nkv;
+void attend_job(const AttendArgs& a, int64_t job, float* scores, int64_t* slots, const uint8_t** kps,
+                const uint8_t** vps) {
+  const int64_t T = a.T, hd = a.hd, S = a.S, BS = a.BS, group = a.nq / a.nkv;
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
-  constexpr int64_t MAXH = 4;  // query heads computed together (their accumulators fit the registers)
-  // a job is one query row of one KV head's group of query heads: the visible slots and their keys' and values'
-  // addresses are found once for the group, and each key and value read once for up to MAXH of its heads. Even
-  // one decode row (3 groups on 2 threads) took 0.73x the time of 9 jobs of one head each (0.033 ms against
-  // 0.045 over 500 slots, alternated): reading each key once outweighs the idle thread.
-  // Causal rows cost as many slots as they see, and the threads take equal runs of jobs: rows in the order 0,
-  // T-1, 1, T-2, ... so that any run of them costs about the same (in row order, one of two threads had 58% of a
-  // prompt's attention and the other waited for it). The order changes no bits: each job is one row's own.
-  parallel_chunks(0, a.B * a.nkv * T, 1, [&](int64_t lo, int64_t hi) {
+  const int64_t b = job / (a.nkv * T), g = (job / T) % a.nkv, i = job % T, t = i % 2 ? T - 1 - i / 2 : i / 2;
+  int64_t n = 0;
+  if (a.mask) {
+    const bool* mrow = a.mask + ((a.mrows == 1 ? 0 : b) * T + t) * S;
+    for (int64_t j = 0; j < S; ++j)
+      if (mrow[j]) slots[n++] = j;
+  } else {
+    for (int64_t j = 0; j <= a.start + t; ++j) slots[n++] = j;
+  }
+  // each visible slot's key and value: the slots ascend, so the block walks forward (no division per slot)
+  const int64_t* tb = a.table + (a.trows == 1 ? 0 : b) * a.nb;
+  for (int64_t i = 0, blk = 0, base = 0; i < n; ++i) {
+    while (slots[i] >= base + BS) ++blk, base += BS;
+    const int64_t off = slots[i] - base;
+    kps[i] = a.k + tb[blk] * a.k0 + g * a.k1 + off * a.k2;
+    vps[i] = a.v + tb[blk] * a.v0 + g * a.v1 + off * a.v2;
+  }
+  // the group's heads in runs of at most MAXH, as evenly as they split (a group of 5: 3 then 2)
+  const int64_t runs = (group + MAXH - 1) / MAXH;
+  for (int64_t r = 0, h0 = g * group; r < runs; ++r) {
+    const int64_t H = (group - (h0 - g * group) + (runs - r) - 1) / (runs - r);
+    const float* qs[MAXH];
+    float *o[MAXH], *sc[MAXH];
+    for (int64_t u = 0; u < H; ++u) {
+      const int64_t at = b * a.qb + (h0 + u) * a.qh + t * a.qt;
+      qs[u] = a.q + at;
+      o[u] = a.out + at;
+      sc[u] = scores + u * S;
+    }
+    h0 += H;
+    if (n == 0) {
+      for (int64_t u = 0; u < H; ++u) std::fill(o[u], o[u] + hd, 0.f);
+      continue;
+    }
+    switch (H) {
+      case 1: attend_run<R, 1>(qs, kps, vps, n, hd, scale, sc, o); break;
+      case 2: attend_run<R, 2>(qs, kps, vps, n, hd, scale, sc, o); break;
+      case 3: attend_run<R, 3>(qs, kps, vps, n, hd, scale, sc, o); break;
+      default: attend_run<R, 4>(qs, kps, vps, n, hd, scale, sc, o);
+    }
+  }
+}
+
+// Every part's jobs in one run over the pool's threads: a batch step's sequences were one call each, and the
+// 16 sequences of a decoding batch paid 16 dispatches, 3 jobs on 2 threads each, per layer
+template <class R>
+void attend_body(const std::vector<AttendArgs>& parts) {
+  std::vector<int64_t> first(parts.size() + 1, 0);  // part p's jobs are first[p]..first[p+1]
+  int64_t S = 0;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    first[p + 1] = first[p] + parts[p].B * parts[p].nkv * parts[p].T;
+    S = std::max(S, parts[p].S);
+  }
+  parallel_chunks(0, first.back(), 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> scores(MAXH * S);
     std::vector<int64_t> slots(S);
     std::vector<const uint8_t*> kps(S), vps(S);
+    size_t p = std::upper_bound(first.begin(), first.end(), lo) - first.begin() - 1;
     for (int64_t job = lo; job < hi; ++job) {
-      const int64_t b = job / (a.nkv * T), g = (job / T) % a.nkv, i = job % T, t = i % 2 ? T - 1 - i / 2 : i / 2;
-      int64_t n = 0;
-      if (a.mask) {
-        const bool* mrow = a.mask + ((a.mrows == 1 ? 0 : b) * T + t) * S;
-        for (int64_t j = 0; j < S; ++j)
-          if (mrow[j]) slots[n++] = j;
-      } else {
-        for (int64_t j = 0; j <= a.start + t; ++j) slots[n++] = j;
-      }
-      // each visible slot's key and value: the slots ascend, so the block walks forward (no division per slot)
-      const int64_t* tb = a.table + (a.trows == 1 ? 0 : b) * a.nb;
-      for (int64_t i = 0, blk = 0, base = 0; i < n; ++i) {
-        while (slots[i] >= base + BS) ++blk, base += BS;
-        const int64_t off = slots[i] - base;
-        kps[i] = a.k + tb[blk] * a.k0 + g * a.k1 + off * a.k2;
-        vps[i] = a.v + tb[blk] * a.v0 + g * a.v1 + off * a.v2;
-      }
-      // the group's heads in runs of at most MAXH, as evenly as they split (a group of 5: 3 then 2)
-      const int64_t runs = (group + MAXH - 1) / MAXH;
-      for (int64_t r = 0, h0 = g * group; r < runs; ++r) {
-        const int64_t H = (group - (h0 - g * group) + (runs - r) - 1) / (runs - r);
-        const float* qs[MAXH];
-        float *o[MAXH], *sc[MAXH];
-        for (int64_t u = 0; u < H; ++u) {
-          qs[u] = a.q + ((b * nq + h0 + u) * T + t) * hd;
-          o[u] = a.out + ((b * nq + h0 + u) * T + t) * hd;
-          sc[u] = scores.data() + u * S;
-        }
-        h0 += H;
-        if (n == 0) {
-          for (int64_t u = 0; u < H; ++u) std::fill(o[u], o[u] + hd, 0.f);
-          continue;
-        }
-        switch (H) {
-          case 1: attend_run<R, 1>(qs, kps.data(), vps.data(), n, hd, scale, sc, o); break;
-          case 2: attend_run<R, 2>(qs, kps.data(), vps.data(), n, hd, scale, sc, o); break;
-          case 3: attend_run<R, 3>(qs, kps.data(), vps.data(), n, hd, scale, sc, o); break;
-          default: attend_run<R, 4>(qs, kps.data(), vps.data(), n, hd, scale, sc, o);
-        }
-      }
+      while (job >= first[p + 1]) ++p;
+      attend_job<R>(parts[p], job - first[p], scores.data(), slots.data(), kps.data(), vps.data());
     }
   });
+}
+
+void attend_parts(KVKind kind, const std::vector<AttendArgs>& parts) {
+  switch (kind) {
+    case KVKind::F32: attend_body<KVF32>(parts); break;
+    case KVKind::F16: attend_body<KVF16>(parts); break;
+    case KVKind::Q8_0: attend_body<KVQ8>(parts); break;
+  }
+}
+
+// The checks of a call's keys, values and mask, and its part's arguments; `held` keeps the mask's bool copy
+// alive for the call. q, out: see AttendArgs; B, nq, T, hd: the queries' shape.
+AttendArgs attend_part(const float* q, float* out, int64_t qb, int64_t qh, int64_t qt, int64_t B, int64_t nq,
+                       int64_t T, int64_t hd, const Keys& keys, int64_t start, const c10::optional<torch::Tensor>& mask,
+                       std::vector<torch::Tensor>& held) {
+  const int64_t nkv = keys.k.size(1), N = keys.k.size(0), BS = keys.k.size(2);
+  TORCH_CHECK(hd % 8 == 0 && nq % nkv == 0, "attention needs head_dim % 8 == 0 and whole query groups");
+  TORCH_CHECK(keys.v.scalar_type() == keys.k.scalar_type(), "keys and values must be stored alike");
+  kv_kind(keys.v, hd);
+  TORCH_CHECK(keys.k.stride(3) == 1 && keys.v.stride(3) == 1, "keys and values need a contiguous last dim");
+  TORCH_CHECK(keys.v.size(0) == N && keys.v.size(2) == BS, "keys and values must have the same blocks");
+  const int64_t nb = keys.nb, trows = keys.trows;
+  const int64_t* tp = keys.table;
+  TORCH_CHECK(trows == B || trows == 1, "the block table must have B rows or one");
+  for (int64_t i = 0; i < trows * nb; ++i) TORCH_CHECK(tp[i] >= 0 && tp[i] < N, "block ", tp[i], " is not in the pool");
+  const bool* mp = nullptr;
+  int64_t mrows = 0, S = nb * BS;
+  if (mask.has_value()) {
+    const torch::Tensor& m = held.emplace_back(mask->to(torch::kBool).contiguous());
+    TORCH_CHECK(m.dim() == 4 && m.size(2) == T && m.size(3) <= S, "mask must be [B or 1, 1, T, <= S]");
+    mp = m.data_ptr<bool>();
+    mrows = m.size(0);
+    S = m.size(3);
+  } else {
+    TORCH_CHECK(start + T <= S, "keys hold ", S, " slots, the pass needs ", start + T);
+    // no query sees past start + T: the scratch (4 vectors per chunk and layer) is sized by what is visible, not
+    // by the session's room, which covers its prompt and max_tokens, up to the whole context
+    S = start + T;
+  }
+  const int64_t ek = keys.k.element_size(), ev = keys.v.element_size();
+  return AttendArgs{q, out, qb, qh, qt, static_cast<const uint8_t*>(keys.k.data_ptr()),
+                    static_cast<const uint8_t*>(keys.v.data_ptr()), keys.k.stride(0) * ek, keys.k.stride(1) * ek,
+                    keys.k.stride(2) * ek, keys.v.stride(0) * ev, keys.v.stride(1) * ev, keys.v.stride(2) * ev,
+                    tp, trows, nb, BS, B, nq, nkv, T, hd, S, start, mrows, mp};
 }
 
 }  // namespace
@@ -255,45 +321,39 @@ void attend_body(const AttendArgs& a) {
 torch::Tensor attend_keys(torch::Tensor q, const Keys& keys, int64_t start, c10::optional<torch::Tensor> mask) {
   check_float(q, "q");
   q = q.contiguous();
-  const int64_t B = q.size(0), nq = q.size(1), T = q.size(2), hd = q.size(3), nkv = keys.k.size(1);
-  const int64_t N = keys.k.size(0), BS = keys.k.size(2);
-  TORCH_CHECK(hd % 8 == 0 && nq % nkv == 0, "attention needs head_dim % 8 == 0 and whole query groups");
+  const int64_t B = q.size(0), nq = q.size(1), T = q.size(2), hd = q.size(3);
   const KVKind kind = kv_kind(keys.k, hd);
-  TORCH_CHECK(keys.v.scalar_type() == keys.k.scalar_type(), "keys and values must be stored alike");
-  kv_kind(keys.v, hd);
-  TORCH_CHECK(keys.k.stride(3) == 1 && keys.v.stride(3) == 1, "keys and values need a contiguous last dim");
-  TORCH_CHECK(keys.v.size(0) == N && keys.v.size(2) == BS, "keys and values must have the same blocks");
-  const int64_t nb = keys.nb, trows = keys.trows;
-  const int64_t* tp = keys.table;
-  TORCH_CHECK(trows == B || trows == 1, "the block table must have B rows or one");
-  for (int64_t i = 0; i < trows * nb; ++i) TORCH_CHECK(tp[i] >= 0 && tp[i] < N, "block ", tp[i], " is not in the pool");
-  torch::Tensor m;
-  const bool* mp = nullptr;
-  int64_t mrows = 0, S = nb * BS;
-  if (mask.has_value()) {
-    m = mask->to(torch::kBool).contiguous();
-    TORCH_CHECK(m.dim() == 4 && m.size(2) == T && m.size(3) <= S, "mask must be [B or 1, 1, T, <= S]");
-    mp = m.data_ptr<bool>();
-    mrows = m.size(0);
-    S = m.size(3);
-  } else {
-    TORCH_CHECK(start + T <= S, "keys hold ", S, " slots, the pass needs ", start + T);
-    // no query sees past start + T: the scratch below (4 vectors zeroed per chunk and layer) is sized by what
-    // is visible, not by the session's room, which covers its prompt and max_tokens, up to the whole context
-    S = start + T;
-  }
   auto out = torch::empty_like(q);
-  const int64_t ek = keys.k.element_size(), ev = keys.v.element_size();
-  const AttendArgs args{q.data_ptr<float>(), out.data_ptr<float>(),
-                        static_cast<const uint8_t*>(keys.k.data_ptr()), static_cast<const uint8_t*>(keys.v.data_ptr()),
-                        keys.k.stride(0) * ek, keys.k.stride(1) * ek, keys.k.stride(2) * ek,
-                        keys.v.stride(0) * ev, keys.v.stride(1) * ev, keys.v.stride(2) * ev,
-                        tp, trows, nb, BS, B, nq, nkv, T, hd, S, start, mrows, mp};
-  switch (kind) {
-    case KVKind::F32: attend_body<KVF32>(args); break;
-    case KVKind::F16: attend_body<KVF16>(args); break;
-    case KVKind::Q8_0: attend_body<KVQ8>(args); break;
+  std::vector<torch::Tensor> held;
+  attend_parts(kind, {attend_part(q.data_ptr<float>(), out.data_ptr<float>(), nq * T * hd, T * hd, hd, B, nq, T, hd,
+                                  keys, start, mask, held)});
+  return out;
+}
+
+// q [M, n_q, hd] float contiguous: the rows of several sequences in turn (seqs[i].T each, their keys and values
+// already written) -> [M, n_q, hd], each sequence's rows as attend_keys gives them alone, every sequence's
+// jobs in one run over the threads
+torch::Tensor attend_seqs(torch::Tensor q, const std::vector<SeqKV>& seqs) {
+  check_float(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [M, n_q, hd]");
+  const int64_t nq = q.size(1), hd = q.size(2);
+  auto out = torch::empty_like(q);
+  std::vector<torch::Tensor> held;
+  std::vector<AttendArgs> parts;
+  parts.reserve(seqs.size());
+  TORCH_CHECK(!seqs.empty(), "attention needs a sequence");
+  const KVKind kind = kv_kind(seqs[0].k, hd);
+  int64_t r0 = 0;
+  for (const SeqKV& s : seqs) {
+    TORCH_CHECK(kv_kind(s.k, hd) == kind, "every sequence's keys must be stored alike");
+    const Keys keys{s.k, s.v, s.table.data_ptr<int64_t>(), 1, s.table.size(0)};
+    const int64_t at = r0 * nq * hd;
+    parts.push_back(attend_part(q.data_ptr<float>() + at, out.data_ptr<float>() + at, 0, hd, nq * hd, 1, nq, s.T, hd,
+                                keys, s.start, s.mask, held));
+    r0 += s.T;
   }
+  TORCH_CHECK(r0 == q.size(0), "the sequences hold ", r0, " rows, q ", q.size(0));
+  attend_parts(kind, parts);
   return out;
 }
 
