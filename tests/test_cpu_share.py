@@ -62,6 +62,9 @@ def test_proc_reader_parses_proc_files(tmp_path: Path):
     (tmp_path / "self" / "stat").write_text("42 (a (b) c) R 1 1 1 0 -1 0 0 0 0 0 300 20 0 0 20 0 3 0\n")
     (tmp_path / "self" / "task" / "7" / "schedstat").write_text("2000000000 500000000 10\n")
     (tmp_path / "self" / "task" / "8" / "schedstat").write_text("1000000000 0 3\n")
+    main = tmp_path / "self" / "task" / str(os.getpid())  # the event loop's thread: its waits are left out
+    main.mkdir()
+    (main / "schedstat").write_text("5000000000 9000000000 40\n")
     reader = ProcReader(tmp_path)
     r = reader.read()
     mine = len([c for c in os.sched_getaffinity(0) if c < 64])
