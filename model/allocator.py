@@ -1,21 +1,20 @@
 """The C allocator of a serving process (glibc's malloc, which torch's CPU tensors come from).
 
 Measured with the soak (bench/soak.py: 32 streams for 2 minutes, mixed policies and long prompts, the KV pool
-committed at load so that RSS shows everything else): with glibc's defaults the controller's RSS grew 5.06%
-after warm-up and was still growing at the end (30.9 MiB/min); with at most 2 arenas and a fixed 256 KiB mmap
-threshold, 3.4% at its highest and 0.8% at the end. By default glibc raises the mmap threshold (up to 32 MiB)
-each time a large block is freed, and keeps up to 8 arenas per core for the event loop's, the model thread's and
-the tokenizer's threads.
+committed at load so that RSS shows everything else): with glibc's defaults (up to 8 arenas per core, an mmap
+threshold that rises with every large block freed) the controller's RSS grew 5.06% after warm-up and was still
+growing at the end (30.9 MiB/min); with at most 2 arenas and a fixed 256 KiB mmap threshold, 3.4% at its
+highest and 0.8% at the end.
 
-But a 256 KiB threshold returned every large tensor to the system when it was freed, and page faults paid for
-it on the next allocation: a step's activations over a prompt's rows, the logits of a batch or a verification
-(9 rows: 1.7 MiB). Measured on a 2-core EPYC with SmolLM2-135M: the first token of a 1106-token prompt took
-1256-1306 ms against 874-981 with the fixed 32 MiB threshold below (in-process, without the server: 810-1020),
-a fifth of its samples in the kernel's page fault and unmap paths; 8 streams 746 against 885 tokens/s. So
-the threshold is fixed at glibc's own largest (the activations of a prompt of about 2.7k tokens fit under it),
-and the heap keeps up to TRIM_THRESHOLD of freed space at its top instead of returning it after every layer.
-A fixed threshold still never rises, and 2 arenas still bound the heaps: see the soak's figures in
-bench/results/issue39-allocator.
+That threshold returned every tensor of 256 KiB or more to the system when it was freed, and page faults paid
+for it at the next allocation: each layer's activations over a prompt's rows, the logits of a batch or of a
+verification (9 rows: 1.7 MiB). On a 2-core EPYC with SmolLM2-135M the first token of a 1106-token prompt took
+1256-1306 ms against 874-981 ms with the thresholds below (the same forward in-process: 810-1020 ms), with a
+fifth of the server's samples in the kernel's page-fault and unmap paths; 8 streams 746 against 885 tokens/s.
+So the mmap threshold is fixed at glibc's own largest, 32 MiB (a layer's activations for prompts up to about
+2.7k tokens come from the heap), and the heap keeps up to 64 MiB of freed space at its top instead of handing it
+back after every layer. With 2 arenas the soak's RSS grew 4.65% after warm-up and held flat for its last 40 s
+(bench/results/issue39-allocator): what two arenas keep, not a leak.
 """
 
 from __future__ import annotations
