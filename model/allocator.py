@@ -13,8 +13,8 @@ verification (9 rows: 1.7 MiB). On a 2-core EPYC with SmolLM2-135M the first tok
 fifth of the server's samples in the kernel's page-fault and unmap paths; 8 streams 746 against 885 tokens/s.
 So the mmap threshold is fixed at glibc's own largest, 32 MiB (a layer's activations for prompts up to about
 2.7k tokens come from the heap), and the heap keeps up to 64 MiB of freed space at its top instead of handing it
-back after every layer. With 2 arenas the soak's RSS grew 4.65% after warm-up and held flat for its last 40 s
-(bench/results/issue39-allocator): what two arenas keep, not a leak.
+back after every layer. With 2 arenas the soak's RSS grew 4.65% after warm-up, then held flat for the last 80 s
+of the load (bench/results/issue39-allocator): what two arenas keep, not a leak.
 """
 
 from __future__ import annotations
