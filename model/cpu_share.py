@@ -107,9 +107,9 @@ class ProcReader:
 
     def _schedstat(self) -> tuple[float | None, float | None]:
         """Our threads' on-CPU and waiting nanoseconds, summed, in seconds; the main thread's left out. It runs
-        the event loop, which waits for a core behind our own spinning kernel threads as much as behind other
-        processes: measured with 16 streams, "our threads waited 80% of the time" while other processes took
-        0.08 cores, and the governor halved the threads of the passes the streams were waiting for."""
+        the event loop, which waits for a core whenever our kernel threads hold both: with 16 streams "our
+        threads waited 80% of the time" while other processes took 0.08 cores, and the governor halved the
+        threads of the passes the streams were waiting for (bench/results/issue39-concurrency)."""
         run = wait = 0
         try:
             tids = os.listdir(self.proc / "self" / "task")
