@@ -29,7 +29,8 @@ torch::Tensor Linear::operator()(const torch::Tensor& x) const {
 // holds each sequence's rows in turn (seqs[i].T of them); cos, sin [M, hd] per row. The projections run once
 // over all M rows; rotary and the KV write per sequence into its own blocks, then every sequence's attention
 // in one run over the threads (attend_seqs). Each output row is computed as when its sequence runs alone (the
-// matmuls are row-invariant, attention is per query row), so batching changes no bits. -> [M, H] (partial when the block holds some of the layer's groups).
+// matmuls are row-invariant, attention is per query row), so batching changes no bits. -> [M, H] (partial when
+// the block holds some of the layer's groups).
 torch::Tensor attention_rows(torch::Tensor x, const Linear& qkv, const Linear& o, int64_t n_q, int64_t n_kv,
                              torch::Tensor cos, torch::Tensor sin, const std::vector<SeqKV>& seqs) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2, "x must be float [M, H]");

@@ -336,12 +336,12 @@ torch::Tensor attend_keys(torch::Tensor q, const Keys& keys, int64_t start, c10:
 torch::Tensor attend_seqs(torch::Tensor q, const std::vector<SeqKV>& seqs) {
   check_float(q, "q");
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [M, n_q, hd]");
+  TORCH_CHECK(!seqs.empty(), "attention needs a sequence");
   const int64_t nq = q.size(1), hd = q.size(2);
   auto out = torch::empty_like(q);
   std::vector<torch::Tensor> held;
   std::vector<AttendArgs> parts;
   parts.reserve(seqs.size());
-  TORCH_CHECK(!seqs.empty(), "attention needs a sequence");
   const KVKind kind = kv_kind(seqs[0].k, hd);
   int64_t r0 = 0;
   for (const SeqKV& s : seqs) {
