@@ -12,9 +12,10 @@ verification (9 rows: 1.7 MiB). On a 2-core EPYC with SmolLM2-135M the first tok
 1256-1306 ms against 874-981 ms with the thresholds below (the same forward in-process: 810-1020 ms), with a
 fifth of the server's samples in the kernel's page-fault and unmap paths; 8 streams 746 against 885 tokens/s.
 So the mmap threshold is fixed at glibc's own largest, 32 MiB (a layer's activations for prompts up to about
-2.7k tokens come from the heap), and the heap keeps up to 64 MiB of freed space at its top instead of handing it
-back after every layer. With 2 arenas the soak's RSS grew 4.65% after warm-up, then held flat for the last 80 s
-of the load (bench/results/issue39-allocator): what two arenas keep, not a leak.
+2.7k tokens come from the heap), and the trim threshold at 64 MiB, what glibc's own rule pairs with it (16 and
+32 MiB measured the same). The cost is the freed space the heaps keep: with 2 arenas the soak's RSS grew 4.65%
+after warm-up, then held flat for the last 80 s of the load, and bench-peer's servers peaked at 974 MiB against
+859 (bench/results/issue39-allocator, issue39-versus-session5).
 """
 
 from __future__ import annotations
