@@ -120,8 +120,12 @@ def test_a_stack_in_one_call_gives_the_bits_of_its_layers_one_by_one(tiny_folder
         prompt = stack(ends.embed_tokens(ids[:, :8]), torch.arange(8)[None], cache, 0)
         tree = stack(ends.embed_tokens(ids[:, 8:]), torch.tensor([[8, 9, 9, 10]]), cache, 8, mask[None])
         stack(ends.embed_tokens(ids[:, :5]), torch.arange(5)[None], other, 0)
-        rows = stack.forward_rows(ends.embed_tokens(ids[:, 5:8])[0], torch.tensor([12, 5, 6]),
-                                  [SeqRows(cache, 12, 1), SeqRows(other, 5, 2)])
+        third = stack.new_cache(16)  # the tree again, beside the others in a batch step
+        stack(ends.embed_tokens(ids[:, :8]), torch.arange(8)[None], third, 0)
+        rows = stack.forward_rows(ends.embed_tokens(torch.cat([ids[:, 5:8], ids[:, 8:]], 1))[0],
+                                  torch.tensor([12, 5, 6, 8, 9, 9, 10]),
+                                  [SeqRows(cache, 12, 1), SeqRows(other, 5, 2), SeqRows(third, 8, 4, mask)])
+        assert torch.equal(rows[3:], tree[0]), "a tree's rows in a batch step differ from its pass alone"
         out[one_call] = (prompt, tree, rows)
     for a, b in zip(out[True], out[False], strict=True):
         assert torch.equal(a, b)
