@@ -35,6 +35,13 @@ def fused(width: int) -> bool:
     return width % 8 == 0
 
 
+def kernels_take(*tensors: torch.Tensor) -> bool:
+    """Whether the compiled kernels may take these operands: on the CPU, and no gradient wanted (the kernels have
+    no backward: the drafter's training runs torch's own ops, on any device)."""
+    return all(t.device.type == "cpu" for t in tensors) and not (
+        torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 class RMSNorm(nn.Module):
     """RMS norm with its statistics in float32 (bf16 ones derail the model). In bf16 the normalised
     values are cast back before the weight multiplies them, as the reference does: the order of those
@@ -48,7 +55,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., H] -> [..., H]
-        if x.dtype == torch.float32 and fused(x.shape[-1]):
+        if x.dtype == torch.float32 and fused(x.shape[-1]) and kernels_take(x, self.weight):
             return compiled().rms_norm(x, self.weight, self.eps)
         # torch.rms_norm, not F.rms_norm: the functional wrapper's checks cost more than the math here
         if x.dtype == torch.float32 or self.weight.dtype == torch.float32:
@@ -124,7 +131,7 @@ class Rope:
         return self.local if sliding and self.local is not None else self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cos.dtype == torch.float32 and fused(self.cos.shape[-1]):
+        if self.cos.dtype == torch.float32 and fused(self.cos.shape[-1]) and kernels_take(x, self.cos):
             return compiled().rope(x, self.cos, self.sin)
         return apply_rotary(x, self.cos, self.sin)
 
@@ -246,7 +253,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
     head_dim**-0.5, so q is scaled by the ratio first (a rounding apart from scaling the logits).
     """
     mask = _heads_mask(mask)
-    if q.dtype == torch.float32 and fused(q.shape[-1]):
+    if q.dtype == torch.float32 and fused(q.shape[-1]) and kernels_take(q, keys, values):
         if scale is not None:
             q = q * (scale * q.shape[-1] ** 0.5)
         return compiled().attention(q, keys, values, start, mask)
@@ -277,7 +284,7 @@ class FFN(nn.Module):
         if self.compiled:
             return compiled().ffn_block(x.float(), self.gate_up.kernel, self.down.kernel)
         gate_up = self.gate_up(x)  # [B, T, 2I]
-        if self.act == "silu" and gate_up.dtype == torch.float32:
+        if self.act == "silu" and gate_up.dtype == torch.float32 and kernels_take(gate_up):
             return self.down(compiled().silu_mul(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
         if self.act == "gelu_pytorch_tanh":  # elementwise: each row's bits whatever the pass

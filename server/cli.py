@@ -205,6 +205,8 @@ def _distill_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=int, default=8192, help="ids the trained head may propose")
     p.add_argument("--holdout", type=float, default=0.1, help="share of prompts held out for evaluation")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="torch device for generating the answers and their features "
+                   "and for training the drafter (e.g. cuda); the held-out replay runs on the CPU, as serving does")
 
 
 def _train_parsers(sub) -> None:

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from rich.progress import track
 
+from edgespec.model.source import ModelFiles
+
 
 def training_prompts(data: Path) -> list[str]:
     """User messages from the alpaca seed tasks (instruction and first input) and the WizardLM test set."""
@@ -28,25 +30,29 @@ def training_prompts(data: Path) -> list[str]:
     return prompts
 
 
-def load_hf(folder: Path):
-    """The target as a transformers model (float32: the fastest CPU path for batched generation) and its
-    tokenizer, left-padded for generation."""
+def load_hf(files: ModelFiles, device: str = "cpu"):
+    """The target as a transformers model on `device` (float32: the fastest CPU path for batched generation; a
+    GGUF's tensors dequantized by transformers' own reader) and its tokenizer, left-padded for generation."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(files.folder)
     tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    if tokenizer.pad_token is None:  # some transformers versions read none from a GGUF: pad with eos, masked anyway
+        tokenizer.pad_token = tokenizer.eos_token
+    where = ({"pretrained_model_name_or_path": files.gguf.parent, "gguf_file": files.gguf.name} if files.gguf
+             else {"pretrained_model_name_or_path": files.folder})
+    model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).to(device).eval()
     return model, tokenizer
 
 
 @torch.inference_mode()
-def generate_answers(folder: Path, prompts: list[str], out: Path, max_new_tokens: int, batch: int,
-                     samples: int = 0, temperature: float = 0.8, seed: int = 0) -> list[dict]:
+def generate_answers(files: ModelFiles, prompts: list[str], out: Path, max_new_tokens: int, batch: int,
+                     samples: int = 0, temperature: float = 0.8, seed: int = 0, device: str = "cpu") -> list[dict]:
     """Rows {index: prompt index, draw: 0 greedy or 1.. sampled, prompt: ids, answer: ids} in `out` (jsonl),
     sorted by (index, draw). Each prompt gets a greedy answer and `samples` sampled ones. Rows already in `out`
     are kept, so an interrupted run resumes."""
     done = {(r["index"], r["draw"]): r for r in map(json.loads, out.read_text().splitlines())} if out.exists() else {}
-    model, tokenizer = load_hf(folder)
+    model, tokenizer = load_hf(files, device)
     eos = tokenizer.eos_token_id
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                            add_generation_prompt=True) for p in prompts]
@@ -59,12 +65,12 @@ def generate_answers(folder: Path, prompts: list[str], out: Path, max_new_tokens
             chunk = jobs[b:b + batch]
             sampled = chunk[0][1] > 0
             torch.manual_seed(seed + b)
-            enc = tokenizer([texts[i] for i, _ in chunk], return_tensors="pt", padding=True)
+            enc = tokenizer([texts[i] for i, _ in chunk], return_tensors="pt", padding=True).to(device)
             gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=sampled,
                                  temperature=temperature if sampled else None, top_p=None, top_k=None,
                                  pad_token_id=eos)
             width = enc.input_ids.shape[1]
-            for (i, d), row, mask in zip(chunk, gen, enc.attention_mask, strict=True):
+            for (i, d), row, mask in zip(chunk, gen.cpu(), enc.attention_mask.cpu(), strict=True):
                 answer = row[width:].tolist()
                 if eos in answer:  # keep the end of sequence: the drafter should learn where answers stop
                     answer = answer[:answer.index(eos) + 1]
@@ -75,11 +81,11 @@ def generate_answers(folder: Path, prompts: list[str], out: Path, max_new_tokens
 
 
 @torch.inference_mode()
-def final_hidden(folder: Path, rows: list[dict], batch: int = 8) -> list[torch.Tensor]:
+def final_hidden(files: ModelFiles, rows: list[dict], batch: int = 8, device: str = "cpu") -> list[torch.Tensor]:
     """Per row, the target's last decoder layer output (before the final norm) at every position of
-    prompt + answer: [T, H] float32. Teacher forced, right-padded batches (padding after a sequence cannot
-    change its causal positions)."""
-    model, _ = load_hf(folder)
+    prompt + answer: [T, H] float32, in memory. Teacher forced on `device`, right-padded batches (padding after
+    a sequence cannot change its causal positions)."""
+    model, _ = load_hf(files, device)
     captured = {}
 
     def keep(module, args, out):  # the last layer's output; some transformers versions return a tuple
@@ -98,9 +104,10 @@ def final_hidden(folder: Path, rows: list[dict], batch: int = 8) -> list[torch.T
             for r, j in enumerate(idx):
                 ids[r, :len(seqs[j])] = torch.tensor(seqs[j])
                 mask[r, :len(seqs[j])] = 1
-            model.model(input_ids=ids, attention_mask=mask)
+            model.model(input_ids=ids.to(device), attention_mask=mask.to(device))
+            h = captured["h"].cpu()
             for r, j in enumerate(idx):
-                feats[j] = captured["h"][r, :len(seqs[j])].clone()  # [T, H]
+                feats[j] = h[r, :len(seqs[j])].clone()  # [T, H]
     finally:
         hook.remove()
     return [feats[j] for j in range(len(seqs))]

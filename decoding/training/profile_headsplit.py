@@ -57,7 +57,7 @@ def profile(args: argparse.Namespace) -> dict:
     src = open_source(files.folder)
     args.work.mkdir(parents=True, exist_ok=True)
     prompts = training_prompts(args.data)[:args.prompts + args.heldout]
-    both = generate_answers(files.folder, prompts, args.work / "answers.jsonl", args.max_new_tokens, args.gen_batch)
+    both = generate_answers(files, prompts, args.work / "answers.jsonl", args.max_new_tokens, args.gen_batch)
     rows, held = [r for r in both if r["index"] < args.prompts], [r for r in both if r["index"] >= args.prompts]
     # alpha from float32 passes: the reference numbers, not one dtype's roundings
     stack = LayerStack.load(src, cfg, 0, cfg.n_layers, torch.float32)

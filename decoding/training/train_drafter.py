@@ -14,6 +14,7 @@ The weights and a JSON record of data, steps, losses and accuracies are written 
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import json
 import math
@@ -32,8 +33,9 @@ from edgespec.decoding.eagle import FeatureDrafter, FeatureDraftModel, FeatureNe
 from edgespec.decoding.target_fit import SHIPPED
 from edgespec.decoding.training.distill_data import final_hidden, generate_answers, training_prompts
 from edgespec.decoding.types import SamplingParams
+from edgespec.model.blocks import RMSNorm
 from edgespec.model.config import ModelConfig
-from edgespec.model.source import resolve_model
+from edgespec.model.source import ModelFiles, resolve_model
 from edgespec.model.stack import TokenEnds
 from edgespec.model.weights import TensorSource, open_source
 
@@ -45,14 +47,14 @@ class Example:
         self.ids, self.f, self.answer_start = torch.tensor(ids), f, answer_start
 
 
-def cached_hidden(folder: Path, rows: list[dict], path: Path) -> list[torch.Tensor]:
-    """final_hidden(folder, rows), kept in `path` for the next run on the same rows."""
+def cached_hidden(files: ModelFiles, rows: list[dict], path: Path, device: str) -> list[torch.Tensor]:
+    """final_hidden(files, rows), kept in `path` for the next run on the same rows."""
     key = [len(r["prompt"]) + len(r["answer"]) for r in rows]
     if path.exists():
         saved = torch.load(path)
         if saved["key"] == key:
             return saved["hidden"]
-    hidden = final_hidden(folder, rows)
+    hidden = final_hidden(files, rows, device=device)
     torch.save({"key": key, "hidden": hidden}, path)
     return hidden
 
@@ -88,27 +90,46 @@ def batches(examples: list[Example], batch_tokens: int, rng: random.Random) -> l
     return out
 
 
-def loss_on(net: FeatureNet, ends: TokenEnds, head: torch.Tensor, group: list[Example], noise: float,
+@dataclass
+class TrainEnds:
+    """What training reads of the target's token ends, as plain tensors on the training device: the final norm
+    and the embedding rows as the model reads them (the served TokenEnds hold compiled CPU kernels)."""
+
+    norm: RMSNorm
+    table: torch.Tensor  # [V, H] float32, scaled as the model's embedding scales
+
+    @classmethod
+    def of(cls, ends: TokenEnds, device: str) -> TrainEnds:
+        table = ends.embed.dense().float()
+        table = table if ends.embed.scale is None else table * ends.embed.scale
+        return cls(copy.deepcopy(ends.norm).to(device), table.to(device))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids [B, T] -> [B, T, H]
+        return F.embedding(ids, self.table)
+
+
+def loss_on(net: FeatureNet, ends: TrainEnds, head: torch.Tensor, group: list[Example], noise: float,
             cls_weight: float, unroll: int = 1) -> tuple[torch.Tensor, float, float]:
     """Feature + token loss of one batch; also the token loss alone and top-1 agreement (answer positions).
 
     With unroll > 1 the pass is repeated on the drafter's own predictions as input features (each index reads
     the g its previous index predicted), as when it drafts several tokens ahead; the losses add up."""
-    width = max(len(e.ids) for e in group) - 1
-    g_prev = torch.zeros(len(group), width, head.shape[1])  # normed features g, what the head reads
+    width, device = max(len(e.ids) for e in group) - 1, head.device
+    g_prev = torch.zeros(len(group), width, head.shape[1], device=device)  # normed features g, what the head reads
     g_next = torch.zeros_like(g_prev)
-    ids = torch.zeros(len(group), width, dtype=torch.long)
-    mask = torch.zeros(len(group), width, dtype=torch.bool)
+    ids = torch.zeros(len(group), width, dtype=torch.long, device=device)
+    mask = torch.zeros(len(group), width, dtype=torch.bool, device=device)
     for r, e in enumerate(group):
         t = len(e.ids) - 1
-        g = ends.norm(e.f)
+        g = ends.norm(e.f.to(device))
         g_prev[r, :t], g_next[r, :t], ids[r, :t] = g[:-1], g[1:], e.ids[1:]
         mask[r, e.answer_start - 1:t] = True  # index i predicts x_(i+1): answer tokens only
     # draft index i = position of token x_i; inputs (g_(i-1), x_i) -> g_i
     if noise:
         scale = g_prev.pow(2).mean().sqrt()
         g_prev = g_prev + (torch.rand_like(g_prev) - 0.5) * 2 * noise * scale
-    positions = torch.arange(1, width + 1).expand(len(group), -1)
+    positions = torch.arange(1, width + 1, device=device).expand(len(group), -1)
     emb = ends.embed(ids)
     target = g_next[mask]  # [M, H]
     with torch.no_grad():
@@ -190,11 +211,11 @@ def distill_set(args: argparse.Namespace, rng: random.Random, console: Console) 
     ends = TokenEnds.load(src, cfg, torch.float32)
     args.work.mkdir(parents=True, exist_ok=True)
     prompts = training_prompts(args.data)
-    rows = generate_answers(files.folder, prompts, args.work / "answers.jsonl", args.max_new_tokens,
-                            args.gen_batch, args.samples, args.temperature, args.seed)
+    rows = generate_answers(files, prompts, args.work / "answers.jsonl", args.max_new_tokens,
+                            args.gen_batch, args.samples, args.temperature, args.seed, args.device)
     held = set(rng.sample(range(len(prompts)), max(1, int(args.holdout * len(prompts)))))
     examples = [Example(r["prompt"] + r["answer"], f, len(r["prompt"]))
-                for r, f in zip(rows, cached_hidden(files.folder, rows, args.work / "hidden.pt"), strict=True)]
+                for r, f in zip(rows, cached_hidden(files, rows, args.work / "hidden.pt", args.device), strict=True)]
     split = [r["index"] in held for r in rows]
     train_set = [e for e, h in zip(examples, split, strict=True) if not h]
     test_set = [e for e, h, r in zip(examples, split, rows, strict=True) if h and r["draw"] == 0]
@@ -217,10 +238,14 @@ def train(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     data = distill_set(args, rng, console)
-    cfg, ends, vocab, train_set, test_set = data.cfg, data.ends, data.vocab, data.train_set, data.test_set
-    net = FeatureNet(cfg, vocab)  # random start: measured better than starting from the target's last layer
+    cfg, vocab, train_set, test_set = data.cfg, data.vocab, data.train_set, data.test_set
+    # training runs on --device: the token ends copied there, the training features moved there once
+    ends = TrainEnds.of(data.ends, args.device)
+    for e in train_set:
+        e.f = e.f.to(args.device)
+    net = FeatureNet(cfg, vocab).to(args.device)  # random start: measured better than from the target's last layer
     net.requires_grad_(True)
-    head = ends.lm_head.dense().detach()[vocab]  # [N, H]
+    head = data.ends.lm_head.dense().detach()[vocab].to(args.device)  # [N, H]
     groups = batches(train_set, args.batch_tokens, rng)
     total = args.epochs * len(groups)
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -245,16 +270,16 @@ def train(args: argparse.Namespace) -> dict:
                "heldout_top1": round(sum(h[2] for h in held_loss) / len(held_loss), 4)}
         history.append(row)
         console.print(row)
-    net.requires_grad_(False)
+    net.requires_grad_(False).cpu()
     record = {
         **data.record(args),
         "epochs": args.epochs, "steps": total, "lr": args.lr, "cls_weight": args.cls_weight, "noise": args.noise,
         "unroll": args.unroll, "weight_decay": args.weight_decay, "batch_tokens": args.batch_tokens, "seed": args.seed,
-        "history": history, "train_seconds": round(time.time() - t0),
+        "history": history, "train_seconds": round(time.time() - t0), "device": args.device,
     }
     args.out = args.out or SHIPPED / "smollm2-135m-instruct-eagle.safetensors"
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    net.save(args.out, ends, record)
+    net.save(args.out, data.ends, record)
     served = FeatureDraftModel.load("eagle", args.out, TokenEnds.load(data.src, cfg, torch.bfloat16))
     record["heldout_greedy"] = {f"k={k}": simulate(served, test_set, k) for k in sorted({1, 2, args.k})}
     args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
