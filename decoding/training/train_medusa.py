@@ -188,5 +188,5 @@ def train(args: argparse.Namespace) -> dict:
                    "tree_estimates": estimates, "tree": tree})
     net.save(args.out, data.ends, record, tree)
     console.print({"heldout_accuracy": record["heldout_accuracy"], "tree": tree,
-                   "estimate": next(e for e in estimates if e["nodes"] == len(tree))})
+                   "estimate": next((e for e in estimates if e["nodes"] == len(tree)), None)})
     return record
