@@ -32,6 +32,11 @@ ARCH_CLASSES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    # Qwen3-MoE: 8 experts of 32, 2 a row, renormalised (Qwen3-30B-A3B: 128 of 768, 8 a row, renormalised); the
+    # second layer dense (mlp_only_layers), so both kinds of layer are checked. No GGUF of it yet (CONVERTER)
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "norm_topk_prob": True, "mlp_only_layers": [1]}),
     # Gemma 3: sliding layers at transformers' (and llama.cpp's) default pattern, every sixth layer global, with
     # a window shorter than the prompts; tied embeddings. query_pre_attn_scalar is head_dim, as llama.cpp assumes
     # for a GGUF, which holds none (test_gemma3_attention_scale checks another value from a folder).

@@ -201,6 +201,9 @@ ARCHITECTURES = (
     Architecture("ministral", ("ministral",), "llama", rotary_permuted=True, gguf_keys=LLAMA_KEYS),
     Architecture("qwen2", ("qwen2",), "qwen2", bias=(True, False)),
     Architecture("qwen3", ("qwen3",), "qwen3", qk_norm=True, layer={**LLAMA_LAYER, **QK_NORM_LAYER}),
+    # Qwen3-MoE: Qwen3's attention, and in its sparse layers a mixture of experts for the FFN (blocks.Experts; the
+    # config's num_experts and the rest, model/config.py); its router and experts are read from a folder
+    Architecture("qwen3_moe", ("qwen3_moe",), "qwen3moe", qk_norm=True, layer={**LLAMA_LAYER, **QK_NORM_LAYER}),
     # Gemma 3's text model (the text half of Gemma3ForConditionalGeneration has the same layers)
     Architecture("gemma3", ("gemma3_text",), "gemma3", qk_norm=True, layer=GEMMA3_LAYER, norms=GEMMA3_NORMS,
                  norm_offset=1.0, embed_scaled=True, gguf_attn_scalar=True),

@@ -17,6 +17,7 @@ from torch import nn
 from edgespec.model.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from edgespec.model.kv_cache import KVCache
 from edgespec.model.linear import Kernel, compiled
+from edgespec.model.module_list import ModuleList
 
 
 @dataclass(frozen=True)
@@ -266,10 +267,10 @@ class FFN(nn.Module):
     """Gated feed-forward block, act(gate) * up, with the gate and up projections fused into one matrix: SiLU
     (SwiGLU, the compiled kernels' only activation) or the tanh form of GELU (Gemma's gelu_pytorch_tanh)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, size: int | None = None):
         super().__init__()
         self.act = cfg.hidden_act
-        self.inter = cfg.intermediate_size
+        self.inter = cfg.intermediate_size if size is None else size  # an expert's: cfg.expert_size
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias, dtype=dtype)
         self.down = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
         self.requires_grad_(False)
@@ -292,6 +293,42 @@ class FFN(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
+class Experts(nn.Module):
+    """A mixture of experts in place of the FFN (Qwen3-MoE's sparse block): the router's logits over the experts,
+    their softmax in float32, each row's top experts_per_token (renormalised to sum 1 where norm_topk_prob), and
+    each chosen expert, an FFN of its own, run over just the rows that chose it. A row's output is its experts'
+    weighted outputs added in ascending expert order (transformers' index_add_ order); the router and the experts'
+    projections are row-invariant kernels, so a row's bits do not depend on the rows beside it in the pass."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.top_k, self.renorm = cfg.experts_per_token, cfg.norm_topk_prob
+        self.router = nn.Linear(cfg.hidden_size, cfg.n_experts, bias=False, dtype=dtype)
+        self.experts: ModuleList[FFN] = ModuleList(FFN(cfg, dtype, cfg.expert_size) for _ in range(cfg.n_experts))
+        self.requires_grad_(False)
+
+    compiled = False  # layer.cpp's layers are dense: a sparse layer runs its blocks one by one
+
+    def route(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows [M, H] -> each row's experts [M, k] and their weights [M, k] in the rows' dtype."""
+        probs = torch.softmax(self.router(rows).float(), dim=-1)  # [M, E]
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.renorm:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return chosen, weights.to(rows.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [B, T, H] -> [B, T, H]
+        rows = x.reshape(-1, x.shape[-1])  # [M, H]
+        chosen, weights = self.route(rows)
+        out = torch.zeros_like(rows)
+        for e in chosen.unique().tolist():  # ascending
+            at, slot = (chosen == e).nonzero(as_tuple=True)  # the rows that chose e, and where in their top-k
+            y = self.experts[e](rows[at][None])[0]  # [m, H]
+            out.index_add_(0, at, y * weights[at, slot, None])
+        return out.view_as(x)
+
+
 class DecoderLayer(nn.Module):
     """One pre-norm decoder layer holding all of its KV groups; with the architecture's norms of the attention's
     and the FFN's outputs where it has them (Gemma 3), a sliding window where the config makes layer `index`
@@ -304,7 +341,7 @@ class DecoderLayer(nn.Module):
         self.attn = AttentionBlock(cfg, range(cfg.n_kv_heads), dtype, with_o_bias=cfg.o_bias)
         self.attn_out_norm = norm(cfg, cfg.hidden_size, dtype) if "attn_out" in norms else None
         self.post_norm = norm(cfg, cfg.hidden_size, dtype)  # the FFN's input norm
-        self.ffn = FFN(cfg, dtype)
+        self.ffn: FFN | Experts = Experts(cfg, dtype) if cfg.sparse(index) else FFN(cfg, dtype)
         self.ffn_out_norm = norm(cfg, cfg.hidden_size, dtype) if "ffn_out" in norms else None
         self.window = cfg.window(index)
         self.rotates = cfg.rotates(index)
@@ -315,6 +352,12 @@ class DecoderLayer(nn.Module):
         places = {"attn_in": self.input_norm, "attn_out": self.attn_out_norm, "ffn_in": self.post_norm,
                   "ffn_out": self.ffn_out_norm}
         return {k: v for k, v in places.items() if v is not None}
+
+    @property
+    def dense(self) -> FFN:
+        """The FFN of a dense layer (a compiled layer's always is)."""
+        assert isinstance(self.ffn, FFN), "a sparse layer runs its experts block by block"
+        return self.ffn
 
     @property
     def compiled(self) -> bool:
@@ -343,8 +386,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, rope: Rope, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
         # x [1, T, H] (one sequence: the cache's) -> [1, T, H]
-        attn, ffn = self.attn, self.ffn
         if self.compiled:
+            attn, ffn = self.attn, self.dense
             # one call: the same kernels in the same order as the blocks below, without ~20 dispatches
             rope = rope.for_layer(False, self.rotates)
             return compiled().decoder_layer(x.float(), self.input_norm.weight, self.post_norm.weight,
@@ -356,7 +399,7 @@ class DecoderLayer(nn.Module):
 
     def weights(self):
         """The layer's weights as layer.cpp's LayerWeights (for CompiledLayers; `compiled` must hold)."""
-        attn, ffn = self.attn, self.ffn
+        attn, ffn = self.attn, self.dense
         return compiled().LayerWeights(self.input_norm.weight, self.post_norm.weight, self.input_norm.eps,
                                        attn.qkv.kernel, attn.o.kernel, ffn.gate_up.kernel, ffn.down.kernel, attn.n_q,
                                        attn.n_kv)
@@ -366,9 +409,9 @@ class DecoderLayer(nn.Module):
         turn, rope their rotation [1, 1, M, hd]. Compiled, the projections and the FFN run once over all M
         rows, attention per sequence (layer.cpp's decoder_layer_rows): every row gets the bits it gets alone.
         Otherwise each sequence runs on its own. -> [M, H]"""
-        attn, ffn = self.attn, self.ffn
         hd = rope.cos.shape[-1]
         if self.compiled:
+            attn, ffn = self.attn, self.dense
             k, rope = compiled(), rope.for_layer(False, self.rotates)
             kv = [k.SeqKV(*s.cache.storage(layer), s.start, s.length, _heads_mask(s.mask)) for s in seqs]
             return k.decoder_layer_rows(x.float(), self.input_norm.weight, self.post_norm.weight,

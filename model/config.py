@@ -23,8 +23,9 @@ UNSUPPORTED_IF_SET = ("attn_logit_softcapping", "final_logit_softcapping")
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes of a decoder of one of the architectures in model/arch.py (Llama 2/3, Mistral, Ministral, Qwen2, Qwen3,
-    Gemma 3, Phi-3, SmolLM3, Granite), with its rope: scaled (linear, llama3, longrope), partial (Phi-4-mini), on no
-    layer (SmolLM3's NoPE layers), windowed where the config says."""
+    Qwen3-MoE, Gemma 3, Phi-3, SmolLM3, Granite), with its rope: scaled (linear, llama3, longrope), partial
+    (Phi-4-mini), on no layer (SmolLM3's NoPE layers), windowed where the config says; and its experts where it
+    has them."""
 
     hidden_size: int
     n_layers: int
@@ -58,6 +59,14 @@ class ModelConfig:
     attention_multiplier: float | None = None
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # a mixture of experts (Qwen3-MoE): each sparse layer's FFN is n_experts SwiGLU experts of expert_size, of which
+    # a router picks experts_per_token for each row (their weights renormalised to sum 1 where norm_topk_prob);
+    # sparse_layers per layer (empty: every layer dense)
+    n_experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[bool, ...] = ()
 
     @property
     def queries_per_group(self) -> int:
@@ -110,11 +119,18 @@ class ModelConfig:
         """Whether layer `layer` (absolute index) turns q and k by the rotary embedding (a NoPE layer does not)."""
         return not (self.nope_layers and self.nope_layers[layer])
 
+    def sparse(self, layer: int) -> bool:
+        """Whether layer `layer` (absolute index) has a mixture of experts for its FFN."""
+        return bool(self.sparse_layers and self.sparse_layers[layer])
+
     def layer_param_count(self) -> int:
+        """Parameters of a layer (the largest: a sparse one where the model has any, every expert counted)."""
         h, hd = self.hidden_size, self.head_dim
         attn = h * (self.n_heads + 2 * self.n_kv_heads) * hd + self.n_heads * hd * h
         qk_norms = 2 * hd if self.arch.qk_norm else 0
-        return attn + qk_norms + 3 * h * self.intermediate_size + len(self.arch.norms) * h
+        ffn = (self.n_experts * (3 * h * self.expert_size + h) if any(self.sparse_layers)
+               else 3 * h * self.intermediate_size)
+        return attn + qk_norms + ffn + len(self.arch.norms) * h
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
@@ -170,6 +186,12 @@ class ModelConfig:
             raise ValueError(f"no_rope_layers has {len(rope_flags)} entries for {n_layers} layers")
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        # transformers' Qwen3MoeDecoderLayer: a layer is sparse unless listed in mlp_only_layers, every
+        # decoder_sparse_step-th one, where the model has experts (the Hub's configs name them num_experts,
+        # transformers 5 writes num_local_experts)
+        experts = d.get("num_experts") or d.get("num_local_experts") or 0
+        step, dense = d.get("decoder_sparse_step") or 1, d.get("mlp_only_layers") or ()
+        sparse = tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(n_layers))
         return cls(
             hidden_size=hidden,
             n_layers=n_layers,
@@ -200,6 +222,11 @@ class ModelConfig:
             residual_multiplier=_multiplier(d, "residual_multiplier") or 1.0,
             logits_scaling=_multiplier(d, "logits_scaling") or 1.0,
             nope_layers=tuple(not flag for flag in rope_flags[:n_layers]) if rope_flags and not all(rope_flags) else (),
+            n_experts=experts,
+            experts_per_token=(d.get("num_experts_per_tok") or 0) if experts else 0,
+            expert_size=(d.get("moe_intermediate_size") or 0) if experts else 0,
+            norm_topk_prob=bool(d.get("norm_topk_prob")) if experts else False,
+            sparse_layers=sparse if any(sparse) else (),
         )
 
     @classmethod

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from edgespec.model.blocks import FFN, AttentionBlock, RMSNorm, Rotary, SeqRows, causal_mask, norm, window_mask
+from edgespec.model.blocks import FFN, AttentionBlock, Experts, RMSNorm, Rotary, SeqRows, causal_mask, norm, window_mask
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache, KVCacheError
 from edgespec.model.kv_format import FLOAT32, KVFormat
@@ -102,7 +102,7 @@ class FeedForward(nn.Module):
     def __init__(self, src: TensorSource, cfg: ModelConfig, fmt: WeightFormat, layer: int):
         super().__init__()
         self.in_norm = load_norm(src, cfg, layer, "ffn_in", fmt.act)
-        self.ffn = FFN(cfg, fmt.act)
+        self.ffn = Experts(cfg, fmt.act) if cfg.sparse(layer) else FFN(cfg, fmt.act)  # the whole block on its device
         load_ffn(self.ffn, src, cfg, layer, fmt)
         self.out_norm = load_norm(src, cfg, layer, "ffn_out", fmt.act) if "ffn_out" in cfg.arch.norms else None
         self.residual = cfg.residual_multiplier  # Granite's, as DecoderLayer applies it

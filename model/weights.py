@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from edgespec.model.arch import LLAMA, Architecture
+from edgespec.model.blocks import Experts
 from edgespec.model.config import ModelConfig
 from edgespec.model.linear import WeightFormat, as_format, make_linear
 from edgespec.model.quant import cat_rows
@@ -74,7 +75,11 @@ def open_source(files):
     if files.gguf is not None:
         from edgespec.model.gguf_source import GGUFSource
 
-        return GGUFSource(files.gguf, ModelConfig.from_folder(files.folder))
+        cfg = ModelConfig.from_folder(files.folder)
+        if cfg.n_experts:
+            raise ValueError(f"{files.gguf.name}: a mixture of experts is read from a model folder; a GGUF's stacked "
+                             "expert tensors (ffn_*_exps) are not read yet")
+        return GGUFSource(files.gguf, cfg)
     return TensorSource(files.folder, ModelConfig.from_folder(files.folder).arch)
 
 
@@ -159,10 +164,25 @@ def load_layer(layer_mod, src, cfg: ModelConfig, layer: int, fmt: WeightFormat |
     load_ffn(layer_mod.ffn, src, cfg, layer, fmt)
 
 
+def load_experts(moe, src, layer: int, fmt: WeightFormat) -> None:
+    """Fill a mixture of experts from `model.layers.{layer}.mlp.gate` (the router, [E, H]) and each expert's
+    `mlp.experts.{e}.gate_proj`, `up_proj` and `down_proj` (the Hugging Face checkpoints' layout)."""
+    p = f"model.layers.{layer}.mlp."
+    moe.router = make_linear(src.matrix(p + "gate.weight"), None, fmt)
+    for e, ffn in enumerate(moe.experts):
+        q = f"{p}experts.{e}."
+        gate_up = cat_rows([src.matrix(q + "gate_proj.weight"), src.matrix(q + "up_proj.weight")])
+        ffn.gate_up = make_linear(gate_up, None, fmt)
+        ffn.down = make_linear(src.matrix(q + "down_proj.weight"), None, fmt)
+
+
 def load_ffn(ffn, src, cfg: ModelConfig, layer: int, fmt: WeightFormat | torch.dtype) -> None:
     """Fill an FFN block from `model.layers.{layer}.mlp.*` (gate and up from their own tensors or Phi-3's
-    gate_up_proj, as Architecture.stored says)."""
+    gate_up_proj, as Architecture.stored says), or a mixture of experts (load_experts)."""
     fmt = as_format(fmt)
+    if isinstance(ffn, Experts):
+        load_experts(ffn, src, layer, fmt)
+        return
     p = f"model.layers.{layer}.mlp."
     biased = ffn.down.bias is not None
     parts = ("mlp.gate_proj", "mlp.up_proj")

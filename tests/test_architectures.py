@@ -289,17 +289,20 @@ def granite_gguf(files) -> Path:
     return files("granite")[1]
 
 
-@pytest.fixture(scope="module", params=["qwen3", "gemma3", "phi3", "smollm3", "granite", "ministral"])
-def split_model(request, tmp_path_factory) -> tuple[Path, Path]:
+@pytest.fixture(scope="module", params=["qwen3", "gemma3", "phi3", "smollm3", "granite", "ministral", "qwen3_moe"])
+def split_model(request, tmp_path_factory, files) -> tuple[Path, Path]:
     """(what edgespec loads, the Hugging Face folder of transformers' reference) for HeadSplit: Qwen3's GGUF (per-head
     q/k norms); Phi-3's GGUF (each group's own rows of a fused qkv); SmolLM3's GGUF (a NoPE layer's groups turn
-    nothing); Granite's GGUF (the residual multiplier on a layer's summed groups and on its FFN's device); Ministral
+    nothing); Granite's GGUF (the residual multiplier on a layer's summed groups and on its FFN's device); Qwen3-MoE
+    from a folder (a sparse layer's experts whole on its FFN's device); Ministral
     from a folder (a sliding layer, window 3); Gemma 3 from a folder (norms of the
     attention's and the FFN's outputs, (1 + w) norms folded at load, a query_pre_attn_scalar other than head_dim,
     every other layer sliding with a window of 3 that the prompt crosses in its prefill already)."""
     if request.param == "ministral":  # no GGUF of it: from its folder, sliding layers' groups within the window
         folder = make_model("ministral", tmp_path_factory.mktemp("ministral-split"), sliding_window=3)
         return folder, folder
+    if request.param == "qwen3_moe":  # from its folder: a sparse layer's experts on its FFN device, a dense one's FFN
+        return files("qwen3_moe")[0], files("qwen3_moe")[0]
     if request.param != "gemma3":
         gguf = request.getfixturevalue(f"{request.param}_gguf")
         return gguf, gguf.parent / "folder"

@@ -39,9 +39,8 @@ def load_hf(files: ModelFiles, device: str = "cpu"):
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:  # some transformers versions read none from a GGUF: pad with eos, masked anyway
         tokenizer.pad_token = tokenizer.eos_token
-    where = ({"pretrained_model_name_or_path": files.gguf.parent, "gguf_file": files.gguf.name} if files.gguf
-             else {"pretrained_model_name_or_path": files.folder})
-    model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).to(device).eval()
+    source, gguf = (files.gguf.parent, {"gguf_file": files.gguf.name}) if files.gguf else (files.folder, {})
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, device_map=device, **gguf).eval()
     return model, tokenizer
 
 
