@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -32,11 +33,11 @@ ARCH_CLASSES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
-    # Qwen3-MoE: 8 experts of 32, 2 a row, renormalised (Qwen3-30B-A3B: 128 of 768, 8 a row, renormalised); the
-    # second layer dense (mlp_only_layers), so both kinds of layer are checked. No GGUF of it yet (CONVERTER)
+    # Qwen3-MoE: 8 experts of 32, 2 a row, renormalised (Qwen3-30B-A3B: 128 of 768, 8 a row, renormalised), every
+    # layer sparse as llama.cpp's qwen3moe has them (tests/test_experts.py checks a dense layer among them)
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                   "norm_topk_prob": True, "mlp_only_layers": [1]}),
+                   "norm_topk_prob": True}),
     # Gemma 3: sliding layers at transformers' (and llama.cpp's) default pattern, every sixth layer global, with
     # a window shorter than the prompts; tied embeddings. query_pre_attn_scalar is head_dim, as llama.cpp assumes
     # for a GGUF, which holds none (test_gemma3_attention_scale checks another value from a folder).
@@ -71,7 +72,7 @@ ARCH_CLASSES = {
 # Hugging Face model_type -> (the converter's GGUF architecture, whether it writes it through LlamaModel)
 CONVERTER = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "qwen2": ("QWEN2", False),
              "qwen3": ("QWEN3", False), "gemma3_text": ("GEMMA3", False), "phi3": ("PHI3", False),
-             "smollm3": ("SMOLLM3", True), "granite": ("GRANITE", True)}
+             "smollm3": ("SMOLLM3", True), "granite": ("GRANITE", True), "qwen3_moe": ("QWEN3MOE", False)}
 
 
 def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -167,10 +168,10 @@ def write_gguf(folder: Path | str, out: Path | str, kinds: dict[str, str] | None
 
     gemma3 = hp["model_type"] == "gemma3_text"
     with safe_open(folder / "model.safetensors", framework="pt") as f:
-        for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+        for name, tensor in _merged_experts(f):
             if name == "lm_head.weight" and hp.get("tie_word_embeddings"):
                 continue
-            data = f.get_tensor(name).to(torch.float32)
+            data = tensor.to(torch.float32)
             if gemma3 and name.endswith("norm.weight"):  # Gemma3Model.norm_shift: its norms multiply by 1 + w
                 data = data + 1.0
             data = data.numpy()
@@ -188,6 +189,22 @@ def write_gguf(folder: Path | str, out: Path | str, kinds: dict[str, str] | None
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return out
+
+
+def _merged_experts(f) -> list[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors by name, each layer's experts merged as Qwen2MoeModel.modify_tensors merges them:
+    `mlp.experts.{e}.gate_proj.weight` [I, H] of every e stacked into `mlp.experts.gate_proj.weight` [E, I, H]
+    (the GGUF's ffn_gate_exps), the same for up and down, where the layer's experts end."""
+    out, experts = [], {}
+    for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+        m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight", name)
+        if m:
+            experts.setdefault((m[1], m[3]), {})[int(m[2])] = f.get_tensor(name)
+        else:
+            out.append((name, f.get_tensor(name)))
+    for (prefix, part), by_expert in experts.items():
+        out.append((f"{prefix}.{part}.weight", torch.stack([by_expert[e] for e in sorted(by_expert)])))
     return out
 
 
@@ -213,6 +230,11 @@ def _text_parameters(w, hp: dict, through_llama: bool) -> list:
     if (local := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
         w.add_rope_freq_base_swa(local)
     w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    experts = hp.get("num_local_experts") or hp.get("num_experts")
+    if experts:  # TextModel's expert counts, Qwen2MoeModel's expert size
+        w.add_expert_count(experts)
+        w.add_expert_used_count(hp["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
     if hp.get("head_dim") and hp["model_type"] != "granite":  # GraniteModel pops head_dim before TextModel's
         w.add_key_length(hp["head_dim"])
         w.add_value_length(hp["head_dim"])

@@ -22,6 +22,11 @@ LLAMA_LAYER = {
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
 QK_NORM_LAYER = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# a mixture's router, and its experts as llama.cpp's converter stacks them (Qwen2MoeModel: each projection of every
+# expert in one [E, N, K] tensor, named as transformers 5's merged `mlp.experts.*`; gguf_source reads one expert's
+# rows from it under the checkpoints' own `mlp.experts.{e}.*` names)
+EXPERTS_LAYER = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+                 "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
 # Gemma 3's four norms a layer: its `post_attention_layernorm` norms the attention's output (Llama's is the FFN's
 # input norm, Gemma's `pre_feedforward_layernorm`), so the same name means another place in the layer
 GEMMA3_LAYER = {**LLAMA_LAYER, **QK_NORM_LAYER, "post_attention_norm": "post_attention_layernorm",
@@ -202,8 +207,9 @@ ARCHITECTURES = (
     Architecture("qwen2", ("qwen2",), "qwen2", bias=(True, False)),
     Architecture("qwen3", ("qwen3",), "qwen3", qk_norm=True, layer={**LLAMA_LAYER, **QK_NORM_LAYER}),
     # Qwen3-MoE: Qwen3's attention, and in its sparse layers a mixture of experts for the FFN (blocks.Experts; the
-    # config's num_experts and the rest, model/config.py); its router and experts are read from a folder
-    Architecture("qwen3_moe", ("qwen3_moe",), "qwen3moe", qk_norm=True, layer={**LLAMA_LAYER, **QK_NORM_LAYER}),
+    # config's num_experts and the rest, model/config.py)
+    Architecture("qwen3_moe", ("qwen3_moe",), "qwen3moe", qk_norm=True,
+                 layer={**LLAMA_LAYER, **QK_NORM_LAYER, **EXPERTS_LAYER}),
     # Gemma 3's text model (the text half of Gemma3ForConditionalGeneration has the same layers)
     Architecture("gemma3", ("gemma3_text",), "gemma3", qk_norm=True, layer=GEMMA3_LAYER, norms=GEMMA3_NORMS,
                  norm_offset=1.0, embed_scaled=True, gguf_attn_scalar=True),

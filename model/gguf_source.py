@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import re
 import struct
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -110,6 +111,10 @@ def read_index(path: Path, arrays: Collection[str] = ()) -> GGUFIndex:
     return GGUFIndex(index, alignment, meta)
 
 
+# a mixture's stacked experts by their Hugging Face name (Architecture.hf_name of ffn_*_exps)
+STACKED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\w+_proj\.weight)")
+
+
 class GGUFSource:
     """The tensors of a GGUF file by Hugging Face name: `matrix` in their own blocks, `get` dequantized."""
 
@@ -117,22 +122,32 @@ class GGUFSource:
         self.path, self.cfg = Path(path), cfg
         index = read_index(self.path).tensors
         self._tensors = {n: t for t in index.values() if (n := cfg.arch.hf_name(t.name))}
+        # one expert's projection by the checkpoints' name (`mlp.experts.3.gate_proj.weight`) -> the stacked
+        # tensor that holds every expert's (`mlp.experts.gate_proj.weight`, [E, N, K]) and its index there
+        self._experts: dict[str, tuple[str, int]] = {}
+        for name, t in self._tensors.items():
+            if m := STACKED_EXPERTS.fullmatch(name):
+                self._experts.update({f"{m[1]}.{e}.{m[2]}": (name, e) for e in range(t.shape[0])})
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r")  # only what is read is paged in
 
     def has(self, name: str) -> bool:
-        return name in self._tensors
+        return name in self._tensors or name in self._experts
 
     def kind(self, name: str) -> str:
         return self._tensor(name).kind
 
     def _tensor(self, name: str):
         try:
-            return self._tensors[name]
+            return self._tensors[self._experts[name][0] if name in self._experts else name]
         except KeyError:
             raise KeyError(f"tensor {name!r} is not in {self.path.name}") from None
 
     def _raw_rows(self, name: str) -> np.ndarray:
-        # [N, bytes per row] (quantized) or [N, K] / [N] (float), rows in Hugging Face order
+        # [N, bytes per row] (quantized) or [N, K] / [N] (float), rows in Hugging Face order; one expert's rows
+        # of a stacked tensor
+        if name in self._experts:
+            stacked, e = self._experts[name]
+            return self._raw_rows(stacked)[e]
         t = self._tensor(name)
         data = self._map[t.offset:t.offset + t.nbytes]
         data = (data.view(np.float32) if t.kind == "F32" else data).reshape(t.shape)

@@ -114,6 +114,10 @@ def _gguf_fields(gguf: Path, index, config: dict) -> dict:
         rope["sliding_attention"]["rope_theta"] = float(local)
     if "full_attention" in rope and meta.get(f"{arch}.rope.scaling.type") == "linear":
         rope["full_attention"].update(rope_type="linear", factor=float(meta[f"{arch}.rope.scaling.factor"]))
+    # a mixture's expert size, which the loader leaves at Qwen3MoeConfig's default (llama.cpp's converter writes it;
+    # the loader's own fix-up already sets norm_topk_prob, as llama.cpp's qwen3moe graph always renormalises)
+    if (size := meta.get(f"{arch}.expert_feed_forward_length")) is not None:
+        out["moe_intermediate_size"] = int(size)
     # so that a model this code would serve wrong is refused (ModelConfig.from_hf_dict) rather than served
     if (cap := meta.get(f"{arch}.final_logit_softcapping")) is not None:
         out["final_logit_softcapping"] = float(cap)

@@ -75,11 +75,7 @@ def open_source(files):
     if files.gguf is not None:
         from edgespec.model.gguf_source import GGUFSource
 
-        cfg = ModelConfig.from_folder(files.folder)
-        if cfg.n_experts:
-            raise ValueError(f"{files.gguf.name}: a mixture of experts is read from a model folder; a GGUF's stacked "
-                             "expert tensors (ffn_*_exps) are not read yet")
-        return GGUFSource(files.gguf, cfg)
+        return GGUFSource(files.gguf, ModelConfig.from_folder(files.folder))
     return TensorSource(files.folder, ModelConfig.from_folder(files.folder).arch)
 
 

@@ -1,20 +1,28 @@
-"""Qwen3-MoE's mixture of experts (model/blocks.py's Experts) beyond test_architectures' logits: the router's
-choice and a row's output do not depend on the rows beside it (alone, in a batch step of several sequences, in
-the 4-bit format), the config's sparse layers are transformers', a tiny one serves a chat completion, and its GGUF
-is refused by name until the stacked expert tensors are read."""
+"""Qwen3-MoE's mixture of experts (model/blocks.py's Experts) beyond test_architectures' all-sparse model: a dense
+layer among sparse ones (mlp_only_layers) equals transformers; the router's choice and a row's output do not
+depend on the rows beside it (alone, in a batch step of several sequences, in the 4-bit format); the config's
+sparse layers are transformers'; a tiny one serves a chat completion; llama.cpp reads the GGUF written as its
+converter writes one (experts stacked in ffn_*_exps) to the logits edgespec reads from it; and each expert's rows
+of a quantized stack are what gguf-py reads."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from inprocess import serves_a_chat_completion
+from model_fixtures import load_blocks, load_reference
 
-from edgespec.bench.gguf_writer import tiny_model
+from edgespec.bench.gguf_writer import tiny_model, write_gguf
+from edgespec.bench.llamacpp import llama_python
 from edgespec.model.blocks import Experts, SeqRows
 from edgespec.model.config import ModelConfig
+from edgespec.model.quant import dequantized
+from edgespec.model.source import resolve_model
 from edgespec.model.stack import LayerStack
 from edgespec.model.weights import open_source
 
@@ -24,7 +32,15 @@ SHAPE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "n
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    return tiny_model("qwen3_moe", tmp_path_factory.mktemp("moe"), 0, SHAPE)
+    return tiny_model("qwen3_moe", tmp_path_factory.mktemp("moe"), 0, SHAPE, mlp_only_layers=[1])
+
+
+def test_a_dense_layer_among_sparse_ones_equals_transformers(folder):
+    ids = list(range(200, 230))
+    ours = load_blocks(folder).logits_from_scratch(ids)
+    with torch.inference_mode():
+        theirs = load_reference(folder)(torch.tensor([ids])).logits[0].float()
+    assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-4
 
 
 def test_sparse_layers_are_transformers(folder):
@@ -66,11 +82,45 @@ def test_a_tiny_mixture_serves_a_chat_completion(folder):
     serves_a_chat_completion(str(folder), "tiny-moe")
 
 
-def test_its_gguf_is_refused_by_name(folder, tmp_path, monkeypatch):
-    from edgespec.model import source
+def test_llama_cpp_reads_the_gguf_as_edgespec_does(tmp_path):
+    # float32: with quantized experts llama.cpp's own rounding of the activations (it quantizes them for Q8_0
+    # weights) moves routing near-ties in a random model, 0.139 of the largest logit against edgespec's 0.013 from
+    # transformers; the quantized experts' layout is checked tensor by tensor below
+    try:
+        python = llama_python()
+    except FileNotFoundError:
+        pytest.skip("no llama-cpp-python (make peer-env)")
+    folder = tiny_model("qwen3_moe", tmp_path / "folder", 0, SHAPE)  # every layer sparse, as llama.cpp's qwen3moe
+    gguf = write_gguf(folder, tmp_path / "moe.gguf", name="tiny")
+    ids = list(range(100, 140))
+    np.save(tmp_path / "ids.npy", np.asarray(ids))
+    score = ("import sys, numpy as np, llama_cpp\n"
+             "llm = llama_cpp.Llama(model_path=sys.argv[1], logits_all=True, n_ctx=64, n_threads=2, verbose=False)\n"
+             "ids = np.load(sys.argv[2]).tolist(); llm.eval(ids)\n"
+             "np.save(sys.argv[3], np.asarray(llm.scores[:len(ids)], dtype=np.float32))\n")
+    run = subprocess.run([python, "-c", score, str(gguf), str(tmp_path / "ids.npy"), str(tmp_path / "out.npy")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    theirs = torch.from_numpy(np.load(tmp_path / "out.npy"))
+    ours = load_blocks(resolve_model(str(gguf)).folder).logits_from_scratch(ids)
+    assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-3  # measured 0.00075
 
-    fake = tmp_path / "moe.gguf"
-    fake.write_bytes(b"")
-    monkeypatch.setattr(source, "resolve_model", lambda _: source.ModelFiles(folder, "moe", fake))
-    with pytest.raises(ValueError, match="stacked expert tensors"):
-        open_source(str(fake))
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_each_experts_rows_of_a_stacked_tensor_are_gguf_pys(kind, tmp_path):
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    folder = tiny_model("qwen3_moe", tmp_path / "folder", 0, SHAPE)
+    gguf = write_gguf(folder, tmp_path / "moe.gguf", {f"blk.{i}.ffn_{p}_exps.weight": kind
+                                                       for i in range(2) for p in ("gate", "up", "down")})
+    src = open_source(str(gguf))
+    stacked = [t for t in GGUFReader(gguf).tensors if "_exps." in t.name]
+    assert len(stacked) == 6
+    for t in stacked:
+        layer, part = t.name.split(".")[1], t.name.split(".")[2].split("_")[1]
+        every = dequantize(t.data, t.tensor_type)  # [E, N, K], gguf-py's own reading
+        assert every.shape[0] == 8
+        for e, rows in enumerate(every):
+            ours = dequantized(src.matrix(f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.weight"))
+            assert torch.equal(ours, torch.from_numpy(rows)), (t.name, e)
