@@ -408,6 +408,8 @@ class DecoderLayer(nn.Module):
         """The layer over the rows of several sequences in one pass: x [M, H] holds each sequence's rows in
         turn, rope their rotation [1, 1, M, hd]. Compiled, the projections and the FFN run once over all M
         rows, attention per sequence (layer.cpp's decoder_layer_rows): every row gets the bits it gets alone.
+        A sparse layer attends per sequence and runs its experts once over all M rows, so that each chosen expert
+        reads its weights once for every row that chose it (its kernels are row-invariant: the same bits).
         Otherwise each sequence runs on its own. -> [M, H]"""
         hd = rope.cos.shape[-1]
         if self.compiled:
@@ -419,11 +421,16 @@ class DecoderLayer(nn.Module):
                                         ffn.down.kernel, attn.n_q, attn.n_kv, rope.cos.reshape(-1, hd),
                                         rope.sin.reshape(-1, hd), kv)
         outs, a = [], 0
+        sparse = isinstance(self.ffn, Experts)
         for s in seqs:
-            b = a + s.length
-            outs.append(self(x[None, a:b], rope.rows(a, b), s.cache, layer, s.start, s.mask)[0])
+            b, rows = a + s.length, x[None, a:a + s.length]
+            if sparse:  # the post-attention state; the experts below
+                outs.append(rows + self.attention(rows, rope.rows(a, b), s.cache, layer, s.start, s.mask))
+            else:
+                outs.append(self(rows, rope.rows(a, b), s.cache, layer, s.start, s.mask))
             a = b
-        return torch.cat(outs)
+        z = torch.cat(outs, dim=1)  # [1, M, H]
+        return (z + self.feed_forward(z) if sparse else z)[0]
 
     def parts(self, x, rope, cache: KVCache, layer: int, start: int, mask) -> tuple[torch.Tensor, torch.Tensor]:
         """forward() in its two halves: Z, the post-attention state [B, T, H], and X, the layer's output."""

@@ -289,6 +289,12 @@ def granite_gguf(files) -> Path:
     return files("granite")[1]
 
 
+@pytest.fixture(scope="module")
+def qwen3_moe_gguf(files) -> Path:
+    """A Qwen3-MoE GGUF (experts stacked in ffn_*_exps, every layer sparse), for the other paths."""
+    return files("qwen3_moe")[1]
+
+
 @pytest.fixture(scope="module", params=["qwen3", "gemma3", "phi3", "smollm3", "granite", "ministral", "qwen3_moe"])
 def split_model(request, tmp_path_factory, files) -> tuple[Path, Path]:
     """(what edgespec loads, the Hugging Face folder of transformers' reference) for HeadSplit: Qwen3's GGUF (per-head
@@ -406,7 +412,7 @@ def test_headsplit_shared_steps_give_each_session_its_bits_alone(split_model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["qwen3", "phi3", "smollm3", "granite"])
+@pytest.mark.parametrize("kind", ["qwen3", "phi3", "smollm3", "granite", "qwen3_moe"])
 def test_layer_workers_serve_what_in_process_serves(kind, tmp_path, request):
     from processes import greedy, start_server
 
