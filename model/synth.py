@@ -9,7 +9,8 @@ A folder holds config.json (the shape's fields and its card's Hugging Face field
 the shape's vocabulary (its BPE vocabulary and merges kept below the shape's size; a larger shape's ids past the
 tokenizer are never produced by it), and the weights, the tensors the architecture has (model/arch.py: its
 layer's tensors, fused ones such as Phi-3's qkv_proj and gate_up_proj whole, as its checkpoints hold them; its
-norms):
+norms; a sparse layer's router and experts in place of the FFN, the experts one tensor a projection in a GGUF and
+each expert's own in safetensors, as llama.cpp's converter and the checkpoints hold them):
 - float32 / bfloat16 / float16: safetensors in that dtype (shards of at most 2 GiB, with an index);
 - q4_1 / q8_0: a GGUF file of those blocks written as llama.cpp's converter writes that architecture
   (model/synth_gguf.py), pointed at as a converted GGUF folder points at its file, so it is served as a GGUF is
@@ -36,7 +37,9 @@ from pathlib import Path
 
 import torch
 
+from edgespec.model.arch import EXPERTS_LAYER, LLAMA_LAYER
 from edgespec.model.config import ModelConfig
+from edgespec.model.gguf_source import STACKED_EXPERTS
 from edgespec.model.source import GGUF_POINTER, cache_root, resolve_model
 from edgespec.model.synth_gguf import write_gguf
 
@@ -49,6 +52,9 @@ FORMATS = (*GGUF_FORMATS, *FLOAT_FORMATS)
 VERSION = 2
 STD = 0.02
 SHARD_BYTES = 2 * 2**30
+# a layer's FFN tensors by kind: a dense layer has the first, a sparse one (a mixture) the second
+DENSE_FFN = {LLAMA_LAYER[k] for k in ("ffn_gate", "ffn_up", "ffn_down")}
+SPARSE_FFN = set(EXPERTS_LAYER.values())
 GGUF_FILE = "weights.gguf"
 
 
@@ -117,10 +123,19 @@ def layer_tensors(config: dict) -> dict[str, tuple[tuple[int, ...], float | None
     h, n_layers, hd = config["hidden_size"], config["num_hidden_layers"], config["head_dim"]
     q, kv, inter = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd, config["intermediate_size"]
     out_std = STD / math.sqrt(2 * n_layers)
-    return {"self_attn.q_proj": ((q, h), STD), "self_attn.k_proj": ((kv, h), STD), "self_attn.v_proj": ((kv, h), STD),
-            "self_attn.o_proj": ((h, q), out_std), "mlp.gate_proj": ((inter, h), STD),
-            "mlp.up_proj": ((inter, h), STD), "mlp.down_proj": ((h, inter), out_std),
-            "self_attn.q_norm": ((hd,), None), "self_attn.k_norm": ((hd,), None)}
+    shapes = {"self_attn.q_proj": ((q, h), STD), "self_attn.k_proj": ((kv, h), STD),
+              "self_attn.v_proj": ((kv, h), STD), "self_attn.o_proj": ((h, q), out_std),
+              "mlp.gate_proj": ((inter, h), STD), "mlp.up_proj": ((inter, h), STD),
+              "mlp.down_proj": ((h, inter), out_std), "self_attn.q_norm": ((hd,), None),
+              "self_attn.k_norm": ((hd,), None)}
+    if experts := config.get("num_experts") or config.get("num_local_experts"):
+        # a mixture: the router [E, H], and every expert's projections stacked [E, N, K] as a GGUF holds them
+        # (write_safetensors writes them apart, as the checkpoints do)
+        size = config["moe_intermediate_size"]
+        shapes.update({"mlp.gate": ((experts, h), STD), "mlp.experts.gate_proj": ((experts, size, h), STD),
+                       "mlp.experts.up_proj": ((experts, size, h), STD),
+                       "mlp.experts.down_proj": ((experts, h, size), out_std)})
+    return shapes
 
 
 def stacked_shape(shapes: dict[str, tuple[tuple[int, ...], float | None]], parts: tuple[str, ...],
@@ -154,6 +169,8 @@ def tensors(config: dict) -> list[Tensor]:
     std: float | None
     for i in range(cfg.n_layers):
         for gguf_name, hf_name in arch.layer.items():
+            if hf_name in (DENSE_FFN if cfg.sparse(i) else SPARSE_FFN):  # a layer has one kind of FFN
+                continue
             if hf_name in hidden_norms:
                 shape, std = (h,), None
             else:
@@ -268,11 +285,12 @@ def write_safetensors(plan: list[Tensor], out: Path, dtype: torch.dtype, seed: i
     size = 0
     for t in plan:
         value = t.values(seed).to(dtype)
-        nbytes = value.numel() * value.element_size()
-        if current and size + nbytes > SHARD_BYTES:
-            shards.append(current)
-            current, size = {}, 0
-        current[t.name], size = value, size + nbytes
+        for name, part in checkpoint_tensors(t.name, value):
+            nbytes = part.numel() * part.element_size()
+            if current and size + nbytes > SHARD_BYTES:
+                shards.append(current)
+                current, size = {}, 0
+            current[name], size = part, size + nbytes
         advance(value.numel())
     shards.append(current)
     if len(shards) == 1:
@@ -283,6 +301,14 @@ def write_safetensors(plan: list[Tensor], out: Path, dtype: torch.dtype, seed: i
         save_file(shard, out / name, metadata={"format": "pt"})
     weight_map = {k: name for name, shard in zip(names, shards, strict=True) for k in shard}
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def checkpoint_tensors(name: str, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A planned tensor as a Hugging Face checkpoint holds it: stacked experts [E, N, K] as each expert's own
+    `mlp.experts.{e}.*` [N, K] (copies: safetensors stores no shared memory), anything else as it is."""
+    if m := STACKED_EXPERTS.fullmatch(name):
+        return [(f"{m[1]}.{e}.{m[2]}", v.clone()) for e, v in enumerate(value)]
+    return [(name, value)]
 
 
 def weight_files(folder: Path) -> Iterator[Path]:

@@ -13,7 +13,8 @@
   norms shifted by the architecture's norm_offset (`Gemma3Model.norm_shift`: its norms multiply by 1 + w), and
   the tensors the converter's generate_extra_tensors adds: `LlamaModel`'s rope_freqs for Llama 3's rope scaling,
   `Phi3MiniModel`'s rope_factors_long / _short for longrope;
-- formats: layer matrices in the file's blocks, the embedding and head in Q8_0, norms F32.
+- formats: layer matrices in the file's blocks (a mixture's stacked experts too), the embedding and head in Q8_0,
+  norms and a mixture's router F32 (llama.cpp's quantizer leaves ffn_gate_inp so).
 
 tests/test_synth_archs.py checks this against bench/gguf_writer.py, which mirrors the converter without reading
 model/arch.py.
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
     from edgespec.model.synth import Tensor
 
 ROPE_FREQS = "rope_freqs.weight"
+# a mixture's router (ffn_gate_inp), written in F32
+ROUTER = ".mlp.gate.weight"
 ROPE_FACTORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
 
 
@@ -72,6 +75,10 @@ def write_metadata(writer, cfg: ModelConfig, window: int | None, name: str, weig
         writer.add_vocab_size(cfg.vocab_size)
     if keys.rope_dimension_count:
         writer.add_rope_dimension_count(cfg.rotary_dim)
+    if cfg.n_experts:  # TextModel's expert counts, Qwen2MoeModel's expert size
+        writer.add_expert_count(cfg.n_experts)
+        writer.add_expert_used_count(cfg.experts_per_token)
+        writer.add_expert_feed_forward_length(cfg.expert_size)
     if keys.window_always:
         writer.add_sliding_window(window or 0)
     elif cfg.sliding_window is not None:  # Gemma3Model's (the layer pattern is llama.cpp's own: not written)
@@ -105,8 +112,8 @@ def write_gguf(plan: Sequence[Tensor], path: Path, config: dict, name: str, weig
     write_metadata(writer, cfg, config.get("sliding_window"), f"synthetic {name}", weights)
     extra = extra_tensors(cfg)
 
-    def kind(t: Tensor) -> GGMLQuantizationType | None:  # None: F32 (the norms)
-        if t.std is None:
+    def kind(t: Tensor) -> GGMLQuantizationType | None:  # None: F32 (the norms, a mixture's router)
+        if t.std is None or t.name.endswith(ROUTER):
             return None
         return layer_kind if ".layers." in t.name else GGMLQuantizationType.Q8_0
 
@@ -128,8 +135,10 @@ def write_gguf(plan: Sequence[Tensor], path: Path, config: dict, name: str, weig
     for t in plan:
         w = t.values(seed).numpy()
         k = kind(t)
-        if k is None:  # a norm: the converter writes norm_offset + w, what the norm multiplies by
+        if k is None and t.std is None:  # a norm: the converter writes norm_offset + w, what the norm multiplies by
             writer.write_tensor_data(w + np.float32(arch.norm_offset))
+        elif k is None:
+            writer.write_tensor_data(w)
         else:
             writer.write_tensor_data(quantize(arch.to_gguf(t.name, w, *heads), k))
         advance(w.size)

@@ -26,7 +26,8 @@ from edgespec.planning.testbeds import MODELS_DIR, load_card
 
 # the shapes of the architectures past Llama 2 / TinyLlama, and transformers' config class for each
 SHAPES = {"qwen3-4b": "Qwen3Config", "llama-3.2-3b": "LlamaConfig", "gemma3-1b": "Gemma3TextConfig",
-          "gemma3-4b": "Gemma3TextConfig", "phi-4-mini": "Phi3Config"}
+          "gemma3-4b": "Gemma3TextConfig", "phi-4-mini": "Phi3Config", "qwen3-30b-a3b": "Qwen3MoeConfig",
+          "qwen3-moe-7b-a1b": "Qwen3MoeConfig"}
 VOCAB = 512
 # tiny sizes per shape (layers, hidden, heads, KV heads, head_dim): Qwen3's heads wider than hidden / heads as in
 # the real model, Gemma 3 with six layers (five sliding, one global) and a window shorter than the prompt,
@@ -35,7 +36,11 @@ VOCAB = 512
 SMALL = {"qwen3-4b": (2, 64, 4, 2, 32, {"max_window_layers": 2}), "llama-3.2-3b": (2, 64, 4, 2, 16, {}),
          "gemma3-1b": (6, 64, 4, 1, 32, {"sliding_window": 8}),
          "gemma3-4b": (6, 64, 4, 2, 32, {"sliding_window": 8}),
-         "phi-4-mini": (2, 128, 4, 2, 32, {"original_max_position_embeddings": 32})}
+         "phi-4-mini": (2, 128, 4, 2, 32, {"original_max_position_embeddings": 32}),
+         "qwen3-30b-a3b": (2, 64, 4, 2, 32, {"max_window_layers": 2, "num_experts": 8, "num_experts_per_tok": 2,
+                                             "moe_intermediate_size": 32}),
+         "qwen3-moe-7b-a1b": (2, 64, 4, 2, 32, {"max_window_layers": 2, "num_experts": 6, "num_experts_per_tok": 3,
+                                                "moe_intermediate_size": 32})}
 IDS = [1, 17, 100, 255, 300, 450, VOCAB - 1, *range(20, 60)]  # 47 tokens: past the small Gemmas' window
 
 
@@ -84,6 +89,9 @@ def test_a_shape_loads_in_transformers_and_edgespec_alike(shape, tmp_path):
             ours.tie_word_embeddings) == (theirs.intermediate_size, theirs.vocab_size, theirs.rms_norm_eps,
                                           theirs.max_position_embeddings, theirs.tie_word_embeddings)
     assert ours.max_position_embeddings == card["context"]
+    assert (ours.n_experts, ours.experts_per_token, ours.expert_size, ours.norm_topk_prob) == (
+        getattr(theirs, "num_experts", 0), getattr(theirs, "num_experts_per_tok", 0),
+        getattr(theirs, "moe_intermediate_size", 0), getattr(theirs, "norm_topk_prob", False))
     assert ours.hidden_act == (getattr(theirs, "hidden_activation", None) or theirs.hidden_act)
     assert ours.query_pre_attn_scalar == getattr(theirs, "query_pre_attn_scalar", None)
     # the layer pattern: transformers 5 reads a 4.x config's sliding_window_pattern as layer_types (Llama has none)
