@@ -65,6 +65,10 @@ SETUPS = {
     # two workers hold it; the KV cache in Q8_0
     "qwen3-4b-3w": Setup("qwen3-4b", "q4_1", 3, 1.2, context=1024, prefill=(128, 512), decode_tokens=16, reps=2,
                          kv_format="q8_0"),
+    # Qwen3-MoE-7B-A1B in Q4_1 (issue 40): 7.4B parameters, 1.1B of its layers' read a token; each worker may hold
+    # 1.25 GiB, under a third of its layers, beside llama-2-7b-4w (a dense 6.7B over the same number of workers)
+    "qwen3-moe-7b-a1b-4w": Setup("qwen3-moe-7b-a1b", "q4_1", 4, 1.25, context=1024, prefill=(128, 512),
+                                 decode_tokens=16, reps=2),
 }
 DERIVED = Setup("llama-3.2-1b", "q4_1", 0, None)
 

@@ -8,7 +8,7 @@ import math
 
 import torch
 from model_fixtures import smollm2_folder
-from processes import REPO, tiny_chat_model
+from processes import tiny_chat_model
 
 from edgespec.decoding.eagle import FeatureDraftModel
 from edgespec.model.blocks import RMSNorm, Rotary
@@ -17,16 +17,15 @@ from edgespec.model.stack import TokenEnds
 from edgespec.model.weights import open_source
 from edgespec.server.cli import main
 
-PROMPTS = REPO.parent / "shared" / "data" / "prompts"
-
 
 def test_train_drafter_learns_and_writes_a_loadable_drafter(tmp_path):
     folder = tiny_chat_model(tmp_path / "target", smollm2_folder())
-    data = tmp_path / "data" / "prompts"
+    data = tmp_path / "data" / "prompts"  # the two prompt files in their own formats, a few lines each
     data.mkdir(parents=True)
-    for name, rows in (("alpaca_seed_tasks.jsonl", 8), ("wizardlm_testset.jsonl", 4)):
-        lines = (PROMPTS / name).read_text().splitlines()[:rows]
-        (data / name).write_text("\n".join(lines) + "\n")
+    tasks = [{"instruction": f"Name {n} colours.", "instances": [{"input": "", "output": ""}]} for n in range(2, 10)]
+    (data / "alpaca_seed_tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    (data / "wizardlm_testset.jsonl").write_text("".join(json.dumps({"Instruction": f"What is {n} + {n}?"}) + "\n"
+                                                         for n in range(4)))
     out = tmp_path / "eagle.safetensors"
     main(["train-drafter", "--model", str(folder), "--data", str(data.parent), "--work", str(tmp_path / "work"),
           "--max-new-tokens", "12", "--samples", "1", "--epochs", "4", "--vocab", "256", "--holdout", "0.2",
