@@ -207,3 +207,30 @@ def chi_square_pvalue(counts: dict, table: dict) -> float:
     expected = np.array([table[k] for k in keys])
     n = sum(counts.values())
     return float(stats.chisquare([counts[k] for k in keys], expected / expected.sum() * n).pvalue)
+
+
+LLAMA_SCORE = ("import sys, numpy as np, llama_cpp\n"
+               "llm = llama_cpp.Llama(model_path=sys.argv[1], logits_all=True, n_ctx=64, n_threads=2, verbose=False)\n"
+               "ids = np.load(sys.argv[2]).tolist(); llm.eval(ids)\n"
+               "np.save(sys.argv[3], np.asarray(llm.scores[:len(ids)], dtype=np.float32))\n")
+
+
+def llama_cpp_logits(gguf: Path, ids: list[int], tmp: Path) -> torch.Tensor:
+    """llama.cpp's float32 logits [T, V] at every position of `ids` on the file `gguf` (llama-cpp-python's
+    interpreter, in its own process); the test is skipped where there is none (make peer-env)."""
+    import subprocess
+
+    import numpy as np
+    import pytest
+
+    from edgespec.bench.llamacpp import llama_python
+
+    try:
+        python = llama_python()
+    except FileNotFoundError:
+        pytest.skip("no llama-cpp-python (make peer-env)")
+    np.save(tmp / "ids.npy", np.asarray(ids))
+    run = subprocess.run([python, "-c", LLAMA_SCORE, str(gguf), str(tmp / "ids.npy"), str(tmp / "out.npy")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return torch.from_numpy(np.load(tmp / "out.npy"))

@@ -8,17 +8,14 @@ of a quantized stack are what gguf-py reads."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from inprocess import serves_a_chat_completion
-from model_fixtures import load_blocks, load_reference
+from model_fixtures import llama_cpp_logits, load_blocks, load_reference
 
 from edgespec.bench.gguf_writer import tiny_model, write_gguf
-from edgespec.bench.llamacpp import llama_python
 from edgespec.model.blocks import Experts, SeqRows
 from edgespec.model.config import ModelConfig
 from edgespec.model.quant import dequantized
@@ -86,22 +83,10 @@ def test_llama_cpp_reads_the_gguf_as_edgespec_does(tmp_path):
     # float32: with quantized experts llama.cpp's own rounding of the activations (it quantizes them for Q8_0
     # weights) moves routing near-ties in a random model, 0.139 of the largest logit against edgespec's 0.013 from
     # transformers; the quantized experts' layout is checked tensor by tensor below
-    try:
-        python = llama_python()
-    except FileNotFoundError:
-        pytest.skip("no llama-cpp-python (make peer-env)")
     folder = tiny_model("qwen3_moe", tmp_path / "folder", 0, SHAPE)  # every layer sparse, as llama.cpp's qwen3moe
     gguf = write_gguf(folder, tmp_path / "moe.gguf", name="tiny")
     ids = list(range(100, 140))
-    np.save(tmp_path / "ids.npy", np.asarray(ids))
-    score = ("import sys, numpy as np, llama_cpp\n"
-             "llm = llama_cpp.Llama(model_path=sys.argv[1], logits_all=True, n_ctx=64, n_threads=2, verbose=False)\n"
-             "ids = np.load(sys.argv[2]).tolist(); llm.eval(ids)\n"
-             "np.save(sys.argv[3], np.asarray(llm.scores[:len(ids)], dtype=np.float32))\n")
-    run = subprocess.run([python, "-c", score, str(gguf), str(tmp_path / "ids.npy"), str(tmp_path / "out.npy")],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    theirs = torch.from_numpy(np.load(tmp_path / "out.npy"))
+    theirs = llama_cpp_logits(gguf, ids, tmp_path)
     ours = load_blocks(resolve_model(str(gguf)).folder).logits_from_scratch(ids)
     assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-3  # measured 0.00075
 

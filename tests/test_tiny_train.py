@@ -7,17 +7,14 @@ one with it) and computes transformers' logits from it."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from model_fixtures import load_blocks, load_reference
+from model_fixtures import llama_cpp_logits, load_blocks, load_reference
 from safetensors import safe_open
 
 from edgespec.bench.gguf_writer import tiny_model, write_gguf
-from edgespec.bench.llamacpp import llama_python
 from edgespec.bench.tiny_train import TrainSettings, chat_stream, train_tiny
 from edgespec.model.source import resolve_model
 
@@ -54,22 +51,10 @@ def test_trained_model_learns_and_round_trips(kind, tmp_path):
 
 
 def test_phi3_file_loads_in_llama_cpp(tmp_path):
-    try:
-        python = llama_python()
-    except FileNotFoundError:
-        pytest.skip("no llama-cpp-python (make peer-env)")
     folder = tiny_model("phi3", tmp_path / "tiny-phi3", shape=SHAPE, std=0.02)
     gguf = write_gguf(folder, tmp_path / "phi3.f32.gguf", name="tiny")
     ids = list(range(100, 140))
-    np.save(tmp_path / "ids.npy", np.asarray(ids))
-    score = ("import sys, numpy as np, llama_cpp\n"
-             "llm = llama_cpp.Llama(model_path=sys.argv[1], logits_all=True, n_ctx=64, n_threads=2, verbose=False)\n"
-             "ids = np.load(sys.argv[2]).tolist(); llm.eval(ids)\n"
-             "np.save(sys.argv[3], np.asarray(llm.scores[:len(ids)], dtype=np.float32))\n")
-    run = subprocess.run([python, "-c", score, str(gguf), str(tmp_path / "ids.npy"), str(tmp_path / "out.npy")],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    theirs = torch.from_numpy(np.load(tmp_path / "out.npy"))
+    theirs = llama_cpp_logits(gguf, ids, tmp_path)
     with torch.inference_mode():
         ref = load_reference(folder)(torch.tensor([ids])).logits[0].float()
     # llama.cpp's float32 matmuls round the activations: within 1e-3 of the largest logit, not bitwise
