@@ -135,11 +135,11 @@ def write_gguf(plan: Sequence[Tensor], path: Path, config: dict, name: str, weig
     for t in plan:
         w = t.values(seed).numpy()
         k = kind(t)
-        if k is None and t.std is None:  # a norm: the converter writes norm_offset + w, what the norm multiplies by
-            writer.write_tensor_data(w + np.float32(arch.norm_offset))
-        elif k is None:
-            writer.write_tensor_data(w)
-        else:
+        if k is not None:
             writer.write_tensor_data(quantize(arch.to_gguf(t.name, w, *heads), k))
+        elif t.std is None:  # a norm: the converter writes norm_offset + w, what the norm multiplies by
+            writer.write_tensor_data(w + np.float32(arch.norm_offset))
+        else:  # a mixture's router, as it is
+            writer.write_tensor_data(w)
         advance(w.size)
     writer.close()
