@@ -1,18 +1,22 @@
 """What a forward pass of R rows costs on this machine, for R = 1, 2, 4, 8, 16: the served model's layer
-matmuls (the kernels called straight, without Python), its head, and the whole pass (layers and head over a
-100-token cache). The ratio to one row is what a verification pass of R-1 drafts pays against a plain step.
-`batch_ms` is one pass over R sequences decoding a token each (each with its own 100-token cache,
-LayerStack.forward_rows): R over its ratio to one row is what batching R streams can gain at most.
+matmuls (the kernels called straight, without Python; a mixture of experts' feed-forward as its one call, which
+routes the rows and runs each chosen expert once over the rows that chose it), its head, and the whole pass
+(layers and head over a 100-token cache). The ratio to one row is what a verification pass of R-1 drafts pays
+against a plain step. `batch_ms` is one pass over R sequences decoding a token each (each with its own 100-token
+cache, LayerStack.forward_rows): R over its ratio to one row is what batching R streams can gain at most.
 
     python -m bench.pass_cost --out bench/results/pass-cost
+    python -m bench.pass_cost --model ~/.cache/edgespec/synth/qwen3-moe-7b-a1b-q4_1-s0 --out DIR
 
-Writes DIR/pass_cost.json (medians of --repeats timings, milliseconds). Measure alone: other processes on the
-cores change the figures.
+The rows are random: a mixture routes them to more distinct experts than text does (a pass of R rows of text
+often shares experts), so its multi-row figures are the dearer case. Writes DIR/pass_cost.json (medians of
+--repeats timings, milliseconds). Measure alone: other processes on the cores change the figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -21,7 +25,7 @@ from pathlib import Path
 import torch
 
 from edgespec.bench.versus import machine_info
-from edgespec.model.blocks import SeqRows
+from edgespec.model.blocks import Experts, SeqRows
 from edgespec.model.config import ModelConfig
 from edgespec.model.linear import Kernel, weight_format
 from edgespec.model.source import resolve_model
@@ -40,10 +44,22 @@ def median_ms(fn, repeats: int) -> float:
     return round(statistics.median(times) * 1000, 3)
 
 
+def layer_matmuls(stack, r: int) -> list:
+    """Calls of every layer matmul over r random rows: each projection's kernel; a mixture's feed-forward as one
+    call (ffn.cpp's Ffn: the router and the experts the rows chose)."""
+    calls = []
+    for layer in stack.layers:
+        parts = [layer.attn] + ([] if isinstance(layer.ffn, Experts) else [layer.ffn])
+        calls += [functools.partial(m.kernel, torch.randn(r, m.in_features))
+                  for part in parts for m in part.modules() if isinstance(m, Kernel)]
+        if isinstance(layer.ffn, Experts):
+            calls.append(functools.partial(layer.ffn.weights(), torch.randn(r, stack.cfg.hidden_size)))
+    return calls
+
+
 def costs(stack, ends, cache, context: int, r: int, repeats: int) -> dict:
     """Medians for a pass of r rows after `context` cached tokens."""
-    linears = [m for m in stack.modules() if isinstance(m, Kernel)]
-    xs = [torch.randn(r, m.in_features) for m in linears]
+    matmuls = layer_matmuls(stack, r)
     h = torch.randn(1, r, stack.cfg.hidden_size)
     positions = torch.arange(context, context + r)[None]
     mask = torch.arange(context + r)[None] <= (context + torch.arange(r))[:, None]  # causal over the rows
@@ -61,18 +77,19 @@ def costs(stack, ends, cache, context: int, r: int, repeats: int) -> dict:
         ends.logits(stack.forward_rows(h[0], torch.full((r,), context), seqs)[None])
 
     return {"rows": r, "batch_ms": median_ms(batch, repeats),
-            "layer_matmuls_ms": median_ms(lambda: [m.kernel(x) for m, x in zip(linears, xs, strict=True)], repeats),
+            "layer_matmuls_ms": median_ms(lambda: [call() for call in matmuls], repeats),
             "head_ms": median_ms(lambda: ends.logits(h), repeats), "forward_ms": median_ms(forward, repeats)}
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="a model folder or GGUF (default: the served default)")
     ap.add_argument("--weights", default="auto")
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    files = resolve_model(None)
+    files = resolve_model(args.model)
     cfg, src, fmt = ModelConfig.from_folder(files.folder), open_source(files), weight_format(args.weights)
     stack, ends = LayerStack.load(src, cfg, 0, cfg.n_layers, fmt), TokenEnds.load(src, cfg, fmt)
     context = 100
@@ -85,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
         row["forward_vs_one_row"] = round(row["forward_ms"] / one["forward_ms"], 3)
         row["batch_speedup"] = round(row["rows"] * one["batch_ms"] / row["batch_ms"], 3)
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"machine": machine_info() | {"threads": torch.get_num_threads()}, "weights": args.weights,
+    result = {"machine": machine_info() | {"threads": torch.get_num_threads()}, "model": files.name,
+              "weights": args.weights,
               "context": context, "rows": rows_out}
     (args.out / "pass_cost.json").write_text(json.dumps(result, indent=1) + "\n")
     for row in rows_out:

@@ -165,16 +165,23 @@ class AttentionBlock(nn.Module):
 
     @property
     def compiled(self) -> bool:
-        """Whether the block runs as one call (layer.cpp): both projections are compiled kernels and there is no
-        q/k norm, which layer.cpp does not have (such a block runs the same kernels one by one)."""
+        """Whether the block runs as one call (layer.cpp): both projections are compiled kernels, the q/k norms
+        (where there are any) float32, and the logits scaled by head_dim**-0.5, as layer.cpp scales them."""
+        norms = [n.weight for n in (self.q_norm, self.k_norm) if n is not None]
         return (isinstance(self.qkv, Kernel) and isinstance(self.o, Kernel) and fused(self.hd)
-                and self.q_norm is None and self.scale is None)
+                and all(w.dtype == torch.float32 for w in norms) and self.scale is None)
+
+    def weights(self):
+        """The block's weights as layer.cpp's Attn (`compiled` must hold)."""
+        q, k = self.q_norm, self.k_norm
+        return compiled().Attn(self.qkv.kernel, self.o.kernel, self.n_q, self.n_kv, None if q is None else q.weight,
+                               None if k is None else k.weight, 0.0 if q is None else q.eps)
 
     def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
         # x [1, T, H] (already normed; one sequence: the cache's) -> partial attention output [1, T, H]
         if self.compiled:
-            return compiled().attention_block(x.float(), self.qkv.kernel, self.o.kernel, self.n_q, self.n_kv,
-                                             rope.cos, rope.sin, *cache.storage(layer), start, _heads_mask(mask))
+            return compiled().attention_block(x.float(), self.weights(), rope.cos, rope.sin, *cache.storage(layer),
+                                             start, _heads_mask(mask))
         b, t, _ = x.shape
         heads = self.n_q + 2 * self.n_kv
         qkv = self.qkv(x)  # [B, T, heads * hd]
@@ -202,8 +209,7 @@ class AttentionBlock(nn.Module):
             hd = rope.cos.shape[-1]
             k = compiled()
             kv = [k.SeqKV(*s.cache.storage(layer), s.start, s.length, _heads_mask(s.mask)) for s in seqs]
-            return k.attention_rows(x.float(), self.qkv.kernel, self.o.kernel, self.n_q, self.n_kv,
-                                    rope.cos.reshape(-1, hd), rope.sin.reshape(-1, hd), kv)
+            return k.attention_rows(x.float(), self.weights(), rope.cos.reshape(-1, hd), rope.sin.reshape(-1, hd), kv)
         outs, a = [], 0
         for s in seqs:
             b = a + s.length
@@ -277,13 +283,17 @@ class FFN(nn.Module):
 
     @property
     def compiled(self) -> bool:
-        # layer.cpp's ffn_block is SwiGLU only: another activation runs the projections' kernels one by one
+        # ffn.cpp's Ffn is SwiGLU only: another activation runs the projections' kernels one by one
         return isinstance(self.gate_up, Kernel) and isinstance(self.down, Kernel) and self.act == "silu"
+
+    def weights(self):
+        """The block's weights as ffn.cpp's Ffn (`compiled` must hold)."""
+        return compiled().Ffn(self.gate_up.kernel, self.down.kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [B, T, H] -> [B, T, H]
         if self.compiled:
-            return compiled().ffn_block(x.float(), self.gate_up.kernel, self.down.kernel)
+            return self.weights()(x.float())
         gate_up = self.gate_up(x)  # [B, T, 2I]
         if self.act == "silu" and gate_up.dtype == torch.float32 and kernels_take(gate_up):
             return self.down(compiled().silu_mul(gate_up))
@@ -297,17 +307,30 @@ class Experts(nn.Module):
     """A mixture of experts in place of the FFN (Qwen3-MoE's sparse block): the router's logits over the experts,
     their softmax in float32, each row's top experts_per_token (renormalised to sum 1 where norm_topk_prob), and
     each chosen expert, an FFN of its own, run over just the rows that chose it. A row's output is its experts'
-    weighted outputs added in ascending expert order (transformers' index_add_ order); the router and the experts'
-    projections are row-invariant kernels, so a row's bits do not depend on the rows beside it in the pass."""
+    weighted outputs added in ascending expert order (transformers' index_add_ order). On the compiled kernels
+    all of that is one call (ffn.cpp's Ffn, built once: `weights()`), whose bits do not depend on the rows beside
+    a row in the pass; otherwise (bfloat16, training) torch's ops run it expert by expert."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.top_k, self.renorm = cfg.experts_per_token, cfg.norm_topk_prob
         self.router = nn.Linear(cfg.hidden_size, cfg.n_experts, bias=False, dtype=dtype)
         self.experts: ModuleList[FFN] = ModuleList(FFN(cfg, dtype, cfg.expert_size) for _ in range(cfg.n_experts))
+        self._weights = None  # weights(), once loaded
         self.requires_grad_(False)
 
-    compiled = False  # layer.cpp's layers are dense: a sparse layer runs its blocks one by one
+    @property
+    def compiled(self) -> bool:
+        """Whether the mixture runs as one call (ffn.cpp): the router and every expert on compiled kernels."""
+        return isinstance(self.router, Kernel) and all(e.compiled for e in self.experts)
+
+    def weights(self):
+        """The mixture's weights as ffn.cpp's Ffn (`compiled` must hold), built on first use: the weights do not
+        change once loaded, and a mixture's handles are a few hundred."""
+        if self._weights is None:
+            self._weights = compiled().Ffn(self.router.kernel, [e.gate_up.kernel for e in self.experts],
+                                           [e.down.kernel for e in self.experts], self.top_k, self.renorm)
+        return self._weights
 
     def route(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """rows [M, H] -> each row's experts [M, k] and their weights [M, k] in the rows' dtype."""
@@ -319,6 +342,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [B, T, H] -> [B, T, H]
+        if self.compiled:
+            return self.weights()(x.float())
         rows = x.reshape(-1, x.shape[-1])  # [M, H]
         chosen, weights = self.route(rows)
         out = torch.zeros_like(rows)
@@ -354,12 +379,6 @@ class DecoderLayer(nn.Module):
         return {k: v for k, v in places.items() if v is not None}
 
     @property
-    def dense(self) -> FFN:
-        """The FFN of a dense layer (a compiled layer's always is)."""
-        assert isinstance(self.ffn, FFN), "a sparse layer runs its experts block by block"
-        return self.ffn
-
-    @property
     def compiled(self) -> bool:
         """Whether the layer runs as one compiled call (layer.cpp's decoder_layer / decoder_layer_rows)."""
         return (self.attn.compiled and self.ffn.compiled and fused(self.input_norm.weight.shape[0])
@@ -387,39 +406,30 @@ class DecoderLayer(nn.Module):
     def forward(self, x, rope: Rope, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
         # x [1, T, H] (one sequence: the cache's) -> [1, T, H]
         if self.compiled:
-            attn, ffn = self.attn, self.dense
             # one call: the same kernels in the same order as the blocks below, without ~20 dispatches
             rope = rope.for_layer(False, self.rotates)
-            return compiled().decoder_layer(x.float(), self.input_norm.weight, self.post_norm.weight,
-                                           self.input_norm.eps, attn.qkv.kernel, attn.o.kernel,
-                                           ffn.gate_up.kernel, ffn.down.kernel, attn.n_q, attn.n_kv, rope.cos,
-                                           rope.sin, *cache.storage(layer), start, _heads_mask(mask))
+            return compiled().decoder_layer(x.float(), self.weights(), rope.cos, rope.sin, *cache.storage(layer),
+                                           start, _heads_mask(mask))
         x = x + self.attention(x, rope, cache, layer, start, mask)
         return x + self.feed_forward(x)
 
     def weights(self):
         """The layer's weights as layer.cpp's LayerWeights (for CompiledLayers; `compiled` must hold)."""
-        attn, ffn = self.attn, self.dense
         return compiled().LayerWeights(self.input_norm.weight, self.post_norm.weight, self.input_norm.eps,
-                                       attn.qkv.kernel, attn.o.kernel, ffn.gate_up.kernel, ffn.down.kernel, attn.n_q,
-                                       attn.n_kv)
+                                       self.attn.weights(), self.ffn.weights())
 
     def rows(self, x: torch.Tensor, rope: Rope, seqs: Sequence[SeqRows], layer: int) -> torch.Tensor:
         """The layer over the rows of several sequences in one pass: x [M, H] holds each sequence's rows in
         turn, rope their rotation [1, 1, M, hd]. Compiled, the projections and the FFN run once over all M
-        rows, attention per sequence (layer.cpp's decoder_layer_rows): every row gets the bits it gets alone.
-        A sparse layer attends per sequence and runs its experts once over all M rows, so that each chosen expert
-        reads its weights once for every row that chose it (its kernels are row-invariant: the same bits).
-        Otherwise each sequence runs on its own. -> [M, H]"""
+        rows, attention per sequence (layer.cpp's decoder_layer_rows): every row gets the bits it gets alone; a
+        mixture's experts each read their weights once for every row that chose them (ffn.cpp). Otherwise each
+        sequence runs on its own, a mixture's experts still once over all M rows. -> [M, H]"""
         hd = rope.cos.shape[-1]
         if self.compiled:
-            attn, ffn = self.attn, self.dense
             k, rope = compiled(), rope.for_layer(False, self.rotates)
             kv = [k.SeqKV(*s.cache.storage(layer), s.start, s.length, _heads_mask(s.mask)) for s in seqs]
-            return k.decoder_layer_rows(x.float(), self.input_norm.weight, self.post_norm.weight,
-                                        self.input_norm.eps, attn.qkv.kernel, attn.o.kernel, ffn.gate_up.kernel,
-                                        ffn.down.kernel, attn.n_q, attn.n_kv, rope.cos.reshape(-1, hd),
-                                        rope.sin.reshape(-1, hd), kv)
+            return k.decoder_layer_rows(x.float(), self.weights(), rope.cos.reshape(-1, hd), rope.sin.reshape(-1, hd),
+                                        kv)
         outs, a = [], 0
         sparse = isinstance(self.ffn, Experts)
         for s in seqs:

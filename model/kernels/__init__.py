@@ -1,6 +1,7 @@
 """The CPU kernels, compiled once per machine and CPU feature set, then cached: `quant.cpp` (quantized and
-dense matmuls), `ops.cpp` (norm, rotary, attention, SwiGLU), `layer.cpp` (an attention block, an FFN, a decoder layer in
-one call each), `kv.h` (the KV cache's storage formats), `bind.cpp` (the Python module).
+dense matmuls), `ops.cpp` (norm, rotary, attention, SwiGLU), `layer.cpp` (an attention block, a decoder layer,
+a stack of them in one call each), `ffn.cpp` (a feed-forward, dense or a mixture of experts, in one call), `kv.h`
+(the KV cache's storage formats), `bind.cpp` (the Python module).
 
 `load()` builds the extension with the flags this CPU supports (on x86: the VNNI path where the CPU has
 AVX512_VNNI with AVX512_VL, or AVX-VNNI; else AVX2 + FMA; on aarch64: NEON, with sdot where the CPU has the dot
@@ -28,7 +29,8 @@ from typing import Literal
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = [HERE / "quant.cpp", HERE / "ops.cpp", HERE / "layer.cpp", HERE / "pool.cpp", HERE / "bind.cpp"]
+SOURCES = [HERE / "quant.cpp", HERE / "ops.cpp", HERE / "layer.cpp", HERE / "ffn.cpp", HERE / "pool.cpp",
+           HERE / "bind.cpp"]
 HEADERS = [HERE / name for name in ("common.h", "kv.h", "simd.h", "groups.h", "groups_x86.h", "groups_neon.h")]
 NAME = "edgespec_kernels"
 # torch's build lock older than this is a killed compile's (a compile takes 20-90 s): left in place, every later

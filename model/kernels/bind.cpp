@@ -1,4 +1,5 @@
-// The Python module of the kernels (quant.cpp: matmuls; ops.cpp: the other per-token ops; layer.cpp: blocks).
+// The Python module of the kernels (quant.cpp: matmuls; ops.cpp: the other per-token ops; layer.cpp: blocks;
+// ffn.cpp: feed-forwards, dense and mixtures).
 #include "common.h"
 
 bool simd() {
@@ -32,10 +33,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("attention_rows", &attention_rows, free, "the attention of several sequences' rows in one call");
   mod.def("decoder_layer_rows", &decoder_layer_rows, free, "a decoder layer over several sequences' rows in one call");
   mod.def("attention_block", &attention_block, free, "a layer's attention (or some of its KV groups) in one call");
-  mod.def("ffn_block", &ffn_block, free, "SwiGLU FFN in one call");
   mod.def("decoder_layer", &decoder_layer, free, "a whole decoder layer in one call");
+  pybind11::class_<Attn>(mod, "Attn", pybind11::module_local(), "a layer's attention weights (q/k norms or None)")
+      .def(pybind11::init<Linear, Linear, int64_t, int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                          double>());
+  pybind11::class_<Ffn>(mod, "Ffn", pybind11::module_local(), "a layer's SwiGLU FFN: dense, or a mixture of experts")
+      .def(pybind11::init<Linear, Linear>(), "gate_up, down")
+      .def(pybind11::init<Linear, std::vector<Linear>, std::vector<Linear>, int64_t, bool>(),
+           "router, each expert's gate_up, each expert's down, experts per token, renormalise the top ones")
+      .def("__call__", &Ffn::operator(), free, "x [..., H] float (normed) -> [..., H]");
   pybind11::class_<LayerWeights>(mod, "LayerWeights", pybind11::module_local(), "a compiled decoder layer's weights")
-      .def(pybind11::init<torch::Tensor, torch::Tensor, double, Linear, Linear, Linear, Linear, int64_t, int64_t>());
+      .def(pybind11::init<torch::Tensor, torch::Tensor, double, Attn, Ffn>());
   pybind11::class_<SeqLayers>(mod, "SeqLayers", pybind11::module_local(), "one sequence's share of a pass of a stack")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor, int64_t, int64_t,
                           c10::optional<torch::Tensor>>());

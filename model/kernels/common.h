@@ -39,6 +39,13 @@ inline float dot8(const float* a, const float* b, int64_t n) {
 #endif
 }
 
+// out = w * (x / sqrt(mean(x^2) + eps)) over one row of n floats (n % 8 == 0): rms_norm's arithmetic, which
+// the attention block repeats on each head's q and k (Qwen3)
+inline void rms_row(const float* x, const float* w, int64_t n, float eps, float* out) {
+  const float scale = 1.f / std::sqrt(dot8(x, x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * scale);
+}
+
 // y += p * x over n floats (elementwise: every lane is one element, so no order to fix beyond the caller's)
 inline void axpy(float* y, const float* x, float p, int64_t n) {
 #ifdef ES_AVX2
@@ -157,29 +164,46 @@ struct Linear {
          int64_t n);
   torch::Tensor operator()(const torch::Tensor& x) const;
 };
-torch::Tensor attention_block(torch::Tensor x, const Linear& qkv, const Linear& o, int64_t n_q, int64_t n_kv,
-                              torch::Tensor cos, torch::Tensor sin, torch::Tensor k, torch::Tensor v,
-                              torch::Tensor table, int64_t start, c10::optional<torch::Tensor> mask);
-torch::Tensor attention_rows(torch::Tensor x, const Linear& qkv, const Linear& o, int64_t n_q, int64_t n_kv,
-                             torch::Tensor cos, torch::Tensor sin, const std::vector<SeqKV>& seqs);
-torch::Tensor decoder_layer_rows(torch::Tensor x, torch::Tensor norm1, torch::Tensor norm2, double eps,
-                                 const Linear& qkv, const Linear& o, const Linear& gate_up, const Linear& down,
-                                 int64_t n_q, int64_t n_kv, torch::Tensor cos, torch::Tensor sin,
-                                 const std::vector<SeqKV>& seqs);
-torch::Tensor ffn_block(torch::Tensor x, const Linear& gate_up, const Linear& down);
-torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor norm1, torch::Tensor norm2, double eps, const Linear& qkv,
-                            const Linear& o, const Linear& gate_up, const Linear& down, int64_t n_q, int64_t n_kv,
-                            torch::Tensor cos, torch::Tensor sin, torch::Tensor k, torch::Tensor v,
-                            torch::Tensor table, int64_t start, c10::optional<torch::Tensor> mask);
+// A layer's attention weights (or those of some of its KV groups, a HeadSplit device's): the q/k/v projection
+// (n_q + 2 n_kv heads out), the output projection, and Qwen3's RMS norms of each head's q and k before the
+// rotary (weights [hd], eps), where the architecture has them.
+struct Attn {
+  Linear qkv, o;
+  int64_t n_q, n_kv;
+  c10::optional<torch::Tensor> q_norm, k_norm;
+  double eps;
+};
+torch::Tensor attention_block(torch::Tensor x, const Attn& attn, torch::Tensor cos, torch::Tensor sin,
+                              torch::Tensor k, torch::Tensor v, torch::Tensor table, int64_t start,
+                              c10::optional<torch::Tensor> mask);
+torch::Tensor attention_rows(torch::Tensor x, const Attn& attn, torch::Tensor cos, torch::Tensor sin,
+                             const std::vector<SeqKV>& seqs);
+
+// A layer's SwiGLU feed-forward (ffn.cpp): dense (one gate_up and one down), or a mixture of experts (a router
+// [E, H] and E of each, experts_per_token of them a row). Built once per loaded layer.
+struct Ffn {
+  std::vector<Linear> gate_up, down;
+  c10::optional<Linear> router;
+  int64_t top_k;
+  bool renorm;
+  Ffn(Linear gate_up, Linear down);
+  Ffn(Linear router, std::vector<Linear> gate_up, std::vector<Linear> down, int64_t top_k, bool renorm);
+  torch::Tensor operator()(const torch::Tensor& x) const;  // x [..., H] float, already normed -> [..., H]
+};
 
 // A compiled decoder layer's weights, gathered once (model/stack.py's LayerStack at load): decoder_layer_rows'
 // arguments besides the rows, their rotation and their caches.
 struct LayerWeights {
   torch::Tensor norm1, norm2;
   double eps;
-  Linear qkv, o, gate_up, down;
-  int64_t n_q, n_kv;
+  Attn attn;
+  Ffn ffn;
 };
+torch::Tensor decoder_layer_rows(torch::Tensor x, const LayerWeights& w, torch::Tensor cos, torch::Tensor sin,
+                                 const std::vector<SeqKV>& seqs);
+torch::Tensor decoder_layer(torch::Tensor x, const LayerWeights& w, torch::Tensor cos, torch::Tensor sin,
+                            torch::Tensor k, torch::Tensor v, torch::Tensor table, int64_t start,
+                            c10::optional<torch::Tensor> mask);
 
 // One sequence's share of a pass through a stack of layers: SeqKV's, with the keys and values of every layer
 // (k[i], v[i]: layer i's pool tensors; one block table for all of them).

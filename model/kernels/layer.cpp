@@ -31,8 +31,8 @@ torch::Tensor Linear::operator()(const torch::Tensor& x) const {
 // in one run over the threads (attend_seqs). Each output row is computed as when its sequence runs alone (the
 // matmuls are row-invariant, attention is per query row), so batching changes no bits. -> [M, H] (partial when
 // the block holds some of the layer's groups).
-torch::Tensor attention_rows(torch::Tensor x, const Linear& qkv, const Linear& o, int64_t n_q, int64_t n_kv,
-                             torch::Tensor cos, torch::Tensor sin, const std::vector<SeqKV>& seqs) {
+torch::Tensor attention_rows(torch::Tensor x, const Attn& attn, torch::Tensor cos, torch::Tensor sin,
+                             const std::vector<SeqKV>& seqs) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2, "x must be float [M, H]");
   const int64_t M = x.size(0), H = x.size(1);
   int64_t rows = 0;
@@ -41,8 +41,17 @@ torch::Tensor attention_rows(torch::Tensor x, const Linear& qkv, const Linear& o
   cos = cos.contiguous();
   sin = sin.contiguous();
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == M && sin.sizes() == cos.sizes(), "cos, sin must be [M, hd]");
-  torch::Tensor y = qkv(x.contiguous());  // [M, heads*hd]
+  const int64_t n_q = attn.n_q, n_kv = attn.n_kv;
+  torch::Tensor y = attn.qkv(x.contiguous());  // [M, heads*hd]
   const int64_t hd = cos.size(1), heads = n_q + 2 * n_kv;
+  const bool qk_norm = attn.q_norm.has_value();
+  TORCH_CHECK(qk_norm == attn.k_norm.has_value(), "q and k are normed both or neither");
+  for (const auto& w : {attn.q_norm, attn.k_norm})
+    TORCH_CHECK(!w || (w->numel() == hd && w->is_contiguous() && w->scalar_type() == torch::kFloat),
+                "the q and k norms must be contiguous float [hd]");
+  const float* qn = qk_norm ? attn.q_norm->data_ptr<float>() : nullptr;
+  const float* kn = qk_norm ? attn.k_norm->data_ptr<float>() : nullptr;
+  const float eps = static_cast<float>(attn.eps);
   TORCH_CHECK(y.size(1) == heads * hd, "qkv gives ", y.size(1), " columns, not ", heads * hd);
   auto q = torch::empty({M, n_q, hd}, x.options());  // each row's rotated queries, as attend_seqs reads them
   const float *yp = y.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
@@ -61,22 +70,28 @@ torch::Tensor attention_rows(torch::Tensor x, const Linear& qkv, const Linear& o
     TORCH_CHECK(s.start >= 0 && s.start + T <= nb * BS, "the write does not fit the sequence's blocks");
     const int64_t* tp = s.table.data_ptr<int64_t>();
     uint8_t *kp = static_cast<uint8_t*>(s.k.data_ptr()), *vp = static_cast<uint8_t*>(s.v.data_ptr());
-    std::vector<float> key(hd);
+    std::vector<float> key(hd), normed(hd);
+    // a head vector as rotated: normed first where the architecture norms q and k (rms_norm's arithmetic)
+    auto head = [&](const float* x, const float* w) {
+      if (w == nullptr) return x;
+      rms_row(x, w, hd, eps, normed.data());
+      return static_cast<const float*>(normed.data());
+    };
     for (int64_t t = 0; t < T; ++t) {
       const int64_t m = r0 + t, slot = s.start + t, blk = tp[slot / BS];
       TORCH_CHECK(blk >= 0 && blk < s.k.size(0), "block ", blk, " is not in the pool");
       const float *row = yp + m * heads * hd, *c = cp + m * hd, *sn = sp + m * hd;
-      for (int64_t h = 0; h < n_q; ++h) rotate(row + h * hd, c, sn, hd, qp + (m * n_q + h) * hd);
+      for (int64_t h = 0; h < n_q; ++h) rotate(head(row + h * hd, qn), c, sn, hd, qp + (m * n_q + h) * hd);
       for (int64_t g = 0; g < n_kv; ++g) {
         const int64_t at = ((blk * n_kv + g) * BS + slot % BS) * row_bytes;  // each head vector stored on its own
-        rotate(row + (n_q + g) * hd, c, sn, hd, key.data());
+        rotate(head(row + (n_q + g) * hd, kn), c, sn, hd, key.data());
         kv_write(kind, key.data(), hd, kp + at);
         kv_write(kind, row + (n_q + n_kv + g) * hd, hd, vp + at);
       }
     }
     r0 += T;
   }
-  return o(attend_seqs(q, seqs).view({M, n_q * hd}));
+  return attn.o(attend_seqs(q, seqs).view({M, n_q * hd}));
 }
 
 namespace {
@@ -98,42 +113,31 @@ OneSeq one_seq(const torch::Tensor& x, const torch::Tensor& cos, const torch::Te
 
 }  // namespace
 
-// x [1, T, H] float (already normed); qkv, o: the block's projections (n_q + 2 n_kv heads of hd out; n_q hd
-// in); cos, sin [1, 1, T, hd]; k, v [N, n_kv, BS, hd] and table [nb]: the sequence's blocks (SeqKV), written at
-// slots start..start+T; mask as ops.cpp's attention. -> the block's attention output [1, T, H] (attention_rows
-// over one sequence).
-torch::Tensor attention_block(torch::Tensor x, const Linear& qkv, const Linear& o, int64_t n_q, int64_t n_kv,
-                              torch::Tensor cos, torch::Tensor sin, torch::Tensor k, torch::Tensor v,
-                              torch::Tensor table, int64_t start, c10::optional<torch::Tensor> mask) {
+// x [1, T, H] float (already normed); attn: the block's weights; cos, sin [1, 1, T, hd]; k, v [N, n_kv, BS, hd]
+// and table [nb]: the sequence's blocks (SeqKV), written at slots start..start+T; mask as ops.cpp's attention.
+// -> the block's attention output [1, T, H] (attention_rows over one sequence).
+torch::Tensor attention_block(torch::Tensor x, const Attn& attn, torch::Tensor cos, torch::Tensor sin,
+                              torch::Tensor k, torch::Tensor v, torch::Tensor table, int64_t start,
+                              c10::optional<torch::Tensor> mask) {
   const OneSeq r = one_seq(x, cos, sin, k, v, table, start, mask);
-  return attention_rows(r.x, qkv, o, n_q, n_kv, r.cos, r.sin, r.seqs).view(x.sizes());
-}
-
-// x [..., H] float (already normed) -> down(silu(gate(x)) * up(x)) [..., H]
-torch::Tensor ffn_block(torch::Tensor x, const Linear& gate_up, const Linear& down) {
-  const int64_t H = x.size(-1);
-  return down(silu_mul(gate_up(x.reshape({-1, H}).contiguous()))).view(x.sizes());
+  return attention_rows(r.x, attn, r.cos, r.sin, r.seqs).view(x.sizes());
 }
 
 // x [M, H] -> x + attn(norm1(x)) = z, then z + ffn(norm2(z)) [M, H]: a layer over the rows of several
 // sequences, arguments as attention_rows'
-torch::Tensor decoder_layer_rows(torch::Tensor x, torch::Tensor norm1, torch::Tensor norm2, double eps,
-                                 const Linear& qkv, const Linear& o, const Linear& gate_up, const Linear& down,
-                                 int64_t n_q, int64_t n_kv, torch::Tensor cos, torch::Tensor sin,
+torch::Tensor decoder_layer_rows(torch::Tensor x, const LayerWeights& w, torch::Tensor cos, torch::Tensor sin,
                                  const std::vector<SeqKV>& seqs) {
   x = x.contiguous();
-  torch::Tensor z = x + attention_rows(rms_norm(x, norm1, eps), qkv, o, n_q, n_kv, cos, sin, seqs);
-  return z + ffn_block(rms_norm(z, norm2, eps), gate_up, down);
+  torch::Tensor z = x + attention_rows(rms_norm(x, w.norm1, w.eps), w.attn, cos, sin, seqs);
+  return z + w.ffn(rms_norm(z, w.norm2, w.eps));
 }
 
 // x [1, T, H] -> [1, T, H]: decoder_layer_rows over one sequence; arguments as attention_block's
-torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor norm1, torch::Tensor norm2, double eps, const Linear& qkv,
-                            const Linear& o, const Linear& gate_up, const Linear& down, int64_t n_q, int64_t n_kv,
-                            torch::Tensor cos, torch::Tensor sin, torch::Tensor k, torch::Tensor v,
-                            torch::Tensor table, int64_t start, c10::optional<torch::Tensor> mask) {
+torch::Tensor decoder_layer(torch::Tensor x, const LayerWeights& w, torch::Tensor cos, torch::Tensor sin,
+                            torch::Tensor k, torch::Tensor v, torch::Tensor table, int64_t start,
+                            c10::optional<torch::Tensor> mask) {
   const OneSeq r = one_seq(x, cos, sin, k, v, table, start, mask);
-  return decoder_layer_rows(r.x, norm1, norm2, eps, qkv, o, gate_up, down, n_q, n_kv, r.cos, r.sin, r.seqs)
-      .view(x.sizes());
+  return decoder_layer_rows(r.x, w, r.cos, r.sin, r.seqs).view(x.sizes());
 }
 
 // x [M, H] through every layer in turn (decoder_layer_rows each), rows as decoder_layer_rows takes them: layer
@@ -154,9 +158,7 @@ torch::Tensor decoder_stack(torch::Tensor x, const std::vector<LayerWeights>& la
       const SeqLayers& s = seqs[j];
       kv[j] = SeqKV{s.k[i], s.v[i], s.table, s.start, s.T, s.mask};
     }
-    const LayerWeights& w = layers[i];
-    x = decoder_layer_rows(x, w.norm1, w.norm2, w.eps, w.qkv, w.o, w.gate_up, w.down, w.n_q, w.n_kv, cos[i], sin[i],
-                           kv);
+    x = decoder_layer_rows(x, layers[i], cos[i], sin[i], kv);
   }
   return x;
 }

@@ -28,11 +28,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   // a prompt's rows on the pool's threads in runs of 16, as quant.cpp's quantizer does (a decode pass's few rows
   // stay on this thread); each row on its own, so the split changes no bits
   parallel_chunks(0, rows, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) {
-      const float* xr = xp + r * H;
-      const float scale = 1.f / std::sqrt(dot8(xr, xr, H) / static_cast<float>(H) + static_cast<float>(eps));
-      for (int64_t i = 0; i < H; ++i) op[r * H + i] = wp[i] * (xr[i] * scale);
-    }
+    for (int64_t r = lo; r < hi; ++r) rms_row(xp + r * H, wp, H, static_cast<float>(eps), op + r * H);
   });
   return out;
 }
