@@ -89,6 +89,21 @@ def stop_group(proc: subprocess.Popen) -> None:
     proc.wait(10)
 
 
+def worker_pid(controller: int, worker: dict) -> int:
+    """The local worker process behind a /health entry: the controller's child started with `--port <its port>`
+    (looked up each time: a worker started again has a new port and pid)."""
+    port = worker["url"].rsplit(":", 1)[1]
+    for task in Path(f"/proc/{controller}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                cmd = Path(f"/proc/{child}/cmdline").read_text().split("\0")
+            except OSError:
+                continue  # exited meanwhile
+            if "--port" in cmd and cmd[cmd.index("--port") + 1] == port:
+                return int(child)
+    raise LookupError(f"no child of the controller {controller} serves port {port}")
+
+
 class LocalCluster:
     """`edgespec serve --local-workers N`: the controller starts its workers, and starts a killed one again."""
 
@@ -114,18 +129,7 @@ class LocalCluster:
         return wait_ready(self.url, [self.proc], log, self.args.start_timeout_s)
 
     def pid(self, worker: dict) -> int:
-        """The worker process behind a /health entry: the controller's child started with `--port <its port>`
-        (looked up each time: a worker started again has a new port and pid)."""
-        port = worker["url"].rsplit(":", 1)[1]
-        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
-            for child in (task / "children").read_text().split():
-                try:
-                    cmd = Path(f"/proc/{child}/cmdline").read_text().split("\0")
-                except OSError:
-                    continue  # exited meanwhile
-                if "--port" in cmd and cmd[cmd.index("--port") + 1] == port:
-                    return int(child)
-        raise LookupError(f"no child of the controller {self.proc.pid} serves port {port}")
+        return worker_pid(self.proc.pid, worker)
 
     def release(self, worker: dict, pid: int, fault: str) -> None:
         """After the faulted stream: continue a stopped worker (a killed one the controller starts itself)."""

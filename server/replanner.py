@@ -180,7 +180,29 @@ class ClusterManager:
                 log.warning("lost worker(s) %s mid-generation", ", ".join(lost))
             replanned = await self.replan("worker_lost" if lost else "stage_failed", force=True)
             self._gauges()
+            if not replanned and self.executor.generation == generation and self._restarting(lost):
+                replanned = await self._await_restart(lost, generation)
             return replanned or self.executor.generation != generation
+
+    def _restarting(self, names: list[str]) -> bool:
+        """Whether some of these lost workers are local ones this controller starts again (not in a crash loop)."""
+        config = self.config
+        local = {w.name for w, proc in zip(config.workers, config.processes, strict=False) if proc is not None}
+        return config.respawn is not None and any(n in local and self.members[n].restarts < RESTARTS for n in names)
+
+    async def _await_restart(self, names: list[str], generation: int) -> bool:
+        """No placement fits without the lost local workers `names` (no other has room for what they held): wait,
+        up to restart_wait_s, for the monitor's checks to start them again and plan them back in (a new placement
+        generation), so that the work runs again rather than fails: a scale model whose every worker holds a
+        share no other has room for loses the restart's time, not the stream (bench/scale.py's killed_worker)."""
+        log.warning("no placement fits without %s: waiting up to %.0f s for it to be started again",
+                    ", ".join(names), self.settings.restart_wait_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.restart_wait_s
+        while self.executor.generation == generation and loop.time() < deadline:
+            self.nudge()
+            await asyncio.sleep(min(0.5, self.settings.monitor_interval_s))
+        return self.executor.generation != generation
 
     @property
     def probe_s(self) -> float:

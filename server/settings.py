@@ -61,6 +61,9 @@ class ServeSettings(BaseSettings):
     stage_timeout_s: float = Field(60.0, gt=0, description="timeout of one call to a worker")
     recover_probe_s: float = Field(5.0, gt=0, description="after a failed call, a worker that does not answer "
                                    "within this is taken for lost and planned out (at most the stage timeout)")
+    restart_wait_s: float = Field(180.0, ge=0, description="when no placement fits the workers left after a loss, "
+                                  "how long work waits for a lost local worker to be started again and planned back "
+                                  "in before it fails")
     worker_threads: int = Field(0, ge=0, description="torch threads of each local worker; 0: all cores")
     worker_memory_budget_gib: float | None = Field(None, gt=0, description="each local worker's bound for its "
                                                    "weights plus KV caches (default: the worker's own, 4 GiB); it "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -167,3 +168,53 @@ def greedy(url: str, prompt: str, max_tokens: int, headers: dict | None = None) 
 
 def model_id(url: str) -> str:
     return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def stream_text(url: str, decoding, on_chunk=None, max_tokens: int = 40, min_tokens: int = 0,
+                content: str = "Give me three tips for a good night's sleep.") -> tuple[str, list[dict]]:
+    """A greedy streamed chat completion of the served model: its text and every payload; on_chunk(i) after the
+    i-th content chunk (a fault comes mid-stream: the lines are read as they arrive)."""
+    body = {"model": model_id(url), "messages": [{"role": "user", "content": content}], "temperature": 0,
+            "max_tokens": max_tokens, "decoding": decoding, "stream": True}
+    if min_tokens:
+        body["min_tokens"] = min_tokens
+    text, payloads, n = [], [], 0
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        last = None
+        for line in r.iter_lines():
+            last = line or last
+            if not line.startswith("data: {"):
+                continue
+            payloads.append(json.loads(line[6:]))
+            for choice in payloads[-1].get("choices", []):
+                if choice["delta"].get("content"):
+                    text.append(choice["delta"]["content"])
+                    n += 1
+                    if on_chunk:
+                        on_chunk(n)
+        assert last == "data: [DONE]"
+    return "".join(text), payloads
+
+
+def workers(url: str) -> list[dict]:
+    """The controller's workers, as /health lists them."""
+    return httpx.get(url + "/health", timeout=30).json().get("workers", [])
+
+
+def worker_pid(server_pid: int, worker_url: str) -> int:
+    """The local worker process (a child of the controller) that listens where worker_url says."""
+    port = worker_url.rsplit(":", 1)[1]
+    ps = ["ps", "-ww", "--ppid", str(server_pid), "-o", "pid=,args="]
+    out = subprocess.run(ps, capture_output=True, text=True).stdout
+    pids = [int(line.split()[0]) for line in out.splitlines() if f"--port {port} " in line + " "]
+    assert len(pids) == 1, out
+    return pids[0]
+
+
+def wait_all_back(url: str, n: int, timeout_s: float = 120) -> None:
+    """Until the controller has n workers, every one ok (a killed local worker started again and planned in)."""
+    deadline = time.monotonic() + timeout_s
+    while not (len(w := workers(url)) == n and all(x.get("status") == "ok" for x in w)):
+        assert time.monotonic() < deadline, f"workers not all back: {w}"
+        time.sleep(0.3)
