@@ -1,6 +1,7 @@
 """Scale models against the planner: each setup's predicted decode and prefill times beside the measured ones.
 
     python -m edgespec.bench.scale --out DIR [--setup tinyllama-3w --setup llama-2-7b-4w ...] [--no-derived]
+        [--planned qwen3-30b-a3b-4w]
 
 Per setup (a scale model from `edgespec synth-model`, N local workers with a memory budget each):
 1. `edgespec profile --local-workers N --worker-memory-budget-gib G` of that model writes DIR/profile-SETUP.json;
@@ -9,7 +10,9 @@ Per setup (a scale model from `edgespec synth-model`, N local workers with a mem
 3. `edgespec serve --profile` that file with the same workers serves it; through the OpenAI streaming API, greedy
    naive decoding of `decode_tokens` after a prompt of 512 - decode_tokens / 2 tokens (mean context 512), and
    prompts of each length for prefill; medians of `reps` distinct prompts (the prefix cache is off);
-4. the placement the server shows (/dashboard/state) is checked against the plan's.
+4. the placement the server shows (/dashboard/state) is checked against the plan's;
+5. a worker killed mid-stream (SIGKILL of the one holding the middle layers after a quarter of the tokens): the
+   stream's text against the same request's without the fault (`killed_worker`).
 The derived-testbed method (planning/testbeds.py's roofline scaling): the controller's curves of the first
 setup's profile are the reference; this machine's bandwidth and peak are measured; the prediction for another
 shape (in-process: every layer, the embedding and the head) is derived from them, and that shape is measured
@@ -20,8 +23,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
+import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -58,8 +64,8 @@ SETUPS = {
     # TinyLlama-1.1B in Q4_1: 0.68 GiB of layers (0.82 GiB with the ends); each worker may hold 0.3 GiB
     "tinyllama-3w": Setup("tinyllama-1.1b", "q4_1", 3, 0.3),
     # Llama-2-7B in Q4_1: 4.5 GiB of layers; each worker may hold 1.5 GiB
-    "llama-2-7b-4w": Setup("llama-2-7b", "q4_1", 4, 1.5, context=1024, prefill=(128, 512), decode_tokens=16,
-                           reps=2),
+    "llama-2-7b-4w": Setup("llama-2-7b", "q4_1", 4, 1.5, context=1024, prefill=(128, 512), decode_tokens=32,
+                           reps=3),
     # Qwen3-4B in Q4_1 (q/k norms, heads of 128 wider than hidden / heads): its GGUF is 2,684,896,832 bytes (2.50
     # GiB; 2.54 GiB of layers in the workers' Q4 layout); each worker may hold 1.2 GiB, under half the file, so no
     # two workers hold it; the KV cache in Q8_0
@@ -68,8 +74,13 @@ SETUPS = {
     # Qwen3-MoE-7B-A1B in Q4_1 (issue 40): 7.4B parameters, 1.1B of its layers' read a token; each worker may hold
     # 1.25 GiB, under a third of its layers, beside llama-2-7b-4w (a dense 6.7B over the same number of workers)
     "qwen3-moe-7b-a1b-4w": Setup("qwen3-moe-7b-a1b", "q4_1", 4, 1.25, context=1024, prefill=(128, 512),
-                                 decode_tokens=16, reps=2),
+                                 decode_tokens=32, reps=3),
 }
+# Shapes this machine cannot hold (Qwen3-30B-A3B in Q4_1: 20.9 GiB of layers in the workers' layout, with the
+# processes beside them past this machine's 23 GiB), planned over a measured setup's devices instead: name ->
+# (shape, the measured setup whose profile it scales, each worker's budget in GiB)
+PLANNED = {"qwen3-30b-a3b-4w": ("qwen3-30b-a3b", "qwen3-moe-7b-a1b-4w", 6.0)}
+
 DERIVED = Setup("llama-3.2-1b", "q4_1", 0, None)
 
 
@@ -91,14 +102,15 @@ def prompt_of(tokenizer, n: int, seed: int) -> str:
     return tokenizer.decode(ids)
 
 
-def stream(client: httpx.Client, model: str, prompt: str, tokens: int) -> dict:
-    """One greedy naive streamed completion of exactly `tokens` tokens: TTFT and decode ms/token. Tokens are
-    timed by their chunks' logprobs, which come for every token: a scale model's random tokens often show no
-    text (a byte of a character, or an id past its tokenizer's)."""
+def stream(client: httpx.Client, model: str, prompt: str, tokens: int, on_token=None) -> dict:
+    """One greedy naive streamed completion of exactly `tokens` tokens: TTFT, decode ms/token and the tokens
+    (each as its logprobs entry's bytes); on_token(n) after the n-th. Tokens are timed and told by their chunks'
+    logprobs, which come for every token: a scale model's random tokens often show no text (a byte of a
+    character, or an id past its tokenizer's)."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0, "stream": True,
             "max_tokens": tokens, "min_tokens": tokens, "decoding": "naive", "logprobs": True,
             "stream_options": {"include_usage": True}}
-    start_s, first, last, usage = time.perf_counter(), None, None, None
+    start_s, first, last, usage, seen = time.perf_counter(), None, None, None, []
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()}")
@@ -108,13 +120,17 @@ def stream(client: httpx.Client, model: str, prompt: str, tokens: int) -> dict:
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
-            if chunk["choices"] and (chunk["choices"][0].get("logprobs") or {}).get("content"):
+            if chunk["choices"] and (content := (chunk["choices"][0].get("logprobs") or {}).get("content")):
                 first = first or time.perf_counter()
                 last = time.perf_counter()
+                for entry in content:
+                    seen.append(entry["bytes"])
+                    if on_token is not None:
+                        on_token(len(seen))
             usage = chunk.get("usage") or usage
     n = usage["completion_tokens"]
     return {"prompt_tokens": usage["prompt_tokens"], "tokens": n, "ttft_ms": 1000 * (first - start_s),
-            "decode_ms_per_token": 1000 * (last - first) / (n - 1) if n > 1 else None}
+            "decode_ms_per_token": 1000 * (last - first) / (n - 1) if n > 1 else None, "token_bytes": seen}
 
 
 def measure(url: str, setup: Setup, tokenizer) -> dict:
@@ -165,9 +181,11 @@ def distributed(name: str, setup: Setup, out: Path) -> dict:
     proc, url = start([*serve_args(setup, model), "--profile", str(profile_path)], out / f"serve-{name}.log")
     try:
         shown = httpx.get(url + "/dashboard/state", timeout=10).json()
-        measured = measure(url, setup, load_tokenizer(resolve_model(str(model))))
+        tokenizer = load_tokenizer(resolve_model(str(model)))
+        measured = measure(url, setup, tokenizer)
         devices = httpx.get(url + "/dashboard/state", timeout=10).json()["devices"]
         controller_rss = psutil.Process(proc.pid).memory_info().rss
+        killed = killed_worker(url, proc.pid, prompt_of(tokenizer, 64, 7))
     finally:
         proc.terminate()
         proc.wait(60)
@@ -185,9 +203,36 @@ def distributed(name: str, setup: Setup, out: Path) -> dict:
         "devices_served": devices, "controller_resident_gib": controller_rss / 2**30,
         "prefill_cuts": {n: plan.sequence_cuts(int(t)) for n, t in measured["prefill_prompt_tokens"].items()},
         "predicted": {"decode_ms_per_token": plan.decode_ms_per_token, "prefill_ms": predicted_prefill},
-        "measured": measured,
+        "measured": measured, "killed_worker": killed,
         "error": errors(plan.decode_ms_per_token, predicted_prefill, measured),
     }
+
+
+def killed_worker(url: str, controller: int, prompt: str, tokens: int = 32) -> dict:
+    """A greedy stream of `tokens` with the worker of the middle layers killed (SIGKILL) after a quarter of them,
+    against the same request without the fault: whether it gave the same tokens, and its longest gap."""
+    from edgespec.bench.faults import worker_pid
+
+    client = httpx.Client(base_url=url, timeout=1800)
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    reference = stream(client, model, prompt, tokens)
+    workers = client.get("/health").json()["workers"]
+    target = workers[len(workers) // 2]
+    pid, times = worker_pid(controller, target), []
+
+    def on_token(n: int) -> None:
+        times.append(time.perf_counter())
+        if n == tokens // 4:
+            os.kill(pid, signal.SIGKILL)
+
+    try:
+        run = stream(client, model, prompt, tokens, on_token)
+    except RuntimeError as exc:  # an error event: the fault cost the stream
+        return {"worker": target["name"], "layers": target.get("layers"), "completed": False, "error": str(exc)}
+    return {"worker": target["name"], "layers": target.get("layers"), "after_tokens": tokens // 4, "completed": True,
+            "same_tokens": run["token_bytes"] == reference["token_bytes"], "tokens": run["tokens"],
+            "longest_gap_ms": round(1000 * max(b - a for a, b in itertools.pairwise(times)), 1),
+            "reference_decode_ms_per_token": round(reference["decode_ms_per_token"], 2)}
 
 
 def errors(decode: float, prefill: dict, measured: dict) -> dict:
@@ -250,6 +295,43 @@ def in_process(setup: Setup, out: Path, name: str, predict) -> dict:
             "error": errors(predicted["decode_ms_per_token"], predicted["prefill_ms"], measured)}
 
 
+def planned(shape: str, reference: ClusterProfile, budget_gib: float, setup: Setup) -> dict:
+    """A shape too large to serve here, planned over a measured profile's devices: every device's layer curve
+    scaled by roofline to the shape's layer (planning/testbeds.py's scale_curve, this machine's measured bandwidth
+    and peak for both: at one row, the ratio of the bytes a token reads; a mixture reads its chosen experts),
+    its ends' curves kept (the same vocabulary and width, or the scaling is refused), each worker `budget_gib`.
+    The planner's placement and predicted decode and prefill, as for a measured setup."""
+    from edgespec.model.config import ModelConfig
+    from edgespec.model.synth import hf_config, load_shape
+    from edgespec.model.timing import model_card
+    from edgespec.planning.testbeds import part_costs, scale_curve
+
+    ref = reference.model
+    cfg = ModelConfig.from_hf_dict(hf_config(load_shape(shape), 0, 1))
+    card = dataclasses.replace(model_card(cfg, shape, setup.weights), weight_bytes_per_param=ref.weight_bytes_per_param,
+                               kv_bytes_per_value=ref.kv_bytes_per_value,
+                               activation_bytes_per_value=ref.activation_bytes_per_value)
+    if (card.ends_params, card.hidden_size) != (ref.ends_params, ref.hidden_size):
+        raise ValueError(f"{shape}'s token ends differ from {ref.name}'s: their curves would need scaling too")
+    spec = machine_spec()
+    ref_cost, cost = part_costs(ref, None)["layer"], part_costs(card, None)["layer"]
+
+    def scaled(d, capacity: int):
+        return dataclasses.replace(d, layer_ms=scale_curve(d.layer_ms, ref_cost, spec, cost, spec),
+                                   memory_capacity_bytes=capacity)
+
+    profile = dataclasses.replace(reference, model=card,
+                                  controller=scaled(reference.controller, reference.controller.memory_capacity_bytes),
+                                  workers=[scaled(w, int(budget_gib * 2**30)) for w in reference.workers])
+    plan = make_plan(profile, PlanOptions(context=setup.context, concurrency=setup.concurrency))
+    return {"shape": shape, "reference_setup_model": ref.name, "worker_budget_gib": budget_gib,
+            "layer_weights_gib": card.n_layers * card.layer_weight_bytes() / 2**30,
+            "layer_read_params_one_row": {"shape": card.layer_read_params(1), "reference": ref.layer_read_params(1)},
+            "placement": " · ".join(f"{s.device} [{s.first}, {s.last})" for s in plan.stages),
+            "predicted": {"decode_ms_per_token": plan.decode_ms_per_token,
+                          "prefill_ms": {str(n): plan.predicted_prefill_ms(n) for n in setup.prefill}}}
+
+
 def derived(reference: ClusterProfile, out: Path) -> dict:
     """The derived-testbed method on this machine: the reference's measured curves, scaled by roofline to
     DERIVED's shape, against DERIVED served in-process; and the reference shape itself in-process (its own
@@ -308,6 +390,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--setup", action="append", choices=[*SETUPS, "none"],
                    help="setups to run (default: all; none: only the derived method, on an earlier profile)")
+    p.add_argument("--planned", action="append", choices=list(PLANNED),
+                   help="also plan a shape too large to serve here over a measured setup's profile in --out")
     p.add_argument("--derived", action=argparse.BooleanOptionalAction, default=True,
                    help="also the derived-testbed method (needs the tinyllama-3w profile)")
     args = p.parse_args(argv)
@@ -319,6 +403,12 @@ def main(argv: list[str] | None = None) -> None:
         result["setups"][name] = distributed(name, SETUPS[name], args.out)
         path.write_text(json.dumps(result, indent=1) + "\n")
         print(json.dumps({name: {k: result["setups"][name][k] for k in ("placement", "predicted", "error")}}))
+    for name in args.planned or []:
+        shape, ref_name, budget = PLANNED[name]
+        reference = ClusterProfile.load(args.out / f"profile-{ref_name}.json")
+        result.setdefault("planned", {})[name] = planned(shape, reference, budget, SETUPS[ref_name])
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps({name: result["planned"][name]}))
     if args.derived:
         reference = ClusterProfile.load(args.out / "profile-tinyllama-3w.json")
         result["derived"] = derived(reference, args.out)

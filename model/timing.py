@@ -33,7 +33,8 @@ def model_card(cfg: ModelConfig, name: str, fmt: WeightFormat | torch.dtype | st
     ends = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size
     return ModelCard(name, cfg.n_layers, cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                      cfg.layer_param_count(), ends, cfg.max_position_embeddings,
-                     bytes_per_param(fmt, from_gguf), kv.bytes_per_value(), act)
+                     bytes_per_param(fmt, from_gguf), kv.bytes_per_value(), act, n_experts=cfg.n_experts,
+                     experts_per_token=cfg.experts_per_token, expert_params=3 * cfg.hidden_size * cfg.expert_size)
 
 
 def grid(cfg: ModelConfig, tokens: Sequence[int], contexts: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -31,9 +31,24 @@ class ModelCard:
     weight_bytes_per_param: float = 2.0  # 2 for bf16/fp16, 1 for int8, about 0.56 for 4-bit
     kv_bytes_per_value: float = 2.0  # 4 float32, 2 float16, 1.0625 q8_0 (its blocks' scales included)
     activation_bytes_per_value: int = 2  # hidden states on the wire
+    # a mixture of experts (Qwen3-MoE): each layer's FFN is n_experts experts of expert_params each (layer_params
+    # counts them all: a device holds them all), of which a row reads experts_per_token; 0: a dense model
+    n_experts: int = 0
+    experts_per_token: int = 0
+    expert_params: int = 0
 
     def layer_weight_bytes(self) -> int:
         return int(self.layer_params * self.weight_bytes_per_param)
+
+    def layer_read_params(self, tokens: int) -> float:
+        """Parameters a pass of `tokens` rows reads in one layer: all of a dense layer's; of a mixture's, all but
+        its experts, and the experts its rows choose, expected E (1 - (1 - k/E)^tokens) for rows that each choose
+        k of E at random (a row reads k; many rows read nearly all E)."""
+        if not self.n_experts:
+            return self.layer_params
+        e, k = self.n_experts, self.experts_per_token
+        chosen = e * (1 - (1 - k / e) ** tokens)
+        return self.layer_params - (e - chosen) * self.expert_params
 
     def kv_bytes_per_token(self) -> int:
         """K and V of one token in one layer."""
@@ -46,7 +61,8 @@ class ModelCard:
     def layer_flops(self, tokens: int, context: int) -> float:
         """Floating-point operations of one layer for `tokens` new tokens after `context` cached ones."""
         attention = 4 * self.n_heads * self.head_dim * tokens * (context + (tokens + 1) / 2)
-        return 2 * self.layer_params * tokens + attention
+        active = self.layer_params - (self.n_experts - self.experts_per_token) * self.expert_params  # a row's
+        return 2 * active * tokens + attention
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ so the measured inefficiency of the reference (kernel launches, imperfect overla
 as a factor, while the memory-bound (decoding) or compute-bound (long prefill) regime is decided afresh
 for the target. Bytes and FLOPs per part:
 
-    layer: layer weight bytes + the K/V of (c + n) tokens read by attention;  card.layer_flops(n, c)
+    layer: layer weight bytes read + the K/V of (c + n) tokens;               card.layer_flops(n, c)
+           (a mixture's: all but its experts, and the experts n rows are expected to choose)
     embed: n rows of the embedding (n * hidden * weight bytes);               no FLOPs
     head:  vocab * hidden weights (ends_params / 2 for untied cards);         2 * vocab * hidden * n
 
@@ -100,12 +101,13 @@ def head_params(card: ModelCard, vocab: int | None = None) -> int:
     return vocab * h
 
 
-def _costs(card: ModelCard, vocab: int | None):
+def part_costs(card: ModelCard, vocab: int | None):
     """(bytes, flops) functions of (tokens, context) for the layer, the embedding and the head."""
     w = card.weight_bytes_per_param
     head = head_params(card, vocab)
     return {
-        "layer": lambda n, c: (card.layer_weight_bytes() + card.kv_bytes_per_token() * (c + n), card.layer_flops(n, c)),
+        "layer": lambda n, c: (card.layer_read_params(n) * w + card.kv_bytes_per_token() * (c + n),
+                               card.layer_flops(n, c)),
         "embed": lambda n, c: (n * card.hidden_size * w, 0.0),
         "head": lambda n, c: (head * w, 2.0 * head * n),
     }
@@ -128,7 +130,7 @@ def derive_device(spec: DeviceSpec, card: ModelCard, reference: ClusterProfile, 
                   reference_vocab: int | None = None, vocab: int | None = None) -> tuple[Curve, Curve, Curve]:
     """(layer_ms, embed_ms, head_ms) of `card` on `spec`, scaled from the reference controller's curves;
     `vocab`: the card's vocabulary (None: the card is taken to be untied)."""
-    ref_costs, costs = _costs(reference.model, reference_vocab), _costs(card, vocab)
+    ref_costs, costs = part_costs(reference.model, reference_vocab), part_costs(card, vocab)
     ctrl = reference.controller
     measured = {"layer": ctrl.layer_ms, "embed": ctrl.embed_ms, "head": ctrl.head_ms}
     curves = []

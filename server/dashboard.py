@@ -45,6 +45,8 @@ class Device(BaseModel):
     layers: list[LayerRange] = Field(description="decoder layers held by the current plan's stages")
     head_groups: int = Field(0, description="KV head groups held over all layers by the HeadSplit placement, once "
                              "the headsplit policy has placed its pipeline")
+    experts: int = Field(0, description="a mixture of experts' experts held over the device's layers (each sparse "
+                         "layer's every expert: a layer's experts stay with it)")
     memory_use: float | None = Field(None, description="weights plus KV caches over the memory budget (workers: "
                                      "as of the last check; in-process: the KV pool over --kv-cache-gib)")
     memory_budget_bytes: int | None = Field(None, description="the budget memory_use is measured against")
@@ -224,8 +226,13 @@ class Dashboard:
         # the controller's own KV pool, over --kv-cache-gib, while it holds layers (with workers the pools are
         # theirs, and their rows show their memory use)
         budget = max(1, int(service.settings.kv_cache_gib * 2**30))
-        controller = Device(name="controller", role="controller", up=True,
-                            layers=[LayerRange(first=0, last=n_layers)] if here else [],
+        cfg = service.loaded.cfg
+
+        def experts(ranges: list[LayerRange]) -> int:
+            return sum(cfg.n_experts for r in ranges for i in range(r.first, r.last) if cfg.sparse(i))
+
+        own = [LayerRange(first=0, last=n_layers)] if here else []
+        controller = Device(name="controller", role="controller", up=True, layers=own, experts=experts(own),
                             memory_use=service.engine.executor.kv_bytes() / budget if here else None,
                             memory_budget_bytes=budget if here else None, **figures("controller"))
         if cluster is None:
@@ -240,7 +247,8 @@ class Dashboard:
                 capacity = cluster.profile.device(m.name).memory_capacity_bytes
             except KeyError:  # joined since the profile was read; its budget shows after the re-plan
                 capacity = None
-            workers.append(Device(name=m.name, role="worker", url=m.url, up=m.up, layers=ranges.get(m.name, []),
+            own = ranges.get(m.name, [])
+            workers.append(Device(name=m.name, role="worker", url=m.url, up=m.up, layers=own, experts=experts(own),
                                   memory_use=use.get(m.name), memory_budget_bytes=capacity, **figures(m.name)))
         return [controller, *workers]
 
