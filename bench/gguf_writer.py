@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from edgespec.model.synth_gguf import write_tokenizer
+
 # per architecture of model/arch.py: transformers' config and model classes, and what its config adds
 # (Qwen3's heads are wider than hidden / heads, as in the real models)
 ARCH_CLASSES = {
@@ -78,29 +80,6 @@ CONVERTER = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "qwen2": ("QW
 def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     # LlamaModel.permute: each head's rows from two halves to llama.cpp's interleaved rotary order
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _tokenizer(writer, folder: Path, vocab_size: int) -> None:
-    import gguf
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(folder)
-    reverse = {i: t for t, i in tok.get_vocab().items()}
-    added = tok.added_tokens_decoder
-    tokens, types = [], []
-    for i in range(vocab_size):
-        if i not in reverse:
-            tokens.append(f"[PAD{i}]")
-            types.append(gguf.TokenType.UNUSED)
-        else:
-            tokens.append(reverse[i])
-            types.append(gguf.TokenType.CONTROL if i in added and added[i].special
-                         else gguf.TokenType.USER_DEFINED if i in added else gguf.TokenType.NORMAL)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    gguf.SpecialVocab(folder, load_merges=True).add_to_gguf(writer)
 
 
 def _rope_parameters(hp: dict) -> dict:
@@ -162,7 +141,7 @@ def write_gguf(folder: Path | str, out: Path | str, kinds: dict[str, str] | None
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     extra = _phi3_parameters(w, hp) if hp["model_type"] == "phi3" else _text_parameters(w, hp, through_llama)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    _tokenizer(w, folder, hp["vocab_size"])
+    write_tokenizer(w, folder, hp["vocab_size"])
     for gname, data in extra:  # the converter's generate_extra_tensors come before the checkpoint's
         w.add_tensor(gname, data)
 

@@ -41,18 +41,30 @@ def read_bandwidth(threads: int | None = None) -> dict:
 
 def gguf_bytes_per_token(gguf: Path) -> int:
     """What llama.cpp reads per token of a GGUF: every tensor as stored, but of the token embedding only one row
-    unless it is also the output head (a tied embedding: no `output.weight`)."""
+    unless it is also the output head (a tied embedding: no `output.weight`), and of a mixture's stacked experts
+    (`ffn_*_exps`) the share a token chooses, experts_per_token of n_experts."""
     from gguf import GGUFReader
 
-    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(gguf).tensors}
+    from edgespec.model.config import ModelConfig
+    from edgespec.model.source import resolve_model
+
+    share = expert_share(ModelConfig.from_folder(resolve_model(str(gguf)).folder))
+    tensors = {t.name: int(t.n_bytes) * (share if "_exps." in t.name else 1) for t in GGUFReader(gguf).tensors}
     embed = tensors.pop("token_embd.weight", 0)
-    return sum(tensors.values()) + (0 if "output.weight" in tensors else embed)
+    return round(sum(tensors.values()) + (0 if "output.weight" in tensors else embed))
+
+
+def expert_share(cfg) -> float:
+    """The share of a mixture's experts one token reads (1 for a dense model)."""
+    return cfg.experts_per_token / cfg.n_experts if cfg.n_experts else 1.0
 
 
 @torch.inference_mode()
-def edgespec_bytes_per_token(fmt: str) -> int:
-    """What edgespec's default model reads per token in weight format `fmt` (`default`: the server's default,
-    auto): the decoder layers' and the ends' weights as held (the tied head's table once)."""
+def edgespec_bytes_per_token(fmt: str, model: str | None = None) -> int:
+    """What edgespec reads per token of `model` (None: the default) in weight format `fmt` (`default`: the
+    server's default, auto): the decoder layers' and the ends' weights as held (the tied head's table once), of a
+    mixture's experts the share a token chooses."""
+    from edgespec.model.blocks import Experts
     from edgespec.model.config import ModelConfig
     from edgespec.model.kv_format import kv_format
     from edgespec.model.linear import linear_bytes, weight_format
@@ -60,12 +72,14 @@ def edgespec_bytes_per_token(fmt: str) -> int:
     from edgespec.model.stack import LayerStack, TokenEnds
     from edgespec.model.weights import open_source
 
-    files = resolve_model(None)
+    files = resolve_model(model)
     cfg = ModelConfig.from_folder(files.folder)
     src = open_source(files)
     wf = weight_format("auto" if fmt == "default" else fmt)
     stack = LayerStack.load(src, cfg, 0, cfg.n_layers, wf, kv_format("float16"))
-    return linear_bytes(stack) + linear_bytes(TokenEnds.load(src, cfg, wf))
+    experts = sum(linear_bytes(m.experts) for m in stack.modules() if isinstance(m, Experts))
+    unread = experts * (1 - expert_share(cfg))
+    return round(linear_bytes(stack) - unread + linear_bytes(TokenEnds.load(src, cfg, wf)))
 
 
 def add_roofline(rows: list[dict], bandwidth: float, bytes_per_token: dict[str, int]) -> None:

@@ -212,6 +212,17 @@ def _split(names: str) -> list[str]:
     return [n.strip() for n in names.split(",") if n.strip()]
 
 
+def model_gguf(model: str) -> Path:
+    """The GGUF llama.cpp serves for `model`: the file itself, or the one a folder's weights are in (a scale
+    model's, whose tokenizer and chat template edgespec reads from the folder)."""
+    from edgespec.model.source import resolve_model
+
+    gguf = resolve_model(model).gguf
+    if gguf is None:
+        raise ValueError(f"{model} has no GGUF file for llama.cpp to serve")
+    return gguf
+
+
 def run_versus(args) -> dict:
     from edgespec.model.source import default_gguf
 
@@ -222,8 +233,8 @@ def run_versus(args) -> dict:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(Path(args.prompts), args.limit)
     formats, policies = _split(args.formats), _split(args.policies)
-    extra = shlex.split(args.edgespec_args or "")
-    gguf = default_gguf()
+    gguf = model_gguf(args.model) if args.model else default_gguf()
+    extra = (["--model", args.model] if args.model else []) + shlex.split(args.edgespec_args or "")
     python = llama_python(args.llama_python)
     results: dict = {
         "settings": {"prompts_file": str(args.prompts), "limit": args.limit, "prompts": len(prompts),
@@ -238,7 +249,8 @@ def run_versus(args) -> dict:
     # measured alone, before any server starts
     console.print("measuring this machine's read bandwidth and each format's weight bytes per token")
     results["roofline"] = read_bandwidth()
-    per_token = {LLAMA: gguf_bytes_per_token(gguf), **{fmt: edgespec_bytes_per_token(fmt) for fmt in formats}}
+    per_token = {LLAMA: gguf_bytes_per_token(gguf),
+                 **{fmt: edgespec_bytes_per_token(fmt, args.model) for fmt in formats}}
     # (server, format, policy, decoding field, extra request fields, argv for a port, readiness path)
     setups = [(LLAMA, gguf_format(gguf), LLAMA, None, LLAMA_REQUEST,
                lambda port: llamacpp_argv(python, gguf, port, args.llama_threads, args.llama_ctx), "/v1/models")]

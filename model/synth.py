@@ -48,8 +48,9 @@ FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 GGUF_FORMATS = ("q4_1", "q8_0")
 FORMATS = (*GGUF_FORMATS, *FLOAT_FORMATS)
 # of the generator: a folder written by another version is written again. 2: GGUFs with the converter's keys
-# (key and rope lengths, file type, name) and Llama 3's rope_freqs; every architecture's own tensors
-VERSION = 2
+# (key and rope lengths, file type, name) and Llama 3's rope_freqs; every architecture's own tensors. 3: the
+# tokenizer in the GGUF too (llama.cpp loads it)
+VERSION = 3
 STD = 0.02
 SHARD_BYTES = 2 * 2**30
 # a layer's FFN tensors by kind: a dense layer has the first, a sparse one (a mixture) the second

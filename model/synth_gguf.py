@@ -6,8 +6,8 @@
   base, norm epsilon, key and value lengths, file type), with those model/arch.py's GGUFKeys say its converter
   class adds or leaves out (`LlamaModel`'s vocabulary size and rope dimensions, `Gemma3Model`'s sliding window,
   `Phi3MiniModel`'s set: no key lengths, the partial rotary's dimensions, its window always) and longrope's
-  original context and attention factor (`Phi3MiniModel`); no tokenizer (the folder's config.json and tokenizer
-  are what edgespec reads);
+  original context and attention factor (`Phi3MiniModel`); the folder's tokenizer as a gpt2-style vocabulary
+  (edgespec reads the folder's config.json and tokenizer; llama.cpp needs it in the file);
 - tensors: GGUF names from model/arch.py (fused projections, Phi-3's qkv_proj and gate_up_proj, whole as
   attn_qkv and ffn_up), q and k rows reordered where the architecture's rotary is permuted (`LlamaModel.permute`),
   norms shifted by the architecture's norm_offset (`Gemma3Model.norm_shift`: its norms multiply by 1 + w), and
@@ -39,6 +39,32 @@ ROPE_FREQS = "rope_freqs.weight"
 # a mixture's router (ffn_gate_inp), written in F32
 ROUTER = ".mlp.gate.weight"
 ROPE_FACTORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
+
+
+def write_tokenizer(writer, folder: Path, vocab_size: int) -> None:
+    """The folder's tokenizer (SmolLM2's byte-level BPE, as the tests' and the scale models' folders hold it) as
+    the converter writes a gpt2-style one: every id up to `vocab_size` (ids past the tokenizer's as unused
+    [PADi]), its token types, merges and special ids, so that llama.cpp loads the file too."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    reverse = {i: t for t, i in tok.get_vocab().items()}
+    added = tok.added_tokens_decoder
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        else:
+            tokens.append(reverse[i])
+            types.append(gguf.TokenType.CONTROL if i in added and added[i].special
+                         else gguf.TokenType.USER_DEFINED if i in added else gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    gguf.SpecialVocab(folder, load_merges=True).add_to_gguf(writer)
 
 
 def write_metadata(writer, cfg: ModelConfig, window: int | None, name: str, weights: str) -> None:
@@ -110,6 +136,7 @@ def write_gguf(plan: Sequence[Tensor], path: Path, config: dict, name: str, weig
     layer_kind = GGMLQuantizationType[weights.upper()]
     writer = GGUFWriter(path, arch.gguf)
     write_metadata(writer, cfg, config.get("sliding_window"), f"synthetic {name}", weights)
+    write_tokenizer(writer, path.parent, cfg.vocab_size)  # write_config put the tokenizer beside it
     extra = extra_tensors(cfg)
 
     def kind(t: Tensor) -> GGMLQuantizationType | None:  # None: F32 (the norms, a mixture's router)

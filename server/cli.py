@@ -65,6 +65,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--stage-timeout-s", type=float, help="timeout of one call to a worker (default 60)")
     p.add_argument("--recover-probe-s", type=float, help="after a failed call, a worker that does not answer "
                    "within this many seconds is planned out (default 5)")
+    p.add_argument("--restart-wait-s", type=float, help="when no placement fits the workers left after a loss, how "
+                   "long work waits for a lost local worker to be started again and planned back in (default 180)")
     p.add_argument("--worker-cpus", help="CPU sets of the local workers, e.g. '0;1'")
     p.add_argument("--placement", choices=["plan", "even"], help="layers by the planner (default) or evenly")
     p.add_argument("--profile", help="profile JSON to plan from (default: cached, or measured at start)")
@@ -185,6 +187,8 @@ def _bench_peer_parser(sub) -> None:
                                           "else /root/llamacpp-venv/bin/python, made by `make peer-env`)")
     p.add_argument("--llama-threads", type=int, default=2, help="llama.cpp's --n_threads")
     p.add_argument("--llama-ctx", type=int, default=2048, help="llama.cpp's --n_ctx")
+    p.add_argument("--model", help="a GGUF file both servers serve, or a folder whose weights are one (a scale "
+                   "model's; edgespec reads its tokenizer there) (default: the embedded default model's)")
     p.add_argument("--ready-timeout-s", type=float, default=600, help="how long a server may take to start")
     p.add_argument("--long-prompt-tokens", type=int, default=1024,
                    help="then time one-token answers to prompts of about this many tokens (0: do not)")
@@ -275,8 +279,9 @@ def _headsplit_parser(sub) -> None:
 def _synth_parser(sub) -> None:
     p = sub.add_parser("synth-model", help="write a scale model: a real model's shape with seeded random weights "
                        "(its text is noise: it is for speed, memory and placement)")
-    p.add_argument("--shape", required=True, help="a card of config/models (tinyllama-1.1b, llama-3.2-1b, "
-                   "llama-3.2-3b, llama-2-7b, llama-2-13b, qwen3-4b, gemma3-1b, gemma3-4b) or a card JSON's path")
+    p.add_argument("--shape", required=True, help="a card of config/models with Hugging Face fields (e.g. "
+                   "tinyllama-1.1b, llama-2-7b, qwen3-4b, qwen3-moe-7b-a1b; an unknown name lists them all) or a "
+                   "card JSON's path")
     p.add_argument("--out", type=Path, help="the folder to write (default: in the cache, by shape, format and seed)")
     p.add_argument("--weights", default="q4_1", choices=FORMATS[1:],
                    help="q4_1 / q8_0: a GGUF of those blocks; float32 / bfloat16 / float16: safetensors (default q4_1)")

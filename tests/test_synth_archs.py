@@ -4,8 +4,8 @@ rotary frequencies and their attention factor, its layer pattern, its parameter 
 small version of each shape (its architecture's own fields kept, its sizes tiny) written in float32 runs as
 transformers runs it, its norms multiply by 1 in transformers' own modules, and written as a Q8_0 GGUF it holds
 what llama.cpp's converter writes from the float32 folder (bench/gguf_writer.py mirrors the converter without
-model/arch.py; Phi-3's fused tensors whole, as the converter keeps them), serves, and keeps its hidden states
-finite."""
+model/arch.py; Phi-3's fused tensors whole, as the converter keeps them), llama.cpp reads it to the logits edgespec
+reads from it, and it serves and keeps its hidden states finite."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from inprocess import serves_a_chat_completion
-from model_fixtures import load_blocks, load_reference
+from model_fixtures import llama_cpp_logits, load_blocks, load_reference
 
 from edgespec.bench.gguf_writer import write_gguf as converter_gguf
 from edgespec.model.config import ModelConfig, rope_attention_factor, rope_inv_freq
@@ -222,6 +222,17 @@ def test_the_gguf_holds_what_the_converter_writes(small, tmp_path):
         values = dequantize(np.asarray(got.data), GGMLQuantizationType.Q8_0)
         assert values.shape == want.shape, name
         assert np.abs(values - want).max() <= np.abs(want).max() / 100, name
+
+
+def test_llama_cpp_reads_the_gguf_as_edgespec_does(small, tmp_path):
+    # the tokenizer is in the file too. llama.cpp's logits on the same Q8_0 file, which rounds activations its own
+    # way: measured 0.0026-0.0078 of the largest logit (the mixtures 0.0065 and 0.0078; the Gemma 3s 0.019 and
+    # 0.022), the same top token at 0.957-1.0 of the positions
+    _, _, q8 = small
+    theirs = llama_cpp_logits(q8 / GGUF_FILE, IDS, tmp_path)
+    ours = load_blocks(q8).logits_from_scratch(IDS)
+    assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 0.05
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item() >= 0.9
 
 
 def test_the_gguf_serves_and_keeps_its_hidden_states_finite(small):
