@@ -71,6 +71,21 @@ def test_model_card_of_smollm2_counts_its_parameters():
     assert card.activation_bytes(1) == 576 * 2
 
 
+def test_a_mixtures_card_reads_the_experts_its_rows_choose():
+    # Qwen3-30B-A3B: a device holds all 128 experts of a layer, a row reads 8 of them (the roofline's bytes, the
+    # FLOPs), many rows nearly all; a dense card reads its whole layer whatever the rows
+    from edgespec.model.synth import hf_config, load_shape
+
+    card = model_card(ModelConfig.from_hf_dict(hf_config(load_shape("qwen3-30b-a3b"), 0, 1)), "30b", "q4_1")
+    assert (card.n_experts, card.experts_per_token, card.expert_params) == (128, 8, 3 * 2048 * 768)
+    one = card.layer_read_params(1)
+    assert one == pytest.approx(card.layer_params - 120 * card.expert_params)
+    assert card.layer_read_params(2) == pytest.approx(one + 8 * (1 - 8 / 128) * card.expert_params)
+    assert card.layer_read_params(1000) == pytest.approx(card.layer_params, rel=1e-6)
+    assert card.layer_flops(1, 0) == pytest.approx(2 * one + 4 * card.n_heads * card.head_dim)
+    assert CARD.layer_read_params(1) == CARD.layer_read_params(64) == CARD.layer_params
+
+
 def test_slower_device_gets_fewer_layers_and_the_plan_beats_even():
     p = profile({"fast": 1.0, "slow": 3.0})
     plan, even = make_plan(p), even_plan(p)
