@@ -45,18 +45,13 @@ def gguf_bytes_per_token(gguf: Path) -> int:
     (`ffn_*_exps`) the share a token chooses, experts_per_token of n_experts."""
     from gguf import GGUFReader
 
-    from edgespec.model.config import ModelConfig
-    from edgespec.model.source import resolve_model
-
-    share = expert_share(ModelConfig.from_folder(resolve_model(str(gguf)).folder))
-    tensors = {t.name: int(t.n_bytes) * (share if "_exps." in t.name else 1) for t in GGUFReader(gguf).tensors}
+    reader = GGUFReader(gguf)
+    arch = reader.fields["general.architecture"].contents()
+    count, used = (reader.fields.get(f"{arch}.expert_{key}") for key in ("count", "used_count"))
+    share = used.contents() / count.contents() if count is not None and used is not None else 1.0
+    tensors = {t.name: int(t.n_bytes) * (share if "_exps." in t.name else 1) for t in reader.tensors}
     embed = tensors.pop("token_embd.weight", 0)
     return round(sum(tensors.values()) + (0 if "output.weight" in tensors else embed))
-
-
-def expert_share(cfg) -> float:
-    """The share of a mixture's experts one token reads (1 for a dense model)."""
-    return cfg.experts_per_token / cfg.n_experts if cfg.n_experts else 1.0
 
 
 @torch.inference_mode()
@@ -78,7 +73,7 @@ def edgespec_bytes_per_token(fmt: str, model: str | None = None) -> int:
     wf = weight_format("auto" if fmt == "default" else fmt)
     stack = LayerStack.load(src, cfg, 0, cfg.n_layers, wf, kv_format("float16"))
     experts = sum(linear_bytes(m.experts) for m in stack.modules() if isinstance(m, Experts))
-    unread = experts * (1 - expert_share(cfg))
+    unread = experts * (1 - cfg.experts_per_token / cfg.n_experts) if cfg.n_experts else 0
     return round(linear_bytes(stack) - unread + linear_bytes(TokenEnds.load(src, cfg, wf)))
 
 

@@ -213,22 +213,22 @@ def killed_worker(url: str, controller: int, prompt: str, tokens: int = 32) -> d
     against the same request without the fault: whether it gave the same tokens, and its longest gap."""
     from edgespec.bench.faults import worker_pid
 
-    client = httpx.Client(base_url=url, timeout=1800)
-    model = client.get("/v1/models").json()["data"][0]["id"]
-    reference = stream(client, model, prompt, tokens)
-    workers = client.get("/health").json()["workers"]
-    target = workers[len(workers) // 2]
-    pid, times = worker_pid(controller, target), []
+    with httpx.Client(base_url=url, timeout=1800) as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        reference = stream(client, model, prompt, tokens)
+        workers = client.get("/health").json()["workers"]
+        target = workers[len(workers) // 2]
+        pid, times = worker_pid(controller, target), []
 
-    def on_token(n: int) -> None:
-        times.append(time.perf_counter())
-        if n == tokens // 4:
-            os.kill(pid, signal.SIGKILL)
+        def on_token(n: int) -> None:
+            times.append(time.perf_counter())
+            if n == tokens // 4:
+                os.kill(pid, signal.SIGKILL)
 
-    try:
-        run = stream(client, model, prompt, tokens, on_token)
-    except RuntimeError as exc:  # an error event: the fault cost the stream
-        return {"worker": target["name"], "layers": target.get("layers"), "completed": False, "error": str(exc)}
+        try:
+            run = stream(client, model, prompt, tokens, on_token)
+        except RuntimeError as exc:  # an error event: the fault cost the stream
+            return {"worker": target["name"], "layers": target.get("layers"), "completed": False, "error": str(exc)}
     return {"worker": target["name"], "layers": target.get("layers"), "after_tokens": tokens // 4, "completed": True,
             "same_tokens": run["token_bytes"] == reference["token_bytes"], "tokens": run["tokens"],
             "longest_gap_ms": round(1000 * max(b - a for a, b in itertools.pairwise(times)), 1),

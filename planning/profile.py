@@ -61,8 +61,7 @@ class ModelCard:
     def layer_flops(self, tokens: int, context: int) -> float:
         """Floating-point operations of one layer for `tokens` new tokens after `context` cached ones."""
         attention = 4 * self.n_heads * self.head_dim * tokens * (context + (tokens + 1) / 2)
-        active = self.layer_params - (self.n_experts - self.experts_per_token) * self.expert_params  # a row's
-        return 2 * active * tokens + attention
+        return 2 * self.layer_read_params(1) * tokens + attention  # each row through its own experts
 
 
 @dataclass(frozen=True)
