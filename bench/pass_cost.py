@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 from edgespec.bench.versus import machine_info
-from edgespec.model.blocks import Experts, SeqRows
+from edgespec.model.blocks import SeqRows
 from edgespec.model.config import ModelConfig
+from edgespec.model.ffn import Experts
 from edgespec.model.linear import Kernel, weight_format
 from edgespec.model.source import resolve_model
 from edgespec.model.stack import LayerStack, TokenEnds

@@ -59,8 +59,8 @@ def edgespec_bytes_per_token(fmt: str, model: str | None = None) -> int:
     """What edgespec reads per token of `model` (None: the default) in weight format `fmt` (`default`: the
     server's default, auto): the decoder layers' and the ends' weights as held (the tied head's table once), of a
     mixture's experts the share a token chooses."""
-    from edgespec.model.blocks import Experts
     from edgespec.model.config import ModelConfig
+    from edgespec.model.ffn import Experts
     from edgespec.model.kv_format import kv_format
     from edgespec.model.linear import linear_bytes, weight_format
     from edgespec.model.source import resolve_model

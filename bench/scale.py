@@ -75,6 +75,11 @@ SETUPS = {
     # 1.25 GiB, under a third of its layers, beside llama-2-7b-4w (a dense 6.7B over the same number of workers)
     "qwen3-moe-7b-a1b-4w": Setup("qwen3-moe-7b-a1b", "q4_1", 4, 1.25, context=1024, prefill=(128, 512),
                                  decode_tokens=32, reps=3),
+    # the same mixture over 5 workers of 1.01 GiB: beside its 40 MiB of rotary tables, 4.86 of its 0.2 GiB layers
+    # (with their KV for 1024 tokens) a worker, 24.3 in all but 20 whole ones, so the planner places some experts
+    # apart from their layers (planning/experts.py) and the passes call for them
+    "qwen3-moe-7b-a1b-5w-apart": Setup("qwen3-moe-7b-a1b", "q4_1", 5, 1.01, context=1024, prefill=(128, 512),
+                                       decode_tokens=32, reps=3),
 }
 # Shapes this machine cannot hold (Qwen3-30B-A3B in Q4_1: 20.9 GiB of layers in the workers' layout, with the
 # processes beside them past this machine's 23 GiB), planned over a measured setup's devices instead: name ->
@@ -198,6 +203,7 @@ def distributed(name: str, setup: Setup, out: Path) -> dict:
         "layer_weights_gib": weights / 2**30, "worker_budget_gib": setup.budget_gib,
         "placement": layout, "placement_served": shown["layout"], "placement_matches": shown["layout"] == layout,
         "stages": [dataclasses.asdict(s) for s in plan.stages],
+        "experts_apart": sum(len(ids) for s in plan.stages for where in s.away.values() for ids in where.values()),
         # what the workers hold after the run (memory_use: weights plus KV over the budget), and the controller's
         # whole resident memory (Python, torch, the tokenizer and the token ends: no layer)
         "devices_served": devices, "controller_resident_gib": controller_rss / 2**30,

@@ -206,7 +206,7 @@ ARCHITECTURES = (
     Architecture("ministral", ("ministral",), "llama", rotary_permuted=True, gguf_keys=LLAMA_KEYS),
     Architecture("qwen2", ("qwen2",), "qwen2", bias=(True, False)),
     Architecture("qwen3", ("qwen3",), "qwen3", qk_norm=True, layer={**LLAMA_LAYER, **QK_NORM_LAYER}),
-    # Qwen3-MoE: Qwen3's attention, and in its sparse layers a mixture of experts for the FFN (blocks.Experts; the
+    # Qwen3-MoE: Qwen3's attention, and in its sparse layers a mixture of experts for the FFN (ffn.Experts; the
     # config's num_experts and the rest, model/config.py)
     Architecture("qwen3_moe", ("qwen3_moe",), "qwen3moe", qk_norm=True,
                  layer={**LLAMA_LAYER, **QK_NORM_LAYER, **EXPERTS_LAYER}),

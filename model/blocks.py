@@ -1,4 +1,5 @@
-"""Blocks of a Llama-family decoder: norm, rotary embedding, KV-group attention, FFN, decoder layer.
+"""Blocks of a Llama-family decoder: norm, rotary embedding, KV-group attention, decoder layer (its FFN or
+mixture of experts: model/ffn.py).
 
 A layer is split into blocks so that a stage can hold whole layers or only some KV groups of a layer:
 an AttentionBlock owns a set of KV groups (each a KV head with its query heads) and the matching columns
@@ -15,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgespec.model.config import ModelConfig, rope_attention_factor, rope_inv_freq
+from edgespec.model.ffn import FFN, Experts
 from edgespec.model.kv_cache import KVCache
-from edgespec.model.linear import Kernel, compiled
-from edgespec.model.module_list import ModuleList
+from edgespec.model.linear import Kernel, compiled, kernels_take
 
 
 @dataclass(frozen=True)
@@ -34,13 +35,6 @@ class SeqRows:
 def fused(width: int) -> bool:
     # the kernels' vector loops take rows in multiples of 8 floats
     return width % 8 == 0
-
-
-def kernels_take(*tensors: torch.Tensor) -> bool:
-    """Whether the compiled kernels may take these operands: on the CPU, and no gradient wanted (the kernels have
-    no backward: the drafter's training runs torch's own ops, on any device)."""
-    return all(t.device.type == "cpu" for t in tensors) and not (
-        torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 class RMSNorm(nn.Module):
@@ -207,15 +201,26 @@ class AttentionBlock(nn.Module):
         bits it gets alone. Otherwise each sequence runs on its own. -> the partial output [M, H]"""
         if self.compiled:
             hd = rope.cos.shape[-1]
-            k = compiled()
-            kv = [k.SeqKV(*s.cache.storage(layer), s.start, s.length, _heads_mask(s.mask)) for s in seqs]
-            return k.attention_rows(x.float(), self.weights(), rope.cos.reshape(-1, hd), rope.sin.reshape(-1, hd), kv)
-        outs, a = [], 0
-        for s in seqs:
-            b = a + s.length
-            outs.append(self(x[None, a:b], rope.rows(a, b), s.cache, layer, s.start, s.mask)[0])
-            a = b
-        return torch.cat(outs)
+            return compiled().attention_rows(x.float(), self.weights(), rope.cos.reshape(-1, hd),
+                                             rope.sin.reshape(-1, hd), seq_kv(seqs, layer))
+        return per_sequence(x, rope, seqs, lambda rows, r, s: self(rows, r, s.cache, layer, s.start, s.mask))
+
+
+def seq_kv(seqs: Sequence[SeqRows], layer: int) -> list:
+    """The sequences' caches of `layer` as the compiled calls take them (layer.cpp's SeqKV)."""
+    k = compiled()
+    return [k.SeqKV(*s.cache.storage(layer), s.start, s.length, _heads_mask(s.mask)) for s in seqs]
+
+
+def per_sequence(x: torch.Tensor, rope: Rope, seqs: Sequence[SeqRows], fn) -> torch.Tensor:
+    """fn(rows [1, T, H], their Rope, their SeqRows) -> [1, T, H] over each sequence's rows of x [M, H] in turn
+    -> [M, H]."""
+    outs, a = [], 0
+    for s in seqs:
+        b = a + s.length
+        outs.append(fn(x[None, a:b], rope.rows(a, b), s)[0])
+        a = b
+    return torch.cat(outs)
 
 
 def causal_mask(start: int, t: int) -> torch.Tensor:
@@ -269,104 +274,20 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa, scale=scale)
 
 
-class FFN(nn.Module):
-    """Gated feed-forward block, act(gate) * up, with the gate and up projections fused into one matrix: SiLU
-    (SwiGLU, the compiled kernels' only activation) or the tanh form of GELU (Gemma's gelu_pytorch_tanh)."""
-
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, size: int | None = None):
-        super().__init__()
-        self.act = cfg.hidden_act
-        self.inter = cfg.intermediate_size if size is None else size  # an expert's: cfg.expert_size
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias, dtype=dtype)
-        self.down = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
-        self.requires_grad_(False)
-
-    @property
-    def compiled(self) -> bool:
-        # ffn.cpp's Ffn is SwiGLU only: another activation runs the projections' kernels one by one
-        return isinstance(self.gate_up, Kernel) and isinstance(self.down, Kernel) and self.act == "silu"
-
-    def weights(self):
-        """The block's weights as ffn.cpp's Ffn (`compiled` must hold)."""
-        return compiled().Ffn(self.gate_up.kernel, self.down.kernel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [B, T, H] -> [B, T, H]
-        if self.compiled:
-            return self.weights()(x.float())
-        gate_up = self.gate_up(x)  # [B, T, 2I]
-        if self.act == "silu" and gate_up.dtype == torch.float32 and kernels_take(gate_up):
-            return self.down(compiled().silu_mul(gate_up))
-        gate, up = gate_up.split(self.inter, dim=-1)
-        if self.act == "gelu_pytorch_tanh":  # elementwise: each row's bits whatever the pass
-            return self.down(F.gelu(gate, approximate="tanh") * up)
-        return self.down(F.silu(gate) * up)
-
-
-class Experts(nn.Module):
-    """A mixture of experts in place of the FFN (Qwen3-MoE's sparse block): the router's logits over the experts,
-    their softmax in float32, each row's top experts_per_token (renormalised to sum 1 where norm_topk_prob), and
-    each chosen expert, an FFN of its own, run over just the rows that chose it. A row's output is its experts'
-    weighted outputs added in ascending expert order (transformers' index_add_ order). On the compiled kernels
-    all of that is one call (ffn.cpp's Ffn, built once: `weights()`), whose bits do not depend on the rows beside
-    a row in the pass; otherwise (bfloat16, training) torch's ops run it expert by expert."""
-
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
-        super().__init__()
-        self.top_k, self.renorm = cfg.experts_per_token, cfg.norm_topk_prob
-        self.router = nn.Linear(cfg.hidden_size, cfg.n_experts, bias=False, dtype=dtype)
-        self.experts: ModuleList[FFN] = ModuleList(FFN(cfg, dtype, cfg.expert_size) for _ in range(cfg.n_experts))
-        self._weights = None  # weights(), once loaded
-        self.requires_grad_(False)
-
-    @property
-    def compiled(self) -> bool:
-        """Whether the mixture runs as one call (ffn.cpp): the router and every expert on compiled kernels."""
-        return isinstance(self.router, Kernel) and all(e.compiled for e in self.experts)
-
-    def weights(self):
-        """The mixture's weights as ffn.cpp's Ffn (`compiled` must hold), built on first use: the weights do not
-        change once loaded, and a mixture's handles are a few hundred."""
-        if self._weights is None:
-            self._weights = compiled().Ffn(self.router.kernel, [e.gate_up.kernel for e in self.experts],
-                                           [e.down.kernel for e in self.experts], self.top_k, self.renorm)
-        return self._weights
-
-    def route(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """rows [M, H] -> each row's experts [M, k] and their weights [M, k] in the rows' dtype."""
-        probs = torch.softmax(self.router(rows).float(), dim=-1)  # [M, E]
-        weights, chosen = probs.topk(self.top_k, dim=-1)
-        if self.renorm:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return chosen, weights.to(rows.dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [B, T, H] -> [B, T, H]
-        if self.compiled:
-            return self.weights()(x.float())
-        rows = x.reshape(-1, x.shape[-1])  # [M, H]
-        chosen, weights = self.route(rows)
-        out = torch.zeros_like(rows)
-        for e in chosen.unique().tolist():  # ascending
-            at, slot = (chosen == e).nonzero(as_tuple=True)  # the rows that chose e, and where in their top-k
-            y = self.experts[e](rows[at][None])[0]  # [m, H]
-            out.index_add_(0, at, y * weights[at, slot, None])
-        return out.view_as(x)
-
-
 class DecoderLayer(nn.Module):
     """One pre-norm decoder layer holding all of its KV groups; with the architecture's norms of the attention's
     and the FFN's outputs where it has them (Gemma 3), a sliding window where the config makes layer `index`
     a sliding one (its own rotary base and a windowed mask), and no rotation where it makes it a NoPE layer."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int = 0):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int = 0, experts: Sequence[int] | None = None):
+        """experts: the experts of a sparse layer held here (every one by default; the planner's placement)."""
         super().__init__()
         norms = cfg.arch.norms
         self.input_norm = norm(cfg, cfg.hidden_size, dtype)
         self.attn = AttentionBlock(cfg, range(cfg.n_kv_heads), dtype, with_o_bias=cfg.o_bias)
         self.attn_out_norm = norm(cfg, cfg.hidden_size, dtype) if "attn_out" in norms else None
         self.post_norm = norm(cfg, cfg.hidden_size, dtype)  # the FFN's input norm
-        self.ffn: FFN | Experts = Experts(cfg, dtype) if cfg.sparse(index) else FFN(cfg, dtype)
+        self.ffn: FFN | Experts = Experts(cfg, dtype, experts) if cfg.sparse(index) else FFN(cfg, dtype)
         self.ffn_out_norm = norm(cfg, cfg.hidden_size, dtype) if "ffn_out" in norms else None
         self.window = cfg.window(index)
         self.rotates = cfg.rotates(index)
@@ -381,9 +302,14 @@ class DecoderLayer(nn.Module):
     @property
     def compiled(self) -> bool:
         """Whether the layer runs as one compiled call (layer.cpp's decoder_layer / decoder_layer_rows)."""
-        return (self.attn.compiled and self.ffn.compiled and fused(self.input_norm.weight.shape[0])
-                and self.attn_out_norm is None and self.ffn_out_norm is None and self.window is None
-                and self.residual == 1.0)
+        return self.attention_compiled and self.ffn.compiled and self.ffn_out_norm is None and \
+            (not isinstance(self.ffn, Experts) or self.ffn.whole)
+
+    @property
+    def attention_compiled(self) -> bool:
+        """Whether the layer's first half runs as layer.cpp's attention_rows (its norms as rms_norm)."""
+        return (self.attn.compiled and fused(self.input_norm.weight.shape[0]) and self.attn_out_norm is None
+                and self.window is None and self.residual == 1.0)
 
     def attention(self, x, rope: Rope, cache: KVCache, layer: int, start: int, mask) -> torch.Tensor:
         """x [1, T, H] (the layer's input, not normed) -> the attention's output [1, T, H], normed where the
@@ -424,23 +350,28 @@ class DecoderLayer(nn.Module):
         rows, attention per sequence (layer.cpp's decoder_layer_rows): every row gets the bits it gets alone; a
         mixture's experts each read their weights once for every row that chose them (ffn.cpp). Otherwise each
         sequence runs on its own, a mixture's experts still once over all M rows. -> [M, H]"""
-        hd = rope.cos.shape[-1]
         if self.compiled:
-            k, rope = compiled(), rope.for_layer(False, self.rotates)
-            kv = [k.SeqKV(*s.cache.storage(layer), s.start, s.length, _heads_mask(s.mask)) for s in seqs]
-            return k.decoder_layer_rows(x.float(), self.weights(), rope.cos.reshape(-1, hd), rope.sin.reshape(-1, hd),
-                                        kv)
-        outs, a = [], 0
-        sparse = isinstance(self.ffn, Experts)
-        for s in seqs:
-            b, rows = a + s.length, x[None, a:a + s.length]
-            if sparse:  # the post-attention state; the experts below
-                outs.append(rows + self.attention(rows, rope.rows(a, b), s.cache, layer, s.start, s.mask))
-            else:
-                outs.append(self(rows, rope.rows(a, b), s.cache, layer, s.start, s.mask))
-            a = b
-        z = torch.cat(outs, dim=1)  # [1, M, H]
-        return (z + self.feed_forward(z) if sparse else z)[0]
+            cos, sin = self._rows_rope(rope)
+            return compiled().decoder_layer_rows(x.float(), self.weights(), cos, sin, seq_kv(seqs, layer))
+        if isinstance(self.ffn, Experts):  # the experts once over every sequence's rows
+            z = self.post_attention_rows(x, rope, seqs, layer)
+            return z + self.feed_forward(z[None])[0]
+        return per_sequence(x, rope, seqs, lambda rows, r, s: self(rows, r, s.cache, layer, s.start, s.mask))
+
+    def post_attention_rows(self, x: torch.Tensor, rope: Rope, seqs: Sequence[SeqRows], layer: int) -> torch.Tensor:
+        """Z, the post-attention state [M, H], of the rows of several sequences (arguments as rows'): compiled,
+        decoder_layer_rows' first half op for op (so the same bits); otherwise each sequence on its own."""
+        if self.attention_compiled:
+            cos, sin = self._rows_rope(rope)
+            x = x.float()
+            return x + compiled().attention_rows(self.input_norm(x), self.attn.weights(), cos, sin, seq_kv(seqs, layer))
+        return per_sequence(x, rope, seqs,
+                            lambda rows, r, s: rows + self.attention(rows, r, s.cache, layer, s.start, s.mask))
+
+    def _rows_rope(self, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's rotation of a pass's rows as the compiled calls take it: cos, sin [M, hd]."""
+        hd, rope = rope.cos.shape[-1], rope.for_layer(False, self.rotates)
+        return rope.cos.reshape(-1, hd), rope.sin.reshape(-1, hd)
 
     def parts(self, x, rope, cache: KVCache, layer: int, start: int, mask) -> tuple[torch.Tensor, torch.Tensor]:
         """forward() in its two halves: Z, the post-attention state [B, T, H], and X, the layer's output."""
@@ -455,16 +386,13 @@ class CompiledLayers:
     against 5.8 at four). Their weights are gathered once: build it after the layers' weights are loaded
     (LayerStack.load)."""
 
-    def __init__(self, layers: Sequence[DecoderLayer]):
+    def __init__(self, layers: Sequence[DecoderLayer], first: int = 0):
+        """layers: consecutive layers of a stack, the first of them its layer `first` (their caches' index)."""
         if not all(layer.compiled for layer in layers):
             raise ValueError("every layer must be compiled")
         self.weights = [layer.weights() for layer in layers]
         self.rotates = [layer.rotates for layer in layers]
-
-    @classmethod
-    def of(cls, layers: Sequence[DecoderLayer]) -> CompiledLayers | None:
-        """The layers in one call where every one is compiled, else None (they run one by one)."""
-        return cls(layers) if all(layer.compiled for layer in layers) else None
+        self.first = first
 
     def __call__(self, x: torch.Tensor, rope: Rope, seqs: Sequence[SeqRows]) -> torch.Tensor:
         """x [M, H] holds each sequence's rows in turn, rope their rotation [1, 1, M, hd] -> [M, H]."""
@@ -472,6 +400,10 @@ class CompiledLayers:
         tables = {r: rope.for_layer(False, r) for r in set(self.rotates)}
         cos = {r: t.cos.reshape(-1, hd) for r, t in tables.items()}
         sin = {r: t.sin.reshape(-1, hd) for r, t in tables.items()}
-        kv = [k.SeqLayers(*s.cache.every_layer(), s.start, s.length, _heads_mask(s.mask)) for s in seqs]
+        a, b = self.first, self.first + len(self.weights)
+        kv = []
+        for s in seqs:
+            keys, values, table = s.cache.every_layer()
+            kv.append(k.SeqLayers(keys[a:b], values[a:b], table, s.start, s.length, _heads_mask(s.mask)))
         return k.decoder_stack(x.float(), self.weights, [cos[r] for r in self.rotates], [sin[r] for r in self.rotates],
                                kv)

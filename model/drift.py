@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from edgespec.model.blocks import FFN, AttentionBlock, causal_mask
+from edgespec.model.blocks import AttentionBlock, causal_mask
+from edgespec.model.ffn import FFN
 from edgespec.model.kv_cache import KVCache
 from edgespec.model.linear import pack_linears
 from edgespec.model.stack import LayerStack

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from edgespec.model.blocks import FFN, AttentionBlock, Experts, RMSNorm, Rotary, SeqRows, causal_mask, norm, window_mask
+from edgespec.model.blocks import AttentionBlock, RMSNorm, Rotary, SeqRows, causal_mask, norm, window_mask
 from edgespec.model.config import ModelConfig
+from edgespec.model.ffn import FFN, Experts
 from edgespec.model.kv_cache import KVCache, KVCacheError
 from edgespec.model.kv_format import FLOAT32, KVFormat
 from edgespec.model.kv_pool import BLOCK_SLOTS, CapacityError, block_bytes

@@ -75,6 +75,13 @@ def compiled():
     return load()
 
 
+def kernels_take(*tensors: torch.Tensor) -> bool:
+    """Whether the compiled kernels may take these operands: on the CPU, and no gradient wanted (the kernels have
+    no backward: the drafter's training runs torch's own ops, on any device)."""
+    return all(t.device.type == "cpu" for t in tensors) and not (
+        torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 @functools.cache
 def onednn_bf16() -> bool:
     """Whether oneDNN packs bf16 weights on this CPU (it needs AVX-512 or AVX-NE-CONVERT): tried once."""

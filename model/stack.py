@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +11,7 @@ from torch import nn
 
 from edgespec.model.blocks import CompiledLayers, DecoderLayer, Rotary, SeqRows, norm
 from edgespec.model.config import ModelConfig
+from edgespec.model.expert_split import Away, ExpertLinks, check_experts, split_layer_rows
 from edgespec.model.kv_cache import KVCache
 from edgespec.model.kv_format import FLOAT32, KVFormat
 from edgespec.model.kv_pool import KVPool
@@ -22,33 +23,70 @@ from edgespec.model.weights import load_layer
 
 class LayerStack(nn.Module):
     """Decoder layers [first, last) with their rotary tables; the payload of one pipeline stage. Its KV caches
-    store keys and values in `kv` (model/kv_format.py)."""
+    store keys and values in `kv` (model/kv_format.py). `away[layer]` names the experts of a sparse layer that
+    the planner placed on other devices (device -> expert ids), reached over `links` (model/expert_split.py):
+    the stack holds the rest."""
 
-    def __init__(self, cfg: ModelConfig, first: int, last: int, dtype: torch.dtype, kv: KVFormat = FLOAT32):
+    def __init__(self, cfg: ModelConfig, first: int, last: int, dtype: torch.dtype, kv: KVFormat = FLOAT32,
+                 away: Mapping[int, Away] | None = None, links: ExpertLinks | None = None):
         super().__init__()
         if not 0 <= first < last <= cfg.n_layers:
             raise ValueError(f"layer range [{first}, {last}) is outside the model's {cfg.n_layers} layers")
+        away = {i: a for i, a in (away or {}).items() if any(a.values())}
+        check_experts(cfg, first, last, away, {})
+        if away and links is None:
+            raise ValueError("a stack with experts placed away needs the links to them")
         kv.check(cfg.head_dim)
         self.cfg, self.first, self.last, self.dtype, self.kv = cfg, first, last, dtype, kv
+        self.away, self.links = away, links
         self.rotary = Rotary(cfg, dtype)
         with torch.device("meta"):  # weights come from the checkpoint: skip random initialisation
-            self.layers = ModuleList(DecoderLayer(cfg, dtype, i) for i in range(first, last))
+            self.layers = ModuleList(DecoderLayer(cfg, dtype, i, self._held(i)) for i in range(first, last))
         self.layers.to_empty(device="cpu")
-        # the layers as one compiled call, once their weights are in (load), where every layer is compiled
-        self.compiled_layers: CompiledLayers | None = None
+        # runs of compiled layers as one call each, once their weights are in (load)
+        self.runs: list[CompiledLayers | int] = list(range(last - first))
+
+    def _held(self, layer: int) -> list[int] | None:
+        """The experts of `layer` held here (None: all of them, or a dense layer)."""
+        if layer not in self.away:
+            return None
+        elsewhere = {e for ids in self.away[layer].values() for e in ids}
+        return [e for e in range(self.cfg.n_experts) if e not in elsewhere]
 
     @classmethod
     def load(cls, src, cfg: ModelConfig, first: int, last: int, fmt: WeightFormat | torch.dtype,
-             kv: KVFormat = FLOAT32) -> LayerStack:
+             kv: KVFormat = FLOAT32, away: Mapping[int, Away] | None = None,
+             links: ExpertLinks | None = None) -> LayerStack:
         """Layers [first, last) from a tensor source, in weight format `fmt` (or the dense format of a dtype),
-        their caches in KV format `kv`."""
+        their caches in KV format `kv`; without the experts placed `away` (read only where they are held)."""
         fmt = as_format(fmt)
-        stack = cls(cfg, first, last, fmt.act, kv)
+        stack = cls(cfg, first, last, fmt.act, kv, away, links)
         with torch.no_grad():
             for i, layer in enumerate(stack.layers):
                 load_layer(layer, src, cfg, first + i, fmt)
-        stack.compiled_layers = CompiledLayers.of(list(stack.layers))
+        stack.runs = stack._runs()
         return stack
+
+    def _runs(self) -> list[CompiledLayers | int]:
+        """The layers in passes: each run of compiled layers as one call (layer.cpp's decoder_stack), a layer
+        that is not compiled or has experts placed away by itself (its index)."""
+        runs: list[CompiledLayers | int] = []
+        together: list[int] = []
+        for i, layer in enumerate(self.layers):
+            if layer.compiled:
+                together.append(i)
+                continue
+            if together:
+                runs.append(CompiledLayers([self.layers[j] for j in together], together[0]))
+                together = []
+            runs.append(i)
+        if together:
+            runs.append(CompiledLayers([self.layers[j] for j in together], together[0]))
+        return runs
+
+    def one_by_one(self) -> None:
+        """Run each layer as a call of its own from now on (the same bits: a probe's hooks see every layer)."""
+        self.runs = list(range(len(self.layers)))
 
     def new_pool(self, nbytes: int, prefault: bool = False) -> KVPool:
         """A KV pool for these layers of as many blocks as `nbytes` holds (a stage's); prefault: see KVPool."""
@@ -76,17 +114,7 @@ class LayerStack(nn.Module):
         b, t, _ = hidden.shape
         if b != 1:
             raise ValueError(f"a KV cache holds one sequence, the pass has {b} rows")
-        cache.check_write(start, t)
-        cache.ensure(start, start + t)
-        rope = self.rotary(positions)
-        x = hidden.to(self.dtype)
-        if self.compiled_layers is not None:
-            x = self.compiled_layers(x[0], rope, [SeqRows(cache, start, t, mask)])[None]
-        else:
-            for i, layer in enumerate(self.layers):
-                x = layer(x, rope, cache, i, start, mask)
-        cache.length = start + t
-        return x
+        return self.forward_rows(hidden[0], positions[0], [SeqRows(cache, start, t, mask)])[None]
 
     @torch.inference_mode()
     def forward_rows(self, hidden: torch.Tensor, positions: torch.Tensor, seqs: Sequence[SeqRows]) -> torch.Tensor:
@@ -98,11 +126,18 @@ class LayerStack(nn.Module):
             s.cache.ensure(s.start, s.start + s.length)
         rope = self.rotary(positions[None])  # [1, 1, M, hd]
         x = hidden.to(self.dtype)
-        if self.compiled_layers is not None:
-            x = self.compiled_layers(x, rope, seqs)
-        else:
-            for i, layer in enumerate(self.layers):
-                x = layer.rows(x, rope, seqs, i)
+        for run in self.runs:
+            if isinstance(run, CompiledLayers):
+                x = run(x, rope, seqs)
+            elif self.first + run in self.away:
+                assert self.links is not None  # the constructor's check
+                x = split_layer_rows(self.layers[run], x, rope, seqs, run, self.first + run,
+                                     self.away[self.first + run], self.links)
+            elif len(seqs) == 1:  # the module's own call, so that its hooks see it (the same bits as rows)
+                s = seqs[0]
+                x = self.layers[run](x[None], rope, s.cache, run, s.start, s.mask)[0]
+            else:
+                x = self.layers[run].rows(x, rope, seqs, run)
         for s in seqs:
             s.cache.length = s.start + s.length
         return x

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from edgespec.model.config import ModelConfig
+from edgespec.model.expert_split import ExpertShelf, LocalExperts
 from edgespec.model.kv_format import FLOAT32, KVFormat
 from edgespec.model.linear import WeightFormat, as_format, bytes_per_param
 from edgespec.model.stack import LayerStack, TokenEnds
@@ -31,10 +32,12 @@ def model_card(cfg: ModelConfig, name: str, fmt: WeightFormat | torch.dtype | st
     fmt = as_format(fmt)
     act = torch.finfo(fmt.act).bits // 8
     ends = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size
+    tables = 2 if cfg.rope_local_theta is not None else 1  # Rotary's cos and sin [positions, hd], the local ones
     return ModelCard(name, cfg.n_layers, cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                      cfg.layer_param_count(), ends, cfg.max_position_embeddings,
                      bytes_per_param(fmt, from_gguf), kv.bytes_per_value(), act, n_experts=cfg.n_experts,
-                     experts_per_token=cfg.experts_per_token, expert_params=3 * cfg.hidden_size * cfg.expert_size)
+                     experts_per_token=cfg.experts_per_token, expert_params=3 * cfg.hidden_size * cfg.expert_size,
+                     stage_bytes=tables * 2 * cfg.max_position_embeddings * cfg.head_dim * act)
 
 
 def grid(cfg: ModelConfig, tokens: Sequence[int], contexts: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -84,6 +87,34 @@ def time_layers(stack: LayerStack, tokens: Sequence[int], contexts: Sequence[int
                 step()
         rows.append(tuple(row))
     return Curve(toks, ctxs, tuple(rows))
+
+
+@torch.inference_mode()
+def time_split(src, cfg: ModelConfig, fmt: WeightFormat | torch.dtype | str, reps: int = 5) -> float:
+    """Milliseconds a sparse layer's one-row pass costs more when run in steps, half its experts (the odd ids)
+    held by another device, than held whole: its steps from Python and the experts' second call, the other
+    device in this process (its link's round trip is the profile's). 0 for a dense model."""
+    fmt = as_format(fmt)
+    layer = next((i for i in range(cfg.n_layers) if cfg.sparse(i)), None)
+    if layer is None:
+        return 0.0
+    odd = list(range(1, cfg.n_experts, 2))
+    links = LocalExperts({"other": ExpertShelf(src, cfg, fmt, {layer: odd})})
+    stacks = [LayerStack.load(src, cfg, layer, layer + 1, fmt),
+              LayerStack.load(src, cfg, layer, layer + 1, fmt, away={layer: {"other": odd}}, links=links)]
+    x, positions = torch.randn(1, 1, cfg.hidden_size), torch.zeros(1, 1, dtype=torch.long)
+
+    def ms(stack: LayerStack) -> float:
+        cache = stack.new_cache(1)
+
+        def one() -> None:
+            stack(x, positions, cache, 0)
+            cache.truncate(0)
+
+        return median_ms(one, reps)
+
+    whole, split = ms(stacks[0]), ms(stacks[1])
+    return max(0.0, split - whole)
 
 
 @torch.inference_mode()

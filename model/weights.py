@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 
 from edgespec.model.arch import LLAMA, Architecture
-from edgespec.model.blocks import Experts
 from edgespec.model.config import ModelConfig
+from edgespec.model.ffn import Experts
 from edgespec.model.linear import WeightFormat, as_format, make_linear
 from edgespec.model.quant import cat_rows
 
@@ -161,11 +161,13 @@ def load_layer(layer_mod, src, cfg: ModelConfig, layer: int, fmt: WeightFormat |
 
 
 def load_experts(moe, src, layer: int, fmt: WeightFormat) -> None:
-    """Fill a mixture of experts from `model.layers.{layer}.mlp.gate` (the router, [E, H]) and each expert's
-    `mlp.experts.{e}.gate_proj`, `up_proj` and `down_proj` (the Hugging Face checkpoints' layout)."""
+    """Fill a mixture of experts from `model.layers.{layer}.mlp.gate` (the router, [E, H], where it has one) and
+    each held expert's `mlp.experts.{e}.gate_proj`, `up_proj` and `down_proj` (the Hugging Face checkpoints'
+    layout): only those are read."""
     p = f"model.layers.{layer}.mlp."
-    moe.router = make_linear(src.matrix(p + "gate.weight"), None, fmt)
-    for e, ffn in enumerate(moe.experts):
+    if moe.router is not None:
+        moe.router = make_linear(src.matrix(p + "gate.weight"), None, fmt)
+    for e, ffn in zip(moe.held, moe.experts, strict=True):
         q = f"{p}experts.{e}."
         gate_up = cat_rows([src.matrix(q + "gate_proj.weight"), src.matrix(q + "up_proj.weight")])
         ffn.gate_up = make_linear(gate_up, None, fmt)

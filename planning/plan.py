@@ -10,8 +10,9 @@ import itertools
 import math
 from dataclasses import asdict, dataclass, field
 
+from edgespec.planning.experts import ExpertPlacement, StageRoom, expert_bytes, place_experts
 from edgespec.planning.layers import partition_layers
-from edgespec.planning.profile import ClusterProfile, DeviceProfile
+from edgespec.planning.profile import IDLE_MS, ClusterProfile, DeviceProfile, ModelCard
 from edgespec.planning.sequence import choose_segments, min_segment
 
 GIB = 2**30
@@ -46,7 +47,11 @@ class StagePlan:
     weight_bytes: int
     kv_bytes: int  # KV for context x concurrency
     capacity_bytes: int
-    ms_per_token: float  # decode compute plus sending the output on
+    ms_per_token: float  # decode compute plus sending the output on (and waiting for experts held away)
+    # a mixture's experts placed apart (planning/experts.py): those of this stage's layers held by other devices
+    # (layer -> device -> ids), and those this device holds of other stages' layers (layer -> ids)
+    away: dict[int, dict[str, list[int]]] = field(default_factory=dict)
+    hosted: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -94,15 +99,24 @@ class Plan:
         return asdict(self)
 
 
+def room(d: DeviceProfile, options: PlanOptions, card: ModelCard) -> float:
+    """What a device's layers may fill: its share of capacity, less what a stage holds besides its layers."""
+    return d.memory_capacity_bytes * options.memory_fraction - card.stage_bytes
+
+
 class _Costs:
     """Stage times and memory for one device order."""
 
-    def __init__(self, profile: ClusterProfile, order: list[DeviceProfile], options: PlanOptions):
+    def __init__(self, profile: ClusterProfile, order: list[DeviceProfile], options: PlanOptions, spill: int = 0):
+        """spill: experts of each layer the split counts as held elsewhere (a mixture whose whole layers do not
+        fit: planning/experts.py)."""
         self.p, self.order, self.o = profile, order, options
         card = profile.model
-        self.layer_bytes = card.layer_weight_bytes() + card.kv_bytes_per_token() * options.context * options.concurrency
+        self.whole_layer_bytes = card.layer_weight_bytes() + \
+            card.kv_bytes_per_token() * options.context * options.concurrency
+        self.layer_bytes = self.whole_layer_bytes - spill * expert_bytes(card)
         # the DP asks for O(L^2) ranges per device: look each device's numbers up once
-        self.max_layers = [int(d.memory_capacity_bytes * options.memory_fraction // self.layer_bytes) for d in order]
+        self.max_layers = [int(room(d, options, card) // self.layer_bytes) for d in order]
         self.layer_ms = [d.layer_ms(options.tokens, options.decode_context) for d in order]
         names = [d.name for d in order] + [profile.controller.name]
         self.hop_ms = [profile.transfer_ms(a, b, options.tokens) for a, b in itertools.pairwise(names)]
@@ -141,7 +155,7 @@ def _check_memory(profile: ClusterProfile, options: PlanOptions) -> None:
     card = profile.model
     weights = card.n_layers * card.layer_weight_bytes()
     kv = card.n_layers * card.kv_bytes_per_token() * options.context * options.concurrency
-    caps = [d.memory_capacity_bytes * options.memory_fraction for d in profile.workers]
+    caps = [room(d, options, card) for d in profile.workers]
     need = (f"{card.name} needs {(weights + kv) / GIB:.2f} GiB for its {card.n_layers} layers "
             f"({weights / GIB:.2f} GiB of weights + {kv / GIB:.2f} GiB of KV cache for {options.context} tokens x "
             f"{options.concurrency} sessions)")
@@ -149,7 +163,7 @@ def _check_memory(profile: ClusterProfile, options: PlanOptions) -> None:
         raise InfeasibleError(f"{need} but the {len(caps)} devices offer {sum(caps) / GIB:.2f} GiB")
     per_layer = (weights + kv) / card.n_layers
     held = sum(int(c // per_layer) for c in caps)
-    if held < card.n_layers:  # whole layers: the total fits but not layer by layer
+    if held < card.n_layers and not card.n_experts:  # whole layers (a mixture's experts may go apart)
         offers = ", ".join(f"{d.name} {c / GIB:.2f}" for d, c in zip(profile.workers, caps, strict=True))
         raise InfeasibleError(f"{need}, {per_layer / GIB:.3f} GiB per layer, but the devices ({offers} GiB) hold "
                               f"only {held} whole layers")
@@ -179,16 +193,39 @@ def shares_hardware(devices: list[DeviceProfile]) -> bool:
     return len(seen) != len(set(seen))
 
 
-def _finish(profile: ClusterProfile, costs: _Costs, bounds: list[tuple[int, int]], options: PlanOptions,
-            method: str) -> Plan:
+def _rooms(costs: _Costs, bounds: list[tuple[int, int]]) -> list[StageRoom]:
+    return [StageRoom(costs.order[i].name, first, last, (last - first) * costs.whole_layer_bytes,
+                      int(room(costs.order[i], costs.o, costs.p.model)))
+            for i, (first, last) in enumerate(bounds)]
+
+
+def _place_experts(profile: ClusterProfile, costs: _Costs, bounds: list[tuple[int, int]]) -> ExpertPlacement | None:
+    """Where the stages' whole layers overflow them, the experts they shed and where (planning/experts.py)."""
+    rooms = _rooms(costs, bounds)
+    if all(r.need_bytes <= r.capacity_bytes for r in rooms):
+        return ExpertPlacement()
+    if not profile.model.n_experts:
+        return None
+    # a call's round trip wakes both ends: the host idles until called, the stage's link waits for the answer
+    return place_experts(profile.model, rooms, lambda a, b: profile.transfer_ms(a, b, 1, IDLE_MS) +
+                         profile.transfer_ms(b, a, 1, IDLE_MS), {d.name: d.split_ms for d in profile.workers})
+
+
+def _finish(profile: ClusterProfile, costs: _Costs, bounds: list[tuple[int, int]], experts: ExpertPlacement,
+            options: PlanOptions, method: str) -> Plan:
     card, ctx = profile.model, options.decode_context
     hops = _decode_hops(profile, costs, bounds, ctx)
     stages = []
     for i, (first, last) in enumerate(bounds):
         d = costs.order[i]
-        stages.append(StagePlan(d.name, d.url, first, last, (last - first) * card.layer_weight_bytes(),
+        away, hosted = experts.away_of(first, last), experts.hosted(d.name)
+        moved = sum(len(ids) for where in away.values() for ids in where.values()) - sum(map(len, hosted.values()))
+        stages.append(StagePlan(d.name, d.url, first, last,
+                                (last - first) * card.layer_weight_bytes() - moved * expert_bytes(card),
                                 (last - first) * card.kv_bytes_per_token() * options.context * options.concurrency,
-                                d.memory_capacity_bytes, (last - first) * d.layer_ms(1, ctx) + hops[i + 1]))
+                                d.memory_capacity_bytes,
+                                (last - first) * d.layer_ms(1, ctx) + hops[i + 1] + experts.wait_ms.get(d.name, 0.0),
+                                away, hosted))
     controller = _ends_ms(profile.controller, ctx) + hops[0]
     bottleneck = max(costs.stage_ms(i, f, last) for i, (f, last) in enumerate(bounds))
     plan = Plan(card.name, stages, controller, bottleneck, controller + sum(s.ms_per_token for s in stages), 1,
@@ -224,24 +261,47 @@ def make_plan(profile: ClusterProfile, options: PlanOptions | None = None) -> Pl
         raise InfeasibleError("there are no workers to place layers on")
     _check_memory(profile, options)
     card = profile.model
-    best = None
-    for order in _orders(profile, options):
-        if len(order) > card.n_layers:
-            continue
-        costs = _Costs(profile, order, options)
-        found = partition_layers(card.n_layers, len(order), costs.stage_ms)
-        if found is None:
-            continue
-        bottleneck, total, bounds = found
-        key = (max(bottleneck, costs.controller_ms(options.tokens, options.decode_context)), total)
-        if best is None or key < best[0]:
-            best = (key, costs, bounds)
-    if best is None:
-        cap = max(d.memory_capacity_bytes for d in profile.workers) * options.memory_fraction
-        raise InfeasibleError(f"no order of the {len(profile.workers)} devices fits {card.name}: each layer needs "
-                              f"{_Costs(profile, profile.workers, options).layer_bytes / GIB:.3f} GiB and the "
-                              f"largest device offers {cap / GIB:.2f} GiB")
-    return _finish(profile, best[1], best[2], options, "dp")
+    for spill in _spills(profile, options):
+        best = None
+        for order in _orders(profile, options):
+            if len(order) > card.n_layers:
+                continue
+            costs = _Costs(profile, order, options, spill)
+            found = partition_layers(card.n_layers, len(order), costs.stage_ms)
+            if found is None:
+                continue
+            bottleneck, total, bounds = found
+            experts = _place_experts(profile, costs, bounds)
+            if experts is None:  # the experts its stages shed find no room
+                continue
+            key = (max(bottleneck, costs.controller_ms(options.tokens, options.decode_context)), total)
+            if best is None or key < best[0]:
+                best = (key, costs, bounds, experts)
+        if best is not None:
+            return _finish(profile, *best[1:], options, "dp")
+    cap = max(room(d, options, card) for d in profile.workers)
+    raise InfeasibleError(f"no order of the {len(profile.workers)} devices fits {card.name}: each layer needs "
+                          f"{_Costs(profile, profile.workers, options).layer_bytes / GIB:.4f} GiB and the "
+                          f"largest device offers {cap / GIB:.4f} GiB" +
+                          (" (with room left for the experts its layers shed)" if card.n_experts else ""))
+
+
+def _spills(profile: ClusterProfile, options: PlanOptions) -> list[int]:
+    """The experts per layer the layer split may count as held elsewhere, tried in turn: none, then (a mixture)
+    each count that lets the devices hold more layers than the one before, from the first that holds them all."""
+    card = profile.model
+    spills = [0]
+    if not card.n_experts:
+        return spills
+    whole = _Costs(profile, profile.workers, options).whole_layer_bytes
+    caps = [room(d, options, card) for d in profile.workers]
+    held = sum(int(c // whole) for c in caps)
+    for s in range(1, card.n_experts + 1):
+        now = sum(int(c // (whole - s * expert_bytes(card))) for c in caps)
+        if now > held and now >= card.n_layers:
+            spills.append(s)
+        held = max(held, now)
+    return spills
 
 
 def even_plan(profile: ClusterProfile, options: PlanOptions | None = None) -> Plan:
@@ -259,4 +319,4 @@ def even_plan(profile: ClusterProfile, options: PlanOptions | None = None) -> Pl
             raise InfeasibleError(f"even split does not fit: {d.name} would hold {last - first} layers, "
                                   f"{(last - first) * costs.layer_bytes / GIB:.2f} GiB, of "
                                   f"{d.memory_capacity_bytes * options.memory_fraction / GIB:.2f} GiB")
-    return _finish(profile, costs, bounds, options, "even")
+    return _finish(profile, costs, bounds, ExpertPlacement(), options, "even")

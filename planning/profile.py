@@ -36,6 +36,10 @@ class ModelCard:
     n_experts: int = 0
     experts_per_token: int = 0
     expert_params: int = 0
+    # each layer's routing frequency per expert (the share of calibration tokens whose top-k holds it: model/
+    # routing.py); empty: not measured (k/E each)
+    expert_use: tuple[tuple[float, ...], ...] = ()
+    stage_bytes: int = 0  # what a stage holds besides its layers: the rotary tables (40960 positions: 42 MB)
 
     def layer_weight_bytes(self) -> int:
         return int(self.layer_params * self.weight_bytes_per_param)
@@ -130,6 +134,9 @@ class DeviceProfile:
     # The hardware it computes on (host and CPU set): devices with the same one share their cores, so their
     # stages cannot overlap (local workers on one machine); None: its own.
     hardware: str | None = None
+    # what a mixture's sparse layer costs it more at one row run in steps, some experts held elsewhere (model/
+    # timing.py's time_split), beside the calls' round trips
+    split_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -213,7 +220,8 @@ class ClusterProfile:
             return DeviceProfile(**{**x, "layer_ms": curve(x["layer_ms"]), "embed_ms": curve(x.get("embed_ms")),
                                     "head_ms": curve(x.get("head_ms"))})
 
-        return cls(ModelCard(**d["model"]), d["dtype"], device(d["controller"]), [device(w) for w in d["workers"]],
+        card = ModelCard(**{**d["model"], "expert_use": tuple(map(tuple, d["model"].get("expert_use", ())))})
+        return cls(card, d["dtype"], device(d["controller"]), [device(w) for w in d["workers"]],
                    [LinkProfile(**lk) for lk in d.get("links", [])], d.get("margin", 0.15), d.get("created", ""),
                    d.get("notes", ""))
 

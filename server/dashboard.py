@@ -45,8 +45,8 @@ class Device(BaseModel):
     layers: list[LayerRange] = Field(description="decoder layers held by the current plan's stages")
     head_groups: int = Field(0, description="KV head groups held over all layers by the HeadSplit placement, once "
                              "the headsplit policy has placed its pipeline")
-    experts: int = Field(0, description="a mixture of experts' experts held over the device's layers (each sparse "
-                         "layer's every expert: a layer's experts stay with it)")
+    experts: int = Field(0, description="a mixture of experts' experts the device holds: its sparse layers' own, "
+                         "less those placed on other devices, plus those it holds of other devices' layers")
     memory_use: float | None = Field(None, description="weights plus KV caches over the memory budget (workers: "
                                      "as of the last check; in-process: the KV pool over --kv-cache-gib)")
     memory_budget_bytes: int | None = Field(None, description="the budget memory_use is measured against")
@@ -239,8 +239,11 @@ class Dashboard:
             return [controller]
         use = by_label(metrics.worker_memory_use, "device")
         ranges: dict[str, list[LayerRange]] = {}
+        moved: dict[str, int] = {}  # experts held of other devices' layers, less those of its own held elsewhere
         for s in stages:
             ranges.setdefault(s.device, []).append(LayerRange(first=s.first, last=s.last))
+            moved[s.device] = moved.get(s.device, 0) + sum(map(len, s.hosted.values())) - \
+                sum(len(ids) for where in s.away.values() for ids in where.values())
         workers = []
         for m in list(cluster.members.values()):
             try:
@@ -248,7 +251,8 @@ class Dashboard:
             except KeyError:  # joined since the profile was read; its budget shows after the re-plan
                 capacity = None
             own = ranges.get(m.name, [])
-            workers.append(Device(name=m.name, role="worker", url=m.url, up=m.up, layers=own, experts=experts(own),
+            workers.append(Device(name=m.name, role="worker", url=m.url, up=m.up, layers=own,
+                                  experts=experts(own) + moved.get(m.name, 0),
                                   memory_use=use.get(m.name), memory_budget_bytes=capacity, **figures(m.name)))
         return [controller, *workers]
 

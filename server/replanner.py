@@ -96,7 +96,10 @@ class ClusterManager:
         return make(profile, options or self.options)
 
     def refs(self, plan: Plan) -> list[WorkerRef]:
-        return [WorkerRef(self.members[s.device].url, s.device, s.first, s.last) for s in plan.stages]
+        url = {name: m.url for name, m in self.members.items()}
+        return [WorkerRef(url[s.device], s.device, s.first, s.last,
+                          {layer: {url[d]: ids for d, ids in where.items()} for layer, where in s.away.items()},
+                          s.hosted) for s in plan.stages]
 
     def apply(self, plan: Plan) -> None:
         """Assign every worker of the plan its layers and route through them (on the model thread)."""
@@ -121,6 +124,8 @@ class ClusterManager:
             self.plan = plan
         for s in plan.stages:
             log.info("worker %s (%s) holds layers [%d, %d)", s.device, self.members[s.device].url, s.first, s.last)
+            for layer, where in s.away.items():
+                log.info("  layer %d's experts %s", layer, "; ".join(f"{ids} on {d}" for d, ids in where.items()))
             self.members[s.device].restarts = 0  # serving again: a later death is not part of a crash loop
         self._gauges()
 

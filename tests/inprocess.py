@@ -11,6 +11,9 @@ import threading
 from contextlib import asynccontextmanager
 
 import httpx
+from starlette.websockets import WebSocketDisconnect
+
+from edgespec.workers.frames import pack, unpack
 
 # a generation in a fuzz test costs about 10 ms per token on the tiny model: keep answers short
 FUZZ_MAX_TOKENS = 4
@@ -146,3 +149,28 @@ def short_answers(path: str, body):
         if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > FUZZ_MAX_TOKENS):
             out[key] = FUZZ_MAX_TOKENS
     return out
+
+
+class FakeLink:
+    """What Relay.serve needs of a WebSocket: the frames to receive, in order, and the frames it sent back."""
+
+    def __init__(self, frames: list[bytes]):
+        self.frames, self.sent = list(frames), []
+
+    async def accept(self) -> None:
+        pass
+
+    async def receive_bytes(self) -> bytes:
+        if not self.frames:
+            raise WebSocketDisconnect(1000)
+        return self.frames.pop(0)
+
+    async def send_bytes(self, data: bytes) -> None:
+        self.sent.append(unpack(data))
+
+
+def on_link(client: LoopClient, *frames: bytes) -> list[tuple[dict, bytes]]:
+    """Serve these frames on one link that said hello first; the frames the worker sent back."""
+    link = FakeLink([pack({"op": "hello", "controller": "fuzz"}), *frames])
+    client._run(client.app.state.relay.serve(link, "fuzz"))
+    return link.sent

@@ -63,6 +63,17 @@ def make_tiny_model(folder: Path | str, seed: int = 0, arch: str = "llama", **ov
     return folder
 
 
+def tiny_mixture_gguf(tmp: Path) -> Path:
+    """A tiny Qwen3-MoE as a GGUF under `tmp`: 4 layers of width 256, 8 experts of 256, 2 a row (about 1.3 MB a
+    layer in Q4_1, 1.4 with its KV for 256 tokens), for serving over workers whose budgets hold a layer or two."""
+    from edgespec.bench.gguf_writer import tiny_model, write_gguf
+
+    shape = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 128, "max_position_embeddings": 256, "tie_word_embeddings": False}
+    folder = tiny_model("qwen3_moe", tmp / "folder", 0, shape, moe_intermediate_size=256)
+    return write_gguf(folder, tmp / "moe.gguf", name="tiny-moe")
+
+
 def smollm2_folder() -> Path:
     """The SmolLM2-135M-Instruct cache folder (config and tokenizer of the packaged GGUF, which holds its weights)."""
     from edgespec.model.source import resolve_model

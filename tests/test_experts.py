@@ -1,4 +1,4 @@
-"""Qwen3-MoE's mixture of experts (model/blocks.py's Experts) beyond test_architectures' all-sparse model: a dense
+"""Qwen3-MoE's mixture of experts (model/ffn.py's Experts) beyond test_architectures' all-sparse model: a dense
 layer among sparse ones (mlp_only_layers) equals transformers; the router's choice and a row's output do not
 depend on the rows beside it (alone, in a batch step of several sequences, in the 4-bit format); the config's
 sparse layers are transformers'; a tiny one serves a chat completion, and over two worker processes one of which is
@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 from inprocess import LoopClient, controller_app, serves_a_chat_completion
-from model_fixtures import llama_cpp_logits, load_blocks, load_reference
+from model_fixtures import llama_cpp_logits, load_blocks, load_reference, tiny_mixture_gguf
 
 from edgespec.bench.gguf_writer import tiny_model, write_gguf
-from edgespec.model.blocks import Experts, SeqRows
+from edgespec.model.blocks import CompiledLayers, SeqRows
 from edgespec.model.config import ModelConfig
+from edgespec.model.ffn import Experts
 from edgespec.model.quant import dequantized
 from edgespec.model.source import resolve_model
 from edgespec.model.stack import LayerStack
@@ -57,7 +58,8 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(folder, weights):
     cfg = ModelConfig.from_folder(folder)
     stack = LayerStack.load(open_source(folder), cfg, 0, cfg.n_layers, weights)
     moe = stack.layers[0].ffn
-    assert isinstance(moe, Experts) and stack.compiled_layers is not None  # the stack in one call (ffn.cpp)
+    assert isinstance(moe, Experts)
+    assert len(stack.runs) == 1 and isinstance(stack.runs[0], CompiledLayers)  # the stack in one call (ffn.cpp)
     torch.manual_seed(0)
     rows = torch.randn(9, cfg.hidden_size)
     together = moe(rows[None])[0]
@@ -100,9 +102,7 @@ def test_a_worker_killed_mid_stream_costs_a_mixtures_stream_nothing(tmp_path):
     # experts of 256 over a width of 256 in Q4_1: 1.3 MB a layer. Each worker's budget (4.3 MB) holds two or three
     # of the four layers with their KV, not four, and the controller's room is a worker's: no placement fits without the
     # killed worker, so the stream waits for it to be started again and planned back in (--restart-wait-s)
-    folder = tiny_model("qwen3_moe", tmp_path / "folder", 0, {**SHAPE, "hidden_size": 256, "num_hidden_layers": 4},
-                        moe_intermediate_size=256)
-    gguf = write_gguf(folder, tmp_path / "moe.gguf", name="tiny-moe")
+    gguf = tiny_mixture_gguf(tmp_path)
     proc, url = start_server(tmp_path, "moe", "--model", str(gguf), "--weights", "q4_1", "--local-workers", "2",
                              "--worker-threads", "1", "--worker-memory-budget-gib", "0.004", "--plan-context", "256",
                              "--plan-concurrency", "1", "--stage-timeout-s", "4", "--recover-probe-s", "2",

@@ -18,12 +18,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from inprocess import LoopClient, assert_error_object
+from inprocess import LoopClient, assert_error_object, on_link
 from safetensors.torch import save as st_save
-from starlette.websockets import WebSocketDisconnect
 
 from edgespec.workers.app import create_worker_app
-from edgespec.workers.frames import pack, unpack
+from edgespec.workers.frames import pack
 from edgespec.workers.settings import WorkerSettings
 from edgespec.workers.wire import BatchMessage, decode, encode, encode_batch
 
@@ -55,31 +54,6 @@ def check(r: httpx.Response, where) -> None:
         assert_error_object(r, repr(where)[:300])
 
 
-class FakeLink:
-    """What Relay.serve needs of a WebSocket: the frames to receive, in order, and the frames it sent back."""
-
-    def __init__(self, frames: list[bytes]):
-        self.frames, self.sent = list(frames), []
-
-    async def accept(self) -> None:
-        pass
-
-    async def receive_bytes(self) -> bytes:
-        if not self.frames:
-            raise WebSocketDisconnect(1000)
-        return self.frames.pop(0)
-
-    async def send_bytes(self, data: bytes) -> None:
-        self.sent.append(unpack(data))
-
-
-def on_link(client: LoopClient, *frames: bytes) -> list[tuple[dict, bytes]]:
-    """Serve these frames on one link that said hello first; the frames the worker sent back."""
-    link = FakeLink([pack({"op": "hello", "controller": "fuzz"}), *frames])
-    client._run(client.app.state.relay.serve(link, "fuzz"))
-    return link.sent
-
-
 def check_frames(sent: list[tuple[dict, bytes]], where) -> None:
     for header, _ in sent:
         event(f"{header['op']} {header.get('status', '')}")
@@ -106,7 +80,10 @@ sid = st.one_of(st.sampled_from(["s1", "s2", "canary", "x" * 129, "../info", "\u
                 st.text(min_size=1, max_size=8))
 ROUTES = {  # route -> near-valid bodies (arbitrary JSON as well)
     ("POST", "/assign"): st.fixed_dictionaries({}, optional={"first": small, "last": small, "dtype": st.sampled_from(
-        ["float32", "q8_0", "nope", ""]), "model": st.sampled_from(["/nonexistent", "a\u0000b", ""])}),
+        ["float32", "q8_0", "nope", ""]), "model": st.sampled_from(["/nonexistent", "a\u0000b", ""]),
+        "away": st.dictionaries(st.integers(-1, 5).map(str), st.dictionaries(st.text(max_size=8),
+                                                                             st.lists(small, max_size=3))),
+        "hosted": st.dictionaries(st.integers(-1, 5).map(str), st.lists(small, max_size=3), max_size=2)}),
     ("POST", "/heads/assign"): st.fixed_dictionaries({}, optional={
         "groups": st.dictionaries(st.integers(-1, 5).map(str), st.lists(small, max_size=3), max_size=2),
         "ffns": st.lists(small, max_size=2), "dtype": st.just("float32"), "name": st.text(max_size=4),
@@ -182,7 +159,7 @@ def test_reshape_bodies_answer_4xx_error_objects(worker, data, blocks, ready):
 
 
 OPS = ["forward", "batch", "open", "commit", "fork", "release", "ping", "hello", "result", "ack", "kv", "nope",
-       "head_open", "head_fork", "head_commit", "head_release", "attend", "ffn", "run"]
+       "head_open", "head_fork", "head_commit", "head_release", "attend", "ffn", "run", "experts"]
 field = st.one_of(small, sid)
 route = st.lists(st.sampled_from(["http://[", "ftp://x", "", "no-scheme", "http://", 5]), max_size=2)
 

@@ -120,10 +120,10 @@ def test_memory_threshold_replans_mid_generation(tiny, reference, tmp_path):
 
 
 def test_killed_worker_replans_and_joined_worker_is_used(tiny, reference, tmp_path):
-    # Three workers that hold at most two layers each (the model has four): killing one in the plan leaves
-    # a feasible plan on the other two; the killed one, started again, joins back.
+    # Three workers that hold at most two layers each (the model has four), beside their rotary tables: killing
+    # one in the plan leaves a feasible plan on the other two; the killed one, started again, joins back.
     token = secrets.token_hex(8)
-    budget = 450 * KIB
+    budget = 450 * KIB + model_card(ModelConfig.from_folder(Path(tiny)), "tiny", torch.float32).stage_bytes
     started = start_workers(tmp_path, token, tiny, dict.fromkeys(("w0", "w1", "w2"),
                                                                  ("--memory-budget-gib", f"{budget / 2**30:.9f}")))
     procs = {name: proc for name, (proc, _) in started.items()}

@@ -111,7 +111,7 @@ def forward_with_layers(folder: Path, weights: str, ids: list[int]) -> tuple[tor
         for stage in model.executor.pipeline.stages:
             # the layers one by one, so that each one's hook sees its output (a stack's one call gives the same
             # bits: tests/test_exact_format.py)
-            stage.stack.compiled_layers = None
+            stage.stack.one_by_one()
         hooks = [layer.register_forward_hook(lambda _m, _i, out: outputs.append(out.detach().clone()))
                  for stage in model.executor.pipeline.stages for layer in stage.stack.layers]
 

@@ -240,7 +240,7 @@ def test_the_gguf_serves_and_keeps_its_hidden_states_finite(small):
     assert resolve_model(str(q8)).gguf == q8 / GGUF_FILE
     blocks, exact = load_blocks(q8), load_blocks(folder)
     outputs = []
-    blocks.stack.compiled_layers = None  # layer by layer, so that the hooks see each output (the same bits)
+    blocks.stack.one_by_one()  # layer by layer, so that the hooks see each output (the same bits)
     hooks = [layer.register_forward_hook(lambda _m, _i, out: outputs.append(out.detach().clone()))
              for layer in blocks.stack.layers]
     logits = blocks.logits_from_scratch(IDS)

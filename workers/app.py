@@ -177,7 +177,8 @@ def create_worker_app(settings: WorkerSettings) -> FastAPI:
 
     @app.post("/assign", dependencies=auth)
     async def assign(body: AssignBody):
-        return host.assign(body.model, body.first, body.last, body.dtype, body.kv_format)
+        return host.assign(body.model, body.first, body.last, body.dtype, body.kv_format, body.away, body.hosted,
+                           relay.expert_links())
 
     @app.post("/profile", dependencies=auth)
     async def profile(body: ProfileBody):

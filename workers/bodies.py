@@ -19,6 +19,11 @@ class AssignBody(Strict):
     last: int = Field(ge=1, lt=2**31)
     dtype: str = "float32"
     kv_format: KVFormatName = "float32"
+    away: dict[int, dict[str, list[int]]] = Field(
+        default_factory=dict, description="experts of this worker's layers placed on other workers: layer -> "
+        "that worker's URL -> expert ids (planning/experts.py)")
+    hosted: dict[int, list[int]] = Field(default_factory=dict, description="experts this worker holds of other "
+                                         "workers' layers: layer -> expert ids")
 
 
 class ProfileBody(Strict):

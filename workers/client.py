@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import torch
@@ -27,12 +27,15 @@ from edgespec.workers.wire import BatchMessage, decode, encode, encode_batch
 
 @dataclass
 class WorkerRef:
-    """A worker and the layers it is assigned."""
+    """A worker and the layers it is assigned; of a mixture, the experts of its layers held by other workers
+    (layer -> their URL -> ids) and those it holds of theirs (layer -> ids)."""
 
     url: str
     name: str
     first: int
     last: int
+    away: dict[int, dict[str, list[int]]] = field(default_factory=dict)
+    hosted: dict[int, list[int]] = field(default_factory=dict)
 
 
 class RemotePipeline(WireFigures):
@@ -61,7 +64,7 @@ class RemotePipeline(WireFigures):
 
     def assign(self, worker: WorkerRef) -> dict:
         body = {"model": self.model, "first": worker.first, "last": worker.last, "dtype": self.dtype,
-                "kv_format": self.kv_format}
+                "kv_format": self.kv_format, "away": worker.away, "hosted": worker.hosted}
         try:
             r = self.http.post(worker.url + "/assign", json=body, timeout=max(self.timeout_s, 300))
         except httpx.HTTPError as exc:

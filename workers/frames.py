@@ -28,7 +28,7 @@ import struct
 
 MAX_HEADER = 64 * 2**10  # a batch header lists its entries: 1024 of them fit well within this
 OPS = {"hello", "open", "commit", "fork", "release", "forward", "batch", "result", "error", "ack", "ping", "pong",
-       "kv", "head_open", "head_fork", "head_commit", "head_release", "attend", "ffn", "run"}
+       "kv", "head_open", "head_fork", "head_commit", "head_release", "attend", "ffn", "run", "experts"}
 
 
 class FrameError(ValueError):

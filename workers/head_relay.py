@@ -10,6 +10,9 @@ sends, and the projection worker's own calls to its peers over the links it keep
     run          {id, layer, epsilons}        a batch message        -> ack {next, kept, discarded, wire} {x [M, H]}:
                  layers L.. while this worker is their projection device, calling its peers (named in the HTTP
                  assignment) for their groups and FFNs; kept and discarded per session and layer
+    experts      {id, layer}   safetensors {rows [m, H], chosen, weights [m, k]}  -> ack {out [n, H]}: a mixture's
+                 experts this worker holds of another's layer (StageHost.shelf), the weighted outputs of the slots
+                 that chose them (model/expert_split.py); a layer pipeline's stage calls it mid-pass
 
 A batch message carries the rows of every session the step runs, each session's (session, start, length, step)
 and mask, so that sessions sharing a step share each call; `epsilons` is each session's tolerance. The session
@@ -48,6 +51,7 @@ from edgespec.workers.settings import WorkerSettings
 from edgespec.workers.wire import BatchMessage, WireError, decode, decode_batch, encode
 
 HEAD_OPS = {"head_open", "head_fork", "head_commit", "head_release", "attend", "ffn", "run"}
+EXPERTS = "experts"
 
 
 class PeerRefusal(Exception):
@@ -80,6 +84,15 @@ class HeadRelay(Relay):
 
     async def handle(self, ws: WebSocket, peer: str, header: dict, body: bytes) -> None:
         op = header["op"]
+        if op == EXPERTS:  # computed inline: it waits on nothing
+            ack = {"op": "ack", "id": header.get("id")}
+            try:
+                out = self.host.expert_partials(count(header, "layer"), body)
+            except Exception as exc:
+                await self._send(ws, peer, pack(ack | self._error(exc)))
+                return
+            await self._send(ws, peer, pack(ack | {"ok": True}, out))
+            return
         if op not in HEAD_OPS:
             await super().handle(ws, peer, header, body)
             return
@@ -163,6 +176,13 @@ class HeadRelay(Relay):
         return LinkHeads(name, lambda header, body: asyncio.run_coroutine_threadsafe(
             self.call_peer(url, header, body), loop))
 
+    def expert_links(self) -> PeerExperts:
+        """The workers holding experts of this worker's layers, for its passes (on a thread of their own: Relay
+        forward), each call sent on this relay's link to the worker, from the event loop this is made on."""
+        loop = asyncio.get_running_loop()
+        return PeerExperts(lambda url, header, body: asyncio.run_coroutine_threadsafe(
+            self.call_peer(url, header, body), loop))
+
     async def call_peer(self, base_url: str, header: dict, body: bytes) -> tuple[dict, bytes]:
         """Send a call to a peer and wait for its ack -> (header, body); PeerRefusal for its refusal,
         ConnectionError when the link closes first or no answer comes within the downstream timeout."""
@@ -196,3 +216,28 @@ class HeadRelay(Relay):
         for sent_on, future in self.calls.values():
             if sent_on is link and not future.done():
                 future.set_exception(ConnectionError(f"the link to {url} closed"))
+
+
+class ExpertAnswer:
+    """A started `experts` call (model/expert_split.py's ExpertCall)."""
+
+    def __init__(self, pending):
+        self.pending = pending
+
+    def result(self) -> torch.Tensor:
+        _, body = self.pending.result()
+        return decode(body, ("out",))["out"]
+
+
+class PeerExperts:
+    """ExpertLinks over a worker's links: `send(url, header, body)` sends a call to the worker at `url` and returns
+    what waits for its ack."""
+
+    def __init__(self, send):
+        self.send = send
+
+    def start(self, device: str, layer: int, rows: torch.Tensor, chosen: torch.Tensor,
+              weights: torch.Tensor) -> ExpertAnswer:
+        body = encode({"rows": rows.float().contiguous(), "chosen": chosen.contiguous(),
+                       "weights": weights.contiguous()})
+        return ExpertAnswer(self.send(device, {"op": EXPERTS, "layer": layer}, body))

@@ -11,18 +11,21 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
 from edgespec.model.config import ModelConfig
 from edgespec.model.cpu_share import ThreadGovernor
+from edgespec.model.expert_split import Away, ExpertLinks, ExpertShelf, check_experts
+from edgespec.model.ffn import Experts
 from edgespec.model.kv_format import kv_format
 from edgespec.model.linear import bytes_per_param, linear_bytes, weight_format
 from edgespec.model.source import resolve_model
 from edgespec.model.stack import LayerStack
 from edgespec.model.stage import BatchEntry, LocalStage, StepError
-from edgespec.model.timing import PROFILE_LAYERS, time_layers
+from edgespec.model.timing import PROFILE_LAYERS, time_layers, time_split
 from edgespec.model.weights import open_source
 from edgespec.workers.kv_report import KVReport
 from edgespec.workers.settings import WorkerSettings
@@ -85,6 +88,7 @@ class StageHost:
         self.assignment: Assignment | None = None
         self.cfg: ModelConfig | None = None
         self.stage: LocalStage | None = None
+        self.shelf: ExpertShelf | None = None  # experts held for other workers' layers
         self.weight_bytes = 0
         self.steps: dict[str, int] = {}
         self.last_output: dict[str, tuple[int, bytes]] = {}
@@ -92,25 +96,36 @@ class StageHost:
 
     # assignment
 
-    def assign(self, model: str | None, first: int, last: int, dtype: str, kv: str = "float32") -> dict:
+    def assign(self, model: str | None, first: int, last: int, dtype: str, kv: str = "float32",
+               away: Mapping[int, Away] | None = None, hosted: Mapping[int, Sequence[int]] | None = None,
+               links: ExpertLinks | None = None) -> dict:
         """Load layers [first, last) of `model` (reading only their tensors), their caches in KV format `kv`;
-        drops every session."""
+        drops every session. A mixture's experts placed `away` (layer -> a worker's URL -> ids) are not loaded
+        here: a pass calls that worker over `links` for them; `hosted` (layer -> ids) are other workers'
+        layers' experts this one holds for them (model/expert_split.py)."""
         fmt, kv_fmt = weight_format(dtype), kv_format(kv)
         files = resolve_model(model if model is not None else self.settings.model)
         cfg = ModelConfig.from_folder(files.folder)
         if not 0 <= first < last <= cfg.n_layers:
             raise ValueError(f"layer range [{first}, {last}) is outside the model's {cfg.n_layers} layers")
-        weight_bytes = int((last - first) * cfg.layer_param_count() * bytes_per_param(fmt, files.gguf is not None))
+        check_experts(cfg, first, last, away or {}, hosted or {})  # before the layers held now are let go
+        per_param = bytes_per_param(fmt, files.gguf is not None)
+        expert = 3 * cfg.hidden_size * cfg.expert_size  # one expert's parameters
+        moved = sum(len(ids) for a in (away or {}).values() for ids in a.values()) - \
+            sum(len(ids) for ids in (hosted or {}).values())
+        weight_bytes = int(((last - first) * cfg.layer_param_count() - moved * expert) * per_param)
         budget = int(self.settings.memory_budget_gib * 2**30)
         if weight_bytes >= budget:
             raise MemoryError(f"layers [{first}, {last}) need {weight_bytes / 2**30:.2f} GiB of weights but the "
                               f"worker's memory budget is {budget / 2**30:.2f} GiB")
-        self.stage = None  # free the old layers before loading new ones
+        self.stage, self.shelf = None, None  # free the old layers before loading new ones
         self.steps.clear()
         self.last_output.clear()
         self.last_batch = None
-        stack = LayerStack.load(open_source(files), cfg, first, last, fmt, kv_fmt)
-        weight_bytes = linear_bytes(stack)  # what the tensors really hold
+        src = open_source(files)
+        stack = LayerStack.load(src, cfg, first, last, fmt, kv_fmt, away, links)
+        self.shelf = ExpertShelf(src, cfg, fmt, hosted or {})
+        weight_bytes = linear_bytes(stack) + self.shelf.nbytes()  # what the tensors really hold
         self.stage = LocalStage(stack, budget - weight_bytes, self.settings.kv_prefault)
         self.cfg, self.weight_bytes = cfg, weight_bytes
         self.assignment = Assignment(model, first, last, dtype)
@@ -123,8 +138,9 @@ class StageHost:
         cfg = ModelConfig.from_folder(files.folder)
         stack = LayerStack.load(open_source(files), cfg, 0, min(PROFILE_LAYERS, cfg.n_layers), fmt)
         curve = time_layers(stack, tokens, contexts, reps)
+        del stack
         return {"name": self.name, "layer_ms": asdict(curve), "memory": self.info()["memory"],
-                "hardware": hardware_id()}
+                "hardware": hardware_id(), "split_ms": time_split(open_source(files), cfg, fmt)}
 
     def info(self) -> dict:
         a = self.assignment
@@ -138,10 +154,33 @@ class StageHost:
                        "resident_bytes": resident_bytes(), "weight_bytes": self.weight_bytes,
                        "kv_bytes": self.stage.kv_bytes() if self.stage else 0,
                        "kv_blocks": {"used": used, "free": free}},
-            "holds": None if a is None else {"model": a.model, "layers": [a.first, a.last], "dtype": a.dtype},
+            "holds": None if a is None else {"model": a.model, "layers": [a.first, a.last], "dtype": a.dtype,
+                                             "experts": self.experts_held()},
             "sessions": len(self.stage.caches) if self.stage else 0,
             "threads": torch.get_num_threads(),
         }
+
+    def experts_held(self) -> dict[str, int]:
+        """The mixture's experts this worker holds: of its own layers, and of other workers' layers."""
+        own = 0 if self.stage is None else sum(len(layer.ffn.held) for layer in self.stage.stack.layers
+                                               if isinstance(layer.ffn, Experts))
+        hosted = 0 if self.shelf is None else sum(len(m.held) for m in self.shelf.experts.values())
+        return {"own": own, "hosted": hosted}
+
+    @property
+    def splits(self) -> bool:
+        """Whether a pass here calls other workers for experts (so it must not run on the event loop's thread)."""
+        return self.stage is not None and bool(self.stage.stack.away)
+
+    def expert_partials(self, layer: int, body: bytes) -> bytes:
+        """An `experts` call of another worker's pass: its rows, experts and weights -> the weighted outputs of
+        the slots whose expert is held here (ExpertShelf.partials)."""
+        if self.shelf is None:
+            raise NotAssignedError("this worker holds no experts: assign it first")
+        if layer not in self.shelf.experts:  # the caller's placement is not this worker's
+            raise AssignmentError(f"this worker holds no experts of layer {layer}")
+        t = decode(body, ("rows", "chosen", "weights"))
+        return encode({"out": self.shelf.partials(layer, t["rows"], t["chosen"], t["weights"])})
 
     def kv_report(self) -> KVReport:
         """The stage's KV pool as the worker reports it with its answers (workers/kv_report.py)."""

@@ -13,13 +13,14 @@ import hashlib
 import json
 import platform
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
 
 from edgespec.model.config import ModelConfig
 from edgespec.model.linear import weight_format
+from edgespec.model.routing import expert_use
 from edgespec.model.source import ModelFiles
 from edgespec.model.stack import LayerStack, TokenEnds
 from edgespec.model.timing import CONTEXTS, PROFILE_LAYERS, TOKENS, model_card, profile_points, time_ends, time_layers
@@ -92,7 +93,7 @@ async def profile_workers(devices: list[Device], token: str, model: str | None, 
             ans = await _layers(client, d, body)
             mem = ans["memory"]
             profiles.append(DeviceProfile(d.name, _curve(ans["layer_ms"]), mem["budget_bytes"], mem["resident_bytes"],
-                                          d.url, hardware=ans.get("hardware")))
+                                          d.url, hardware=ans.get("hardware"), split_ms=ans.get("split_ms", 0.0)))
             done(f"layers on {d.name}")
         for d in devices:
             links.append(LinkProfile(CONTROLLER, d.name, **await measure_link(ws_url(d.url), token, options.link_reps)))
@@ -119,9 +120,11 @@ def _check(r: httpx.Response, d: Device) -> None:
 
 
 def assemble(files: ModelFiles, dtype: str, controller: DeviceProfile, workers: list[DeviceProfile],
-             links: list[LinkProfile], options: ProfileOptions) -> ClusterProfile:
+             links: list[LinkProfile], options: ProfileOptions,
+             expert_use: tuple[tuple[float, ...], ...] = ()) -> ClusterProfile:
+    """expert_use: a mixture's routing frequencies (model/routing.py), for its card."""
     cfg = ModelConfig.from_folder(files.folder)
-    card = model_card(cfg, Path(files.folder).name, dtype, files.gguf is not None)
+    card = replace(model_card(cfg, Path(files.folder).name, dtype, files.gguf is not None), expert_use=expert_use)
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     return ClusterProfile(card, dtype, controller, workers, links, options.margin, created,
                           f"measured on {platform.node()} ({platform.machine()})")
@@ -133,8 +136,10 @@ def profile_cluster(files: ModelFiles, model: str | None, dtype: str, devices: l
     """Profile the controller (through run_tensor, e.g. the model thread's run_sync) and every worker."""
     run_tensor = run_tensor or (lambda fn, *a: fn(*a))
     controller = run_tensor(profile_controller, files, dtype, options, (lambda: step("controller")) if step else None)
+    # a mixture's routing frequencies, for placing its experts (a layer at a time: the controller need not hold it)
+    use = run_tensor(expert_use, files, dtype) if ModelConfig.from_folder(files.folder).n_experts else ()
     workers, links = asyncio.run(profile_workers(devices, token, model, dtype, options, step))
-    return assemble(files, dtype, controller, workers, links, options)
+    return assemble(files, dtype, controller, workers, links, options, use)
 
 
 # how stages talk and what a profile holds: a profile of the HTTP calls before it measured another link cost, and

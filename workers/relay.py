@@ -22,6 +22,8 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import httpx
 import websockets
@@ -109,6 +111,7 @@ class Relay:
         self.dialing: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.turn = asyncio.Condition()  # notified whenever a step was applied, when a call waits for one
         self.waiting = 0
+        self.compute = ThreadPoolExecutor(1, "stage")  # the passes that call for experts (StageHost.splits)
         self.tally = LinkTally()
         self.max_size = settings.max_body_bytes + MAX_HEADER + 4
 
@@ -196,9 +199,16 @@ class Relay:
                 key = message.key
             await self._wait_turn(steps)
             if header["op"] == "forward":
-                out, seconds = self.host.forward(sid, step, start, body, bool(route))
+                run = partial(self.host.forward, sid, step, start, body, bool(route))
             else:
-                out, seconds = self.host.forward_batch(message, bool(route))
+                run = partial(self.host.forward_batch, message, bool(route))
+            if self.host.splits:
+                # a pass that calls other workers for experts waits on this loop for their answers: on a thread
+                # of its own, always the same one (the loop stays free to carry the calls and answer theirs; one
+                # thread keeps torch's OpenMP to one team of threads)
+                out, seconds = await asyncio.get_running_loop().run_in_executor(self.compute, run)
+            else:
+                out, seconds = run()
             self._notify()
             hops = [*header.get("hops", []), {"stage": self.host.name, "bytes": len(out),
                                                "forward_ms": round(seconds * 1000, 3),
@@ -306,6 +316,7 @@ class Relay:
         """A peer link closed (it is forgotten already: the next send dials a new one)."""
 
     async def close(self) -> None:
+        self.compute.shutdown(wait=False)
         for link in list(self.peers.values()):
             with contextlib.suppress(Exception):
                 await link.close()

@@ -39,9 +39,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
                           double>());
   pybind11::class_<Ffn>(mod, "Ffn", pybind11::module_local(), "a layer's SwiGLU FFN: dense, or a mixture of experts")
       .def(pybind11::init<Linear, Linear>(), "gate_up, down")
-      .def(pybind11::init<Linear, std::vector<Linear>, std::vector<Linear>, int64_t, bool>(),
-           "router, each expert's gate_up, each expert's down, experts per token, renormalise the top ones")
-      .def("__call__", &Ffn::operator(), free, "x [..., H] float (normed) -> [..., H]");
+      .def(pybind11::init<c10::optional<Linear>, std::vector<int64_t>, std::vector<Linear>, std::vector<Linear>,
+                          int64_t, int64_t, bool>(),
+           "router (or None: an expert host's), the held experts' ids (ascending), each one's gate_up and down, the "
+           "number of experts, experts per token, renormalise the top ones")
+      .def("__call__", &Ffn::operator(), free, "x [..., H] float (normed) -> [..., H]")
+      .def("route", &Ffn::route, free, "x [M, H] float (normed) -> each row's experts int64 [M, k], weights [M, k]")
+      .def("experts", &Ffn::experts, free, "x [M, H], ids, weights [M, k] -> the held slots' weighted outputs [M, k, H]")
+      .def("combine", &Ffn::combine, free, "ids [M, k], every slot's output [M, k, H] -> [M, H] (ascending experts)");
   pybind11::class_<LayerWeights>(mod, "LayerWeights", pybind11::module_local(), "a compiled decoder layer's weights")
       .def(pybind11::init<torch::Tensor, torch::Tensor, double, Attn, Ffn>());
   pybind11::class_<SeqLayers>(mod, "SeqLayers", pybind11::module_local(), "one sequence's share of a pass of a stack")

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <numeric>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 #include "simd.h"
@@ -180,15 +182,22 @@ torch::Tensor attention_rows(torch::Tensor x, const Attn& attn, torch::Tensor co
                              const std::vector<SeqKV>& seqs);
 
 // A layer's SwiGLU feed-forward (ffn.cpp): dense (one gate_up and one down), or a mixture of experts (a router
-// [E, H] and E of each, experts_per_token of them a row). Built once per loaded layer.
+// [E, H], experts_per_token of E a row) holding the experts `held` (all of them, or those a device holds of a
+// layer whose experts are placed on several: an expert host's have no router). Built once per loaded layer.
 struct Ffn {
-  std::vector<Linear> gate_up, down;
+  std::vector<Linear> gate_up, down;  // the held experts', in `held` order
   c10::optional<Linear> router;
+  std::vector<int64_t> held;  // ascending expert ids
+  std::vector<int64_t> local;  // expert id -> its index in gate_up / down, or -1
   int64_t top_k;
   bool renorm;
   Ffn(Linear gate_up, Linear down);
-  Ffn(Linear router, std::vector<Linear> gate_up, std::vector<Linear> down, int64_t top_k, bool renorm);
+  Ffn(c10::optional<Linear> router, std::vector<int64_t> held, std::vector<Linear> gate_up, std::vector<Linear> down,
+      int64_t n_experts, int64_t top_k, bool renorm);
   torch::Tensor operator()(const torch::Tensor& x) const;  // x [..., H] float, already normed -> [..., H]
+  std::tuple<torch::Tensor, torch::Tensor> route(const torch::Tensor& x) const;  // x [M, H] -> ids, weights [M, k]
+  torch::Tensor experts(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& wts) const;
+  torch::Tensor combine(const torch::Tensor& ids, const torch::Tensor& parts) const;
 };
 
 // A compiled decoder layer's weights, gathered once (model/stack.py's LayerStack at load): decoder_layer_rows'
