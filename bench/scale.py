@@ -80,6 +80,10 @@ SETUPS = {
     # apart from their layers (planning/experts.py) and the passes call for them
     "qwen3-moe-7b-a1b-5w-apart": Setup("qwen3-moe-7b-a1b", "q4_1", 5, 1.01, context=1024, prefill=(128, 512),
                                        decode_tokens=32, reps=3),
+    # its control: the same 5 workers with room for whole layers (what the experts apart cost, the fifth process
+    # and its hop aside)
+    "qwen3-moe-7b-a1b-5w": Setup("qwen3-moe-7b-a1b", "q4_1", 5, 1.25, context=1024, prefill=(128, 512),
+                                 decode_tokens=32, reps=3),
 }
 # Shapes this machine cannot hold (Qwen3-30B-A3B in Q4_1: 20.9 GiB of layers in the workers' layout, with the
 # processes beside them past this machine's 23 GiB), planned over a measured setup's devices instead: name ->
