@@ -39,6 +39,7 @@ import httpx
 import psutil
 
 from edgespec.bench.distributed import start
+from edgespec.planning.experts import n_away
 from edgespec.planning.plan import PlanOptions, make_plan
 from edgespec.planning.profile import ClusterProfile
 
@@ -207,7 +208,7 @@ def distributed(name: str, setup: Setup, out: Path) -> dict:
         "layer_weights_gib": weights / 2**30, "worker_budget_gib": setup.budget_gib,
         "placement": layout, "placement_served": shown["layout"], "placement_matches": shown["layout"] == layout,
         "stages": [dataclasses.asdict(s) for s in plan.stages],
-        "experts_apart": sum(len(ids) for s in plan.stages for where in s.away.values() for ids in where.values()),
+        "experts_apart": sum(n_away(s.away) for s in plan.stages),
         # what the workers hold after the run (memory_use: weights plus KV over the budget), and the controller's
         # whole resident memory (Python, torch, the tokenizer and the token ends: no layer)
         "devices_served": devices, "controller_resident_gib": controller_rss / 2**30,

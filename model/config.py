@@ -123,12 +123,17 @@ class ModelConfig:
         """Whether layer `layer` (absolute index) has a mixture of experts for its FFN."""
         return bool(self.sparse_layers and self.sparse_layers[layer])
 
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one expert of a mixture (its gate, up and down projections)."""
+        return 3 * self.hidden_size * self.expert_size
+
     def layer_param_count(self) -> int:
         """Parameters of a layer (the largest: a sparse one where the model has any, every expert counted)."""
         h, hd = self.hidden_size, self.head_dim
         attn = h * (self.n_heads + 2 * self.n_kv_heads) * hd + self.n_heads * hd * h
         qk_norms = 2 * hd if self.arch.qk_norm else 0
-        ffn = (self.n_experts * (3 * h * self.expert_size + h) if any(self.sparse_layers)
+        ffn = (self.n_experts * (self.expert_params + h) if any(self.sparse_layers)
                else 3 * h * self.intermediate_size)
         return attn + qk_norms + ffn + len(self.arch.norms) * h
 

@@ -62,9 +62,9 @@ class ExpertLinks(Protocol):
 
 
 def split_layer_rows(layer: DecoderLayer, x: torch.Tensor, rope: Rope, seqs: Sequence[SeqRows], index: int,
-                     absolute: int, away: Away, links: ExpertLinks) -> torch.Tensor:
+                     absolute: int, away: Mapping[str, torch.Tensor], links: ExpertLinks) -> torch.Tensor:
     """DecoderLayer.rows of a sparse layer (`index` in its stack, `absolute` in the model) some of whose experts
-    are on the devices `away` names: x [M, H] -> [M, H], the bits of the layer held whole."""
+    are on the devices `away` names (device -> int64 ids): x [M, H] -> [M, H], the bits of the layer held whole."""
     if not isinstance(layer.ffn, Experts) or layer.ffn_out_norm is not None or layer.residual != 1.0:
         raise ValueError(f"layer {absolute} cannot have its experts placed apart: only a plain mixture can")
     moe = layer.ffn
@@ -73,7 +73,7 @@ def split_layer_rows(layer: DecoderLayer, x: torch.Tensor, rope: Rope, seqs: Seq
     chosen, weights = moe.route(h)  # [M, k] each
     calls = []
     for device, ids in away.items():
-        mask = torch.isin(chosen, torch.tensor(list(ids), dtype=torch.long))  # [M, k]: the slots it computes
+        mask = torch.isin(chosen, ids)  # [M, k]: the slots it computes
         rows = mask.any(dim=1)
         if rows.any():
             calls.append((device, mask, links.start(device, absolute, h[rows], chosen[rows], weights[rows])))
@@ -96,6 +96,7 @@ class ExpertShelf:
         check_experts(cfg, 0, 0, {}, hosted)
         self.cfg = cfg
         self.experts: dict[int, Experts] = {}
+        self.ids = {layer: torch.tensor(sorted(ids), dtype=torch.long) for layer, ids in hosted.items()}
         for layer, ids in hosted.items():
             with torch.device("meta"):
                 moe = Experts(cfg, fmt.act, ids, router=False)
@@ -119,7 +120,7 @@ class ExpertShelf:
             raise ValueError(f"experts must be int64 [{m}, {k}] and weights float32 [{m}, {k}]")
         if m and (int(chosen.min()) < 0 or int(chosen.max()) >= self.cfg.n_experts):
             raise ValueError(f"experts must be ids of the {self.cfg.n_experts}")
-        mask = torch.isin(chosen, torch.tensor(moe.held, dtype=torch.long))
+        mask = torch.isin(chosen, self.ids[layer])
         return moe.partials(rows, chosen, weights)[mask]
 
     def nbytes(self) -> int:

@@ -38,7 +38,9 @@ class LayerStack(nn.Module):
             raise ValueError("a stack with experts placed away needs the links to them")
         kv.check(cfg.head_dim)
         self.cfg, self.first, self.last, self.dtype, self.kv = cfg, first, last, dtype, kv
-        self.away, self.links = away, links
+        # each split layer's ids elsewhere as the tensors a pass tests its rows' choices against
+        self.away = {i: {d: torch.tensor(list(ids), dtype=torch.long) for d, ids in a.items()} for i, a in away.items()}
+        self.links = links
         self.rotary = Rotary(cfg, dtype)
         with torch.device("meta"):  # weights come from the checkpoint: skip random initialisation
             self.layers = ModuleList(DecoderLayer(cfg, dtype, i, self._held(i)) for i in range(first, last))
@@ -50,7 +52,7 @@ class LayerStack(nn.Module):
         """The experts of `layer` held here (None: all of them, or a dense layer)."""
         if layer not in self.away:
             return None
-        elsewhere = {e for ids in self.away[layer].values() for e in ids}
+        elsewhere = {e for ids in self.away[layer].values() for e in ids.tolist()}
         return [e for e in range(self.cfg.n_experts) if e not in elsewhere]
 
     @classmethod

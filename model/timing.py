@@ -36,7 +36,7 @@ def model_card(cfg: ModelConfig, name: str, fmt: WeightFormat | torch.dtype | st
     return ModelCard(name, cfg.n_layers, cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                      cfg.layer_param_count(), ends, cfg.max_position_embeddings,
                      bytes_per_param(fmt, from_gguf), kv.bytes_per_value(), act, n_experts=cfg.n_experts,
-                     experts_per_token=cfg.experts_per_token, expert_params=3 * cfg.hidden_size * cfg.expert_size,
+                     experts_per_token=cfg.experts_per_token, expert_params=cfg.expert_params,
                      stage_bytes=tables * 2 * cfg.max_position_embeddings * cfg.head_dim * act)
 
 

@@ -57,6 +57,11 @@ class ExpertPlacement:
         return {layer: where for layer, where in self.away.items() if first <= layer < last}
 
 
+def n_away(away: Mapping[int, Mapping[str, Sequence[int]]]) -> int:
+    """How many experts a placement's `away` (layer -> device -> ids) puts on other devices."""
+    return sum(len(ids) for where in away.values() for ids in where.values())
+
+
 def expert_bytes(card: ModelCard) -> int:
     """One expert's weights."""
     return int(card.expert_params * card.weight_bytes_per_param)

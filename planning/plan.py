@@ -10,7 +10,7 @@ import itertools
 import math
 from dataclasses import asdict, dataclass, field
 
-from edgespec.planning.experts import ExpertPlacement, StageRoom, expert_bytes, place_experts
+from edgespec.planning.experts import ExpertPlacement, StageRoom, expert_bytes, n_away, place_experts
 from edgespec.planning.layers import partition_layers
 from edgespec.planning.profile import IDLE_MS, ClusterProfile, DeviceProfile, ModelCard
 from edgespec.planning.sequence import choose_segments, min_segment
@@ -219,7 +219,7 @@ def _finish(profile: ClusterProfile, costs: _Costs, bounds: list[tuple[int, int]
     for i, (first, last) in enumerate(bounds):
         d = costs.order[i]
         away, hosted = experts.away_of(first, last), experts.hosted(d.name)
-        moved = sum(len(ids) for where in away.values() for ids in where.values()) - sum(map(len, hosted.values()))
+        moved = n_away(away) - sum(map(len, hosted.values()))
         stages.append(StagePlan(d.name, d.url, first, last,
                                 (last - first) * card.layer_weight_bytes() - moved * expert_bytes(card),
                                 (last - first) * card.kv_bytes_per_token() * options.context * options.concurrency,

@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 
 from edgespec.decoding.headsplit import HEADSPLIT
 from edgespec.model.headsplit import HeadSplitPipeline
+from edgespec.planning.experts import n_away
 
 if TYPE_CHECKING:
     from edgespec.server.service import CompletionService
@@ -242,8 +243,7 @@ class Dashboard:
         moved: dict[str, int] = {}  # experts held of other devices' layers, less those of its own held elsewhere
         for s in stages:
             ranges.setdefault(s.device, []).append(LayerRange(first=s.first, last=s.last))
-            moved[s.device] = moved.get(s.device, 0) + sum(map(len, s.hosted.values())) - \
-                sum(len(ids) for where in s.away.values() for ids in where.values())
+            moved[s.device] = moved.get(s.device, 0) + sum(map(len, s.hosted.values())) - n_away(s.away)
         workers = []
         for m in list(cluster.members.values()):
             try:

@@ -27,6 +27,7 @@ from edgespec.model.stack import LayerStack
 from edgespec.model.stage import BatchEntry, LocalStage, StepError
 from edgespec.model.timing import PROFILE_LAYERS, time_layers, time_split
 from edgespec.model.weights import open_source
+from edgespec.planning.experts import n_away
 from edgespec.workers.kv_report import KVReport
 from edgespec.workers.settings import WorkerSettings
 from edgespec.workers.wire import BatchMessage, WireError, decode, encode, encode_batch
@@ -109,11 +110,9 @@ class StageHost:
         if not 0 <= first < last <= cfg.n_layers:
             raise ValueError(f"layer range [{first}, {last}) is outside the model's {cfg.n_layers} layers")
         check_experts(cfg, first, last, away or {}, hosted or {})  # before the layers held now are let go
-        per_param = bytes_per_param(fmt, files.gguf is not None)
-        expert = 3 * cfg.hidden_size * cfg.expert_size  # one expert's parameters
-        moved = sum(len(ids) for a in (away or {}).values() for ids in a.values()) - \
-            sum(len(ids) for ids in (hosted or {}).values())
-        weight_bytes = int(((last - first) * cfg.layer_param_count() - moved * expert) * per_param)
+        moved = n_away(away or {}) - sum(map(len, (hosted or {}).values()))
+        weight_bytes = int(((last - first) * cfg.layer_param_count() - moved * cfg.expert_params) *
+                           bytes_per_param(fmt, files.gguf is not None))
         budget = int(self.settings.memory_budget_gib * 2**30)
         if weight_bytes >= budget:
             raise MemoryError(f"layers [{first}, {last}) need {weight_bytes / 2**30:.2f} GiB of weights but the "
@@ -136,11 +135,12 @@ class StageHost:
         fmt = weight_format(dtype)
         files = resolve_model(model if model is not None else self.settings.model)
         cfg = ModelConfig.from_folder(files.folder)
-        stack = LayerStack.load(open_source(files), cfg, 0, min(PROFILE_LAYERS, cfg.n_layers), fmt)
+        src = open_source(files)
+        stack = LayerStack.load(src, cfg, 0, min(PROFILE_LAYERS, cfg.n_layers), fmt)
         curve = time_layers(stack, tokens, contexts, reps)
         del stack
         return {"name": self.name, "layer_ms": asdict(curve), "memory": self.info()["memory"],
-                "hardware": hardware_id(), "split_ms": time_split(open_source(files), cfg, fmt)}
+                "hardware": hardware_id(), "split_ms": time_split(src, cfg, fmt)}
 
     def info(self) -> dict:
         a = self.assignment
