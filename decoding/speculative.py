@@ -28,7 +28,7 @@ class SpeculativePolicy:
     lane = "layers"  # the engine's lane its jobs run on
 
     def __init__(self, models: dict[str, DraftSource] | None = None, default: str | None = None, k: int = 4,
-                 k_min: int = 0, k_max: int = 8):
+                 k_min: int = 0, k_max: int = 16):
         """models: DraftModels or FeatureDraftModels by drafter name (draft checkpoints, layer-skipping
         self-drafts, trained feature drafters); default: the drafter of the plain `speculative` policy (the
         first model's behind n-gram lookup, NAME+ngram: the best measured on open chat and on copying alike;

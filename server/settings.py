@@ -96,7 +96,7 @@ class ServeSettings(BaseSettings):
                          "each step picks the length, within draft_k_min..draft_k_max, with the most expected "
                          "tokens per second (decoding/draft_cost.py; 0: a plain step; a request's `k` fixes it)")
     draft_k_min: int = Field(0, ge=0, le=32)
-    draft_k_max: int = Field(8, ge=1, le=32)
+    draft_k_max: int = Field(16, ge=1, le=32)
     speculative_drafter: str | None = Field(None, description="the plain `speculative` policy's drafter")
     headsplit: bool = Field(True, description="offer the `headsplit` policy (its blocks load at its first request)")
     headsplit_epsilon: float = Field(0.05, ge=0, allow_inf_nan=False, description="`headsplit`'s default "

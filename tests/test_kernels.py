@@ -11,7 +11,16 @@ import time
 import pytest
 import torch
 
-from edgespec.model.kernels import STALE_LOCK_S, build_folder, build_key, chosen, compile_flags, isas, load
+from edgespec.model.kernels import (
+    STALE_LOCK_S,
+    build_folder,
+    build_key,
+    chosen,
+    compile_flags,
+    full_width_512,
+    isas,
+    load,
+)
 from edgespec.model.quant import Q8, Interleaved, quantize_q4, quantize_q8, widened
 
 N, K = 100, 256  # N not a multiple of 8: the last weight group is partial
@@ -115,7 +124,10 @@ def test_the_build_is_chosen_by_the_cpus_features():
     avx2 = {"avx2", "fma", "f16c"}
     avx512_vnni = avx2 | {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"}
     assert isas(avx2 | {"avx512f"}, "x86_64") == ["portable", "avx2"]
-    assert isas(avx512_vnni, "x86_64") == ["portable", "avx2", "avx512-vnni"]
+    assert isas(avx512_vnni, "x86_64", wide=False) == ["portable", "avx2", "avx512-vnni"]
+    # where 512-bit vectors run at full width, two weight groups in one 512-bit kernel is the widest path
+    assert isas(avx512_vnni, "x86_64", wide=True) == ["portable", "avx2", "avx512-vnni", "avx512-vnni-zmm"]
+    assert isas(avx2 | {"avx_vnni"}, "x86_64", wide=True) == ["portable", "avx2", "avx-vnni"]
     assert isas(avx2 | {"avx_vnni"}, "x86_64") == ["portable", "avx2", "avx-vnni"]
     assert isas(avx512_vnni - {"avx512vl"}, "x86_64") == ["portable", "avx2"]  # VNNI on zmm only: not used
     # aarch64: NEON on every core; sdot where /proc/cpuinfo lists asimddp (a Pi 5's A76, not a Pi 4's A72)
@@ -123,11 +135,20 @@ def test_the_build_is_chosen_by_the_cpus_features():
     assert isas({"fp", "asimd", "crc32"}, "aarch64") == ["portable", "neon"]
     assert isas(avx512_vnni, "riscv64") == ["portable"]
     # each path compiles with flags of its own, so each has a build (and a cache key) of its own
-    paths = ("portable", "avx2", "avx512-vnni", "avx-vnni", "neon", "neon-dotprod")
+    paths = ("portable", "avx2", "avx512-vnni", "avx512-vnni-zmm", "avx-vnni", "neon", "neon-dotprod")
     flags = {isa: tuple(compile_flags(isa)) for isa in paths}
     assert len(set(flags.values())) == len(paths)
     assert "-mavx512vnni" in flags["avx512-vnni"] and "-mavxvnni" in flags["avx-vnni"]
+    assert "-DES_ZMM" in flags["avx512-vnni-zmm"] and "-DES_ZMM" not in flags["avx512-vnni"]
     assert compile_flags(False) == list(flags["portable"])
+
+
+def test_full_width_512_bit_vectors_are_told_by_the_cpus_family():
+    # Zen 5 (family 1Ah) runs 512-bit ops at full width; Zen 4 (19h) in two halves; Intel: the same work per cycle
+    assert full_width_512({"vendor_id": "AuthenticAMD", "cpu family": "26"})
+    assert not full_width_512({"vendor_id": "AuthenticAMD", "cpu family": "25"})
+    assert not full_width_512({"vendor_id": "GenuineIntel", "cpu family": "6"})
+    assert not full_width_512({})
 
 
 def test_a_killed_compiles_lock_does_not_hang_the_next_load():

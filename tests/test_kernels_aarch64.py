@@ -31,9 +31,9 @@ def build(compiler: str, isa: Isa, out: Path) -> Path:
 def same_bits(run: list[str], isa: Isa) -> None:
     got = subprocess.run(run, capture_output=True, text=True, timeout=120)
     assert got.returncode == 0, got.stdout + got.stderr
-    # three seeds: the quantizer, then each form at 1-8 rows
+    # three seeds: the quantizer, then each form at 1-8 rows, one weight group at a time and two at once
     assert got.stdout.splitlines() == ([f"same bits: {isa}, quantize_row"] +
-                                       [f"same bits: {isa}, {form}, 1-8 rows" for form in FORMS]) * 3
+                                       [f"same bits: {isa}, {form}, 1-8 rows, 1-2 groups" for form in FORMS]) * 3
 
 
 @pytest.fixture(scope="module")

@@ -121,8 +121,9 @@ def cost_model(seconds: dict[int, float], draft_s: float = 0.0):
 def test_no_draft_where_a_longer_pass_costs_more_than_the_drafts_bring():
     steep = {1: 1.0, 2: 1.9, 5: 3.0}  # a CPU whose cost grows with the rows of a pass
     length = cost_model(steep)
-    for _ in range(20):  # a drafter kept 1 draft in 4
-        length.update("d", 4, 1)
+    for _ in range(5):  # a drafter whose first draft is kept 1 time in 4
+        for accepted in (1, 0, 0, 0):
+            length.update("d", 4, accepted)
     assert length.best("d", 8) == 0
     assert length.choose("d", 8) == 0
     for _ in range(PROBE_EVERY):  # steps that drafted nothing
@@ -136,6 +137,26 @@ def test_long_drafts_where_passes_are_flat_and_drafts_are_kept():
         length.update("d", 8, 8)
     assert length.choose("d", 8) == 8 and length.choose("d", 3) == 3  # bounded by the budget
     assert cost_model({1: 1.0, 9: 1.1}, draft_s=10.0).best("d", 8) == 0  # unless drafting itself is dear
+
+
+def test_the_draft_length_follows_the_acceptance_at_each_depth():
+    # n-gram lookup's drafts come in runs: 3 verifications in 4 reject the first draft, 1 in 4 keeps all 16. One
+    # rate over all depths (16 / 19 = 0.84 per draft) would stop at about 8; by depth, every draft after the
+    # first is kept once the first is, so the longest draft pays
+    runs = cost_model({1: 1.0, 17: 2.0})
+    for _ in range(10):
+        for accepted in (16, 0, 0, 0):
+            runs.update("d", 16, accepted)
+    assert runs.acceptance_at("d", 1) < 0.3 < 0.9 < runs.acceptance_at("d", 2) == runs.acceptance_at("d", 16)
+    assert runs.best("d", 16) == 16
+    # a drafter right at the first depth and wrong after it: one draft
+    first_only = cost_model({1: 1.0, 17: 2.0})
+    for _ in range(20):
+        first_only.update("d", 4, 1)
+    assert first_only.acceptance_at("d", 1) > 0.9 and first_only.acceptance_at("d", 2) < 0.1
+    assert first_only.best("d", 16) == 1
+    # a depth never judged takes the rate over all depths
+    assert first_only.acceptance_at("d", 9) == first_only.acceptance("d")
 
 
 def test_a_request_k_is_used_as_given_and_the_first_steps_measure():

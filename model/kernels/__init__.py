@@ -4,7 +4,8 @@ a stack of them in one call each), `ffn.cpp` (a feed-forward, dense or a mixture
 (the KV cache's storage formats), `bind.cpp` (the Python module).
 
 `load()` builds the extension with the flags this CPU supports (on x86: the VNNI path where the CPU has
-AVX512_VNNI with AVX512_VL, or AVX-VNNI; else AVX2 + FMA; on aarch64: NEON, with sdot where the CPU has the dot
+AVX512_VNNI with AVX512_VL, and 512-bit kernels taking two weight groups at once where 512-bit vectors run at
+full width (Zen 5), or AVX-VNNI; else AVX2 + FMA; on aarch64: NEON, with sdot where the CPU has the dot
 product extension; the portable C++ loops elsewhere) into `model/kernels/build/`, and returns the module.
 `groups.h` holds the quantized matmuls' kernels without torch, and `check.cpp` compares them with the portable
 ones on their own (tests/test_kernels_aarch64.py runs it for aarch64 under qemu-user).
@@ -39,27 +40,52 @@ STALE_LOCK_S = 600
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it does not exist); read once: load()
-    runs per token (a tied embedding's lookup), and reading the file each time took 2% of a decode step."""
+def cpu_info() -> dict[str, str]:
+    """The first CPU's fields in /proc/cpuinfo (empty where it does not exist); read once: load() runs per token
+    (a tied embedding's lookup), and reading the file each time took 2% of a decode step."""
+    info: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return frozenset(line.split(":", 1)[1].split())
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            info[key.strip()] = value.strip()
     except OSError:
         pass
-    return frozenset()
+    return info
 
 
-Isa = Literal["portable", "avx2", "avx512-vnni", "avx-vnni", "neon", "neon-dotprod"]
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (x86's "flags", aarch64's "Features")."""
+    info = cpu_info()
+    return frozenset(info.get("flags", info.get("Features", "")).split())
+
+
+def full_width_512(info: dict[str, str] | None = None) -> bool:
+    """Whether the CPU's 512-bit vpdpbusd does twice a 256-bit one's work per cycle: AMD's Zen 5 (family 1Ah and
+    later). Zen 4 (19h) runs a 512-bit op as two 256-bit halves, and Intel's cores issue 512-bit integer
+    multiplies on one port where 256-bit ones take two, so the same work per cycle (simd.h has the figures)."""
+    info = cpu_info() if info is None else info
+    try:
+        return info.get("vendor_id") == "AuthenticAMD" and int(info.get("cpu family", "0")) >= 0x1A
+    except ValueError:
+        return False
+
+
+Isa = Literal["portable", "avx2", "avx512-vnni", "avx512-vnni-zmm", "avx-vnni", "neon", "neon-dotprod"]
 AVX2 = {"avx2", "fma", "f16c"}
 AVX512_VNNI = AVX2 | {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"}
 AVX_VNNI = AVX2 | {"avx_vnni"}
 
 
-def isas(have: set[str] | frozenset[str] | None = None, machine: str | None = None) -> list[Isa]:
-    """The kernel paths a CPU with flags `have` (this one's by default) can run, narrowest first."""
+def isas(have: set[str] | frozenset[str] | None = None, machine: str | None = None, wide: bool | None = None
+         ) -> list[Isa]:
+    """The kernel paths a CPU with flags `have` (this one's by default) can run, narrowest first; `wide`: its
+    512-bit vectors run at full width (`full_width_512()`, this one's by default), where two weight groups in one
+    512-bit kernel is the widest path."""
     have = cpu_flags() if have is None else have
+    wide = full_width_512() if wide is None else wide
     machine = machine or platform.machine()
     out: list[Isa] = ["portable"]
     if machine in ("aarch64", "arm64"):  # NEON is part of every ARMv8-A core; sdot is ARMv8.2-A's "asimddp"
@@ -68,7 +94,7 @@ def isas(have: set[str] | frozenset[str] | None = None, machine: str | None = No
         return out
     out.append("avx2")
     if have >= AVX512_VNNI:
-        out.append("avx512-vnni")
+        out += ["avx512-vnni", "avx512-vnni-zmm"] if wide else ["avx512-vnni"]
     elif have >= AVX_VNNI:
         out.append("avx-vnni")
     return out
@@ -91,10 +117,12 @@ def compile_flags(simd: bool | Isa = True) -> list[str]:
         flags += ["-march=armv8.2-a+dotprod"]
     elif isa != "neon":
         flags += ["-mavx2", "-mfma", "-mf16c"]
-    if isa == "avx512-vnni":
+    if isa in ("avx512-vnni", "avx512-vnni-zmm"):
         # 256-bit vpdpbusd (VL); 256-bit vectors preferred for what the compiler vectorizes on its own, as the
         # AVX2 build does (the hand-written kernels choose their widths)
         flags += ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-mprefer-vector-width=256"]
+    if isa == "avx512-vnni-zmm":
+        flags += ["-DES_ZMM"]
     elif isa == "avx-vnni":
         flags += ["-mavxvnni"]
     return flags

@@ -1,10 +1,12 @@
 // A standalone check of the group kernels, without torch or Python: every kernel this build compiles (its path,
 // simd.h) against the portable kernels on the same inputs, bit for bit, for the activations' quantizer and for q4
-// and the four q8 forms at 1-8 activation rows. tests/test_kernels_aarch64.py builds it with Debian's aarch64 cross compiler for NEON with and
-// without sdot and runs it under qemu-user as a Pi 4 (Cortex-A72) and a Pi 5 (Cortex-A76) would; built natively,
+// and the four q8 forms at 1-8 activation rows, one weight group and two at once. tests/test_kernels_aarch64.py
+// builds it with Debian's aarch64 cross compiler for NEON with and without sdot and runs it under qemu-user as a
+// Pi 4 (Cortex-A72) and a Pi 5 (Cortex-A76) would; built natively,
 // it checks this x86 CPU's path the same way. Prints one line per form, exits 1 on the first difference.
 #include <cstdio>
 #include <random>
+#include <utility>
 #include "groups.h"
 
 using namespace groups;
@@ -13,9 +15,11 @@ namespace {
 
 constexpr int64_t NB = 7, K = NB * QK, MAXR = 8;
 
+constexpr int GROUPS = 2;  // adjacent weight groups, as a 512-bit kernel takes them (groups.h's WIDE)
+
 struct Inputs {
-  std::vector<int32_t> pw4, pw8;    // one group's words: [NB, 4, 8] q4 nibbles, [NB, 8, 8] q8 bytes in -127..127
-  std::vector<float> d8, m8;        // [NB * 2, 8]: scales and offsets, enough for two per block
+  std::vector<int32_t> pw4, pw8;    // two groups' words: [2, NB, 4, 8] q4 nibbles, [2, NB, 8, 8] q8 bytes in -127..127
+  std::vector<float> d8, m8;        // [2, NB * 2, 8]: scales and offsets, enough for two groups of two per block
   std::vector<int8_t> qx;           // [MAXR, K] quantized activations in tiles of ROWS rows (groups.h)
   std::vector<float> dx, sx, sh;    // [MAXR, NB], [MAXR, NB], [MAXR, NB * 2], likewise
 };
@@ -25,13 +29,13 @@ Inputs make(uint32_t seed) {
   std::normal_distribution<float> normal;
   std::uniform_int_distribution<int> byte(-127, 127);
   Inputs in;
-  for (int64_t i = 0; i < NB * 4 * G8; ++i) in.pw4.push_back(static_cast<int32_t>(rng()));
-  for (int64_t i = 0; i < NB * 8 * G8; ++i) {
+  for (int64_t i = 0; i < GROUPS * NB * 4 * G8; ++i) in.pw4.push_back(static_cast<int32_t>(rng()));
+  for (int64_t i = 0; i < GROUPS * NB * 8 * G8; ++i) {
     uint32_t w = 0;
     for (int e = 0; e < 4; ++e) w |= static_cast<uint32_t>(static_cast<uint8_t>(byte(rng))) << (8 * e);
     in.pw8.push_back(static_cast<int32_t>(w));
   }
-  for (int64_t i = 0; i < NB * 2 * G8; ++i) {
+  for (int64_t i = 0; i < GROUPS * NB * 2 * G8; ++i) {
     in.d8.push_back(std::fabs(normal(rng)) * 1e-2f);
     in.m8.push_back(normal(rng) * 1e-3f);
   }
@@ -48,12 +52,17 @@ Inputs make(uint32_t seed) {
   return in;
 }
 
-// the outputs [R, 8] of rows 0..R-1 in steps of ROWS, as quant.cpp's run_groups takes them
-template <typename Group>
-std::vector<float> rows(int64_t R, Group group) {
-  std::vector<float> out(R * G8);
-  for (int64_t r = 0; r < R; r += ROWS) group(r, std::min<int64_t>(ROWS, R - r), &out[r * G8]);
-  return out;
+// the outputs [R, 8 G] of rows 0..R-1 in steps of ROWS, as quant.cpp's run_groups takes them: G groups in one
+// call of simd(G, r, n, out, ldo), or group by group through portable(g, r, n, out, ldo)
+template <typename Simd, typename Portable>
+std::pair<std::vector<float>, std::vector<float>> rows(int G, int64_t R, Simd simd, Portable portable) {
+  std::vector<float> a(R * G * G8), b(R * G * G8);
+  for (int64_t r = 0; r < R; r += ROWS) {
+    const int64_t n = std::min<int64_t>(ROWS, R - r);
+    simd(G, r, n, &a[r * G * G8], G * G8);
+    for (int g = 0; g < G; ++g) portable(g, r, n, &b[r * G * G8 + g * G8], G * G8);
+  }
+  return {a, b};
 }
 
 bool same(const char* form, int64_t R, const std::vector<float>& a, const std::vector<float>& b) {
@@ -67,12 +76,15 @@ bool same(const char* form, int64_t R, const std::vector<float>& a, const std::v
   return false;
 }
 
-// a form's group kernel (simd) against the portable one, each (r, n, out) computing rows r..r+n-1, at 1-8 rows
+// a form's group kernel (simd) against the portable one, at 1-8 rows, one group and two at once (above)
 template <typename Simd, typename Portable>
 bool check(const char* form, Simd simd, Portable portable) {
-  for (int64_t R = 1; R <= MAXR; ++R)
-    if (!same(form, R, rows(R, simd), rows(R, portable))) return false;
-  std::printf("same bits: %s, %s, 1-%lld rows\n", isa_name(), form, static_cast<long long>(MAXR));
+  for (int G = 1; G <= GROUPS; ++G)
+    for (int64_t R = 1; R <= MAXR; ++R) {
+      const auto [a, b] = rows(G, R, simd, portable);
+      if (!same(form, R, a, b)) return false;
+    }
+  std::printf("same bits: %s, %s, 1-%lld rows, 1-%d groups\n", isa_name(), form, static_cast<long long>(MAXR), GROUPS);
   return true;
 }
 
@@ -81,21 +93,22 @@ bool check_q8(const Inputs& in, const char* form) {
   const std::vector<uint8_t> ux = q8_activations(in.qx.data(), in.qx.size());
   const float* ss = S == 2 && A ? in.sh.data() : in.sx.data();
   const float* m8 = A ? in.m8.data() : nullptr;
-  return check(form, [&](int64_t r, int64_t n, float* o) {
+  return check(form, [&](int G, int64_t r, int64_t n, float* o, int64_t ldo) {
     q8_group<S, A>(in.pw8.data(), in.d8.data(), m8, &in.qx[r * K], ux.empty() ? nullptr : &ux[r * K], &in.dx[r * NB],
-                   ss + r * NB * S, NB, n, o, G8);
-  }, [&](int64_t r, int64_t n, float* o) {
-    group_q8_portable<S, A>(in.pw8.data(), in.d8.data(), m8, &in.qx[r * K], &in.dx[r * NB], ss + r * NB * S, NB, n, o,
-                            G8);
+                   ss + r * NB * S, NB, n, o, ldo, G);
+  }, [&](int g, int64_t r, int64_t n, float* o, int64_t ldo) {
+    group_q8_portable<S, A>(&in.pw8[g * NB * 8 * G8], &in.d8[g * NB * S * G8], m8 ? m8 + g * NB * S * G8 : nullptr,
+                            &in.qx[r * K], &in.dx[r * NB], ss + r * NB * S, NB, n, o, ldo);
   });
 }
 
 bool check_q4(const Inputs& in) {
-  return check("q4", [&](int64_t r, int64_t n, float* o) {
-    q4_group(in.pw4.data(), in.d8.data(), in.m8.data(), &in.qx[r * K], &in.dx[r * NB], &in.sx[r * NB], NB, n, o, G8);
-  }, [&](int64_t r, int64_t n, float* o) {
-    group_q4_portable(in.pw4.data(), in.d8.data(), in.m8.data(), &in.qx[r * K], &in.dx[r * NB], &in.sx[r * NB], NB,
-                      n, o, G8);
+  return check("q4", [&](int G, int64_t r, int64_t n, float* o, int64_t ldo) {
+    q4_group(in.pw4.data(), in.d8.data(), in.m8.data(), &in.qx[r * K], &in.dx[r * NB], &in.sx[r * NB], NB, n, o, ldo,
+             G);
+  }, [&](int g, int64_t r, int64_t n, float* o, int64_t ldo) {
+    group_q4_portable(&in.pw4[g * NB * 4 * G8], &in.d8[g * NB * G8], &in.m8[g * NB * G8], &in.qx[r * K],
+                      &in.dx[r * NB], &in.sx[r * NB], NB, n, o, ldo);
   });
 }
 

@@ -51,6 +51,18 @@ constexpr int ROWS = 8;
 constexpr int ROWS = 4;
 #endif
 
+// weight groups one kernel call takes at once where they are whole: 2 in a build with 512-bit kernels
+// (groups_x86.h's Z16), else 1
+#ifdef ES_ZMM
+constexpr int WIDE = 2;
+#else
+constexpr int WIDE = 1;
+#endif
+// the fewest rows for which two groups go through one 512-bit kernel: fewer rows, bound by the weights' bytes,
+// go group by group in 256-bit registers (the 512-bit kernels measured 1.05-1.07x their time at 1-4 rows, the same
+// at 5, 0.94x at 6; simd.h)
+constexpr int WIDE_ROWS = 5;
+
 // One block's scale and sums as quantize_row writes them at index i (the block's place in the tile, below):
 // dx[i] = d, sx[i] = d * (lo + hi), and where sh is not null sh[2i], sh[2i + 1] = d * lo, d * hi (lo, hi: the
 // sums of the block's two halves of qx).
@@ -178,11 +190,23 @@ void group_q8_portable(const int32_t* pw, const float* d8, const float* m8, cons
   });
 }
 
-// The 8 outputs of one weight group for R <= ROWS activation rows, through this build's path.
+// The 8 G outputs of G adjacent weight groups (G = 1, or WIDE where both are whole; each group's words and scales
+// follow the one before it) for R <= ROWS activation rows, through this build's path.
 inline void q4_group(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const float* dx,
-                     const float* sx, int64_t nb, int64_t R, float* out, int64_t ldo) {
+                     const float* sx, int64_t nb, int64_t R, float* out, int64_t ldo, int G = 1) {
+#if defined(ES_ZMM)
+  if (G == 2 && R >= WIDE_ROWS) {
+    by_rows(R, [&](auto Rc) { group_q4_vnni<Z16, decltype(Rc)::value>(pw, d8, m8, qx, dx, sx, nb, out, ldo); });
+    return;
+  }
+#endif
+  if (G == 2) {  // the second group's words and scales follow the first's
+    q4_group(pw, d8, m8, qx, dx, sx, nb, R, out, ldo);
+    q4_group(pw + nb * 4 * G8, d8 + nb * G8, m8 + nb * G8, qx, dx, sx, nb, R, out + G8, ldo);
+    return;
+  }
 #if defined(ES_VNNI)
-  by_rows(R, [&](auto Rc) { group_q4_vnni<decltype(Rc)::value>(pw, d8, m8, qx, dx, sx, nb, out, ldo); });
+  by_rows(R, [&](auto Rc) { group_q4_vnni<Y8, decltype(Rc)::value>(pw, d8, m8, qx, dx, sx, nb, out, ldo); });
 #elif defined(ES_AVX2)
   by_rows(R, [&](auto Rc) { group_q4<decltype(Rc)::value>(pw, d8, m8, qx, dx, sx, nb, out, ldo); });
 #elif defined(ES_NEON)
@@ -209,10 +233,22 @@ inline std::vector<uint8_t> q8_activations(const int8_t* qx, int64_t n) {
 // q8_activations' bytes of the same rows (read by VNNI only).
 template <int S, bool A>
 void q8_group(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const uint8_t* ux,
-              const float* dx, const float* ss, int64_t nb, int64_t R, float* out, int64_t ldo) {
+              const float* dx, const float* ss, int64_t nb, int64_t R, float* out, int64_t ldo, int G = 1) {
+#if defined(ES_ZMM)
+  if (G == 2 && R >= WIDE_ROWS) {
+    by_rows(R, [&](auto Rc) { group_q8_vnni<Z16, decltype(Rc)::value, S, A>(pw, d8, m8, ux, dx, ss, nb, out, ldo); });
+    return;
+  }
+#endif
+  if (G == 2) {
+    q8_group<S, A>(pw, d8, m8, qx, ux, dx, ss, nb, R, out, ldo);
+    q8_group<S, A>(pw + nb * 8 * G8, d8 + nb * S * G8, m8 ? m8 + nb * S * G8 : nullptr, qx, ux, dx, ss, nb, R,
+                   out + G8, ldo);
+    return;
+  }
 #if defined(ES_VNNI)
   (void)qx;
-  by_rows(R, [&](auto Rc) { group_q8_vnni<decltype(Rc)::value, S, A>(pw, d8, m8, ux, dx, ss, nb, out, ldo); });
+  by_rows(R, [&](auto Rc) { group_q8_vnni<Y8, decltype(Rc)::value, S, A>(pw, d8, m8, ux, dx, ss, nb, out, ldo); });
 #elif defined(ES_AVX2)
   (void)ux;
   by_rows(R, [&](auto Rc) { group_q8<decltype(Rc)::value, S, A>(pw, d8, m8, qx, dx, ss, nb, out, ldo); });

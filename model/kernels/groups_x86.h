@@ -109,89 +109,145 @@ void group_q8(const int32_t* pw, const float* d8, const float* m8, const int8_t*
 template <int R>
 constexpr int chains() { return R == 1 ? 4 : R == 2 ? 2 : 1; }
 
+// The VNNI kernels' vectors. Y8: the 8 outputs of one weight group in 256-bit registers. Z16 (ES_ZMM): the 16
+// outputs of two adjacent groups in 512-bit registers, each load joining the same words of both groups (`gs`
+// apart): every vpdpbusd, conversion and fma then serves 16 outputs, and each activation word broadcast serves
+// two groups. Only where a 512-bit op does twice a 256-bit one's work (simd.h says where); the float steps per
+// output are the same, so the bits are.
+struct Y8 {
+  static constexpr int G = 1;  // weight groups per call
+  using I = __m256i;
+  using F = __m256;
+  static I words(const int32_t* p, int64_t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static F floats(const float* p, int64_t) { return _mm256_loadu_ps(p); }
+  static I bytes(char c) { return _mm256_set1_epi8(c); }
+  static I bcast(int32_t w) { return _mm256_set1_epi32(w); }
+  static F bcast(float f) { return _mm256_set1_ps(f); }
+  static I izero() { return _mm256_setzero_si256(); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static I dp(I acc, I u, I s) { return dpbusd(acc, u, s); }
+  static I band(I a, I b) { return _mm256_and_si256(a, b); }
+  static I nibbles_hi(I a) { return _mm256_srli_epi16(a, 4); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
+};
+
+#ifdef ES_ZMM
+// (the all-ones masked forms of insert and cvt: GCC 12 warns of the unmasked ones' undefined source under -Wall)
+struct Z16 {
+  static constexpr int G = 2;
+  using I = __m512i;
+  using F = __m512;
+  static I words(const int32_t* p, int64_t gs) {
+    return _mm512_maskz_inserti64x4(0xFF, _mm512_castsi256_si512(Y8::words(p, 0)), Y8::words(p + gs, 0), 1);
+  }
+  static F floats(const float* p, int64_t gs) {
+    const __m512d lo = _mm512_castpd256_pd512(_mm256_loadu_pd(reinterpret_cast<const double*>(p)));
+    return _mm512_castpd_ps(_mm512_maskz_insertf64x4(0xFF, lo, _mm256_loadu_pd(reinterpret_cast<const double*>(p + gs)), 1));
+  }
+  static I bytes(char c) { return _mm512_set1_epi8(c); }
+  static I bcast(int32_t w) { return _mm512_set1_epi32(w); }
+  static F bcast(float f) { return _mm512_set1_ps(f); }
+  static I izero() { return _mm512_setzero_si512(); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static I dp(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  static I band(I a, I b) { return _mm512_and_si512(a, b); }
+  static I nibbles_hi(I a) { return _mm512_srli_epi16(a, 4); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static F cvt(I a) { return _mm512_maskz_cvtepi32_ps(0xFFFF, a); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
+};
+#endif
+
 // VNNI: vpdpbusd multiplies unsigned bytes by signed bytes and adds each lane's 4 products into its int32, in
 // place of maddubs + madd + add (three instructions, and an int16 step): the same exact integer dot per block,
 // so the same float steps after it, and one instruction per 4 products instead of two or three, which is what
 // lets a group take up to 8 rows at once (ROWS) for little more than the cost of reading its weights.
-// Tried and dropped: a 512-bit kernel over two weight groups at once (16 outputs per vpdpbusd, half the
-// broadcasts): on this Zen 4 EPYC, which runs a 512-bit op as two 256-bit halves, the layer matmuls took 8.4 ms
-// at one row against 6.1 for these 256-bit kernels, 13.2 against 11.0 at eight (one thread, same run).
-template <int R>
+// V::G adjacent groups at once (V above): their words gw, their scales and offsets gs floats apart.
+template <typename V, int R>
 void group_q4_vnni(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const float* dx,
                    const float* sx, int64_t nb, float* out, int64_t ldo) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0F);
+  const int64_t gw = nb * 4 * G8, gs = nb * G8;
+  typename V::F acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = V::fzero();
+  const typename V::I low = V::bytes(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     constexpr int C = chains<R>();
-    __m256i s[C][R];
+    typename V::I s[C][R];
     for (int c = 0; c < C; ++c)
-      for (int r = 0; r < R; ++r) s[c][r] = _mm256_setzero_si256();
+      for (int r = 0; r < R; ++r) s[c][r] = V::izero();
     for (int j = 0; j < 4; ++j) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + (b * 4 + j) * G8));
-      const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      const typename V::I v = V::words(pw + (b * 4 + j) * G8, gw);
+      const typename V::I lo = V::band(v, low), hi = V::band(V::nibbles_hi(v), low);
       for (int r = 0; r < R; ++r) {
         const int8_t* xb = qx + (b * ROWS + r) * QK;
-        s[(2 * j) % C][r] = dpbusd(s[(2 * j) % C][r], lo, _mm256_set1_epi32(word(xb + 4 * j)));
-        s[(2 * j + 1) % C][r] = dpbusd(s[(2 * j + 1) % C][r], hi, _mm256_set1_epi32(word(xb + 16 + 4 * j)));
+        s[(2 * j) % C][r] = V::dp(s[(2 * j) % C][r], lo, V::bcast(word(xb + 4 * j)));
+        s[(2 * j + 1) % C][r] = V::dp(s[(2 * j + 1) % C][r], hi, V::bcast(word(xb + 16 + 4 * j)));
       }
     }
     for (int c = 1; c < C; ++c)
-      for (int r = 0; r < R; ++r) s[0][r] = _mm256_add_epi32(s[0][r], s[c][r]);
-    const __m256 d = _mm256_loadu_ps(d8 + b * G8), m = _mm256_loadu_ps(m8 + b * G8);
+      for (int r = 0; r < R; ++r) s[0][r] = V::add(s[0][r], s[c][r]);
+    const typename V::F d = V::floats(d8 + b * G8, gs), m = V::floats(m8 + b * G8, gs);
     for (int r = 0; r < R; ++r) {
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[0][r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[b * ROWS + r])), acc[r]);
-      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[b * ROWS + r]), acc[r]);
+      acc[r] = V::fma(V::cvt(s[0][r]), V::mul(d, V::bcast(dx[b * ROWS + r])), acc[r]);
+      acc[r] = V::fma(m, V::bcast(sx[b * ROWS + r]), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
+  for (int r = 0; r < R; ++r) V::store(out + r * ldo, acc[r]);
 }
 
 // q8's weights are signed, so the activations go in as the unsigned bytes ux = qx + 128 (qx ^ 0x80, made once
 // per pass): <w, ux> = <w, qx> + 128 sum(w), and 128 sum(w), one vpdpbusd per word for all the rows, is taken
 // off (exact in int32: |<w, ux>| <= 32 * 127 * 255). That is one instruction per row and word where the sign
 // trick (|w| times x with w's sign) takes two.
-template <int R, int S, bool A>
+template <typename V, int R, int S, bool A>
 void group_q8_vnni(const int32_t* pw, const float* d8, const float* m8, const uint8_t* ux, const float* dx,
                    const float* ss, int64_t nb, float* out, int64_t ldo) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  const int64_t gw = nb * 8 * G8, gs = nb * S * G8;
+  typename V::F acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = V::fzero();
+  const typename V::I bias = V::bytes(static_cast<char>(0x80));
   for (int64_t b = 0; b < nb; ++b) {
     // chains: C per scale (words 0..3 of a half block alternate over them when S = 2, 0..7 when S = 1)
     constexpr int C = S == 1 ? chains<R>() : std::max(1, chains<R>() / 2);
-    __m256i s[S][C][R], c[S][C];
+    typename V::I s[S][C][R], c[S][C];
     for (int h = 0; h < S; ++h)
       for (int k = 0; k < C; ++k) {
-        c[h][k] = _mm256_setzero_si256();
-        for (int r = 0; r < R; ++r) s[h][k][r] = _mm256_setzero_si256();
+        c[h][k] = V::izero();
+        for (int r = 0; r < R; ++r) s[h][k][r] = V::izero();
       }
     for (int j = 0; j < 8; ++j) {
       const int h = j * S / 8, k = j % C;
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + (b * 8 + j) * G8));
-      c[h][k] = dpbusd(c[h][k], bias, v);
+      const typename V::I v = V::words(pw + (b * 8 + j) * G8, gw);
+      c[h][k] = V::dp(c[h][k], bias, v);
       for (int r = 0; r < R; ++r) {
         const int8_t* xb = reinterpret_cast<const int8_t*>(ux + (b * ROWS + r) * QK);
-        s[h][k][r] = dpbusd(s[h][k][r], _mm256_set1_epi32(word(xb + 4 * j)), v);
+        s[h][k][r] = V::dp(s[h][k][r], V::bcast(word(xb + 4 * j)), v);
       }
     }
     for (int h = 0; h < S; ++h)
       for (int k = 1; k < C; ++k) {
-        c[h][0] = _mm256_add_epi32(c[h][0], c[h][k]);
-        for (int r = 0; r < R; ++r) s[h][0][r] = _mm256_add_epi32(s[h][0][r], s[h][k][r]);
+        c[h][0] = V::add(c[h][0], c[h][k]);
+        for (int r = 0; r < R; ++r) s[h][0][r] = V::add(s[h][0][r], s[h][k][r]);
       }
     for (int h = 0; h < S; ++h) {
-      const __m256 d = _mm256_loadu_ps(d8 + (b * S + h) * G8);
+      const typename V::F d = V::floats(d8 + (b * S + h) * G8, gs);
       for (int r = 0; r < R; ++r) {
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_sub_epi32(s[h][0][r], c[h][0]));
-        acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(dx[b * ROWS + r])), acc[r]);
+        const typename V::F dot = V::cvt(V::sub(s[h][0][r], c[h][0]));
+        acc[r] = V::fma(dot, V::mul(d, V::bcast(dx[b * ROWS + r])), acc[r]);
         if constexpr (A)
-          acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(m8 + (b * S + h) * G8), _mm256_set1_ps(ss[(b * ROWS + r) * S + h]),
-                                   acc[r]);
+          acc[r] = V::fma(V::floats(m8 + (b * S + h) * G8, gs), V::bcast(ss[(b * ROWS + r) * S + h]), acc[r]);
       }
     }
   }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
+  for (int r = 0; r < R; ++r) V::store(out + r * ldo, acc[r]);
 }
 #endif  // ES_VNNI
 

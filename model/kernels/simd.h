@@ -20,6 +20,17 @@ inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_
 inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 #endif
 
+// ES_ZMM (set by the build, model/kernels/__init__.py: no compiler macro tells it): the VNNI kernels also take two
+// weight groups at once in 512-bit registers (groups_x86.h's Z16), for CPUs whose 512-bit vpdpbusd does twice a
+// 256-bit one's work per cycle. Measured (the served model's layer matmuls, both threads, the paths alternated
+// in one run: bench/results/issue39-pass-cost/session-9): on a 2-core Zen 5 EPYC (family 1Ah) 0.93x the 256-bit
+// kernels' time at 8 rows, 0.85x at 16, 0.67x at 64, the same at 1-4 (groups.h's WIDE_ROWS); on a Zen 4 EPYC,
+// which runs a 512-bit op as two 256-bit halves, 8.4 ms at one row against 6.1, 13.2 against 11.0 at eight (one
+// thread, same run), so it keeps the 256-bit kernels alone.
+#if defined(ES_ZMM) && !(defined(ES_VNNI) && defined(__AVX512VNNI__) && defined(__AVX512BW__))
+#error "ES_ZMM needs AVX-512 VNNI and BW"
+#endif
+
 // aarch64: NEON (every ARMv8-A core, the Pi 4's Cortex-A72 included), with sdot where the core has the dot
 // product extension (ARMv8.2-A's, the Pi 5's Cortex-A76: -march=armv8.2-a+dotprod)
 #if !defined(ES_NO_SIMD) && defined(__aarch64__) && defined(__ARM_NEON)
@@ -32,7 +43,9 @@ inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_
 
 // the name of the path this build compiled (`isa()` in Python; model/kernels/__init__.py's Isa)
 inline const char* isa_name() {
-#if defined(ES_VNNI) && defined(__AVX512VNNI__)
+#if defined(ES_ZMM)
+  return "avx512-vnni-zmm";
+#elif defined(ES_VNNI) && defined(__AVX512VNNI__)
   return "avx512-vnni";
 #elif defined(ES_VNNI)
   return "avx-vnni";
