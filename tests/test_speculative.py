@@ -167,5 +167,8 @@ def test_a_request_k_is_used_as_given_and_the_first_steps_measure():
     passes.observe(5, 2.0)
     assert fresh.choose("d", 8) == 0  # then a plain step, timed as the baseline
     passes.observe(1, 1.0)
-    assert passes.get(3) == 1.5 and passes.get(7) == 2.0 + 2 * 0.3  # interpolated, then extrapolated
+    assert passes.get(3) == 1.5 and passes.get(7) == 2.0 + 2 * 0.25  # interpolated, then along 1 -> 5
+    alone = PassCosts()
+    alone.observe(1, 1.0)
+    assert alone.get(3) == 1.0 + 2 * 0.3  # one size measured: the prior slope
 
