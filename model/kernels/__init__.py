@@ -65,7 +65,9 @@ def cpu_flags() -> frozenset[str]:
 def full_width_512(info: dict[str, str] | None = None) -> bool:
     """Whether the CPU's 512-bit vpdpbusd does twice a 256-bit one's work per cycle: AMD's Zen 5 (family 1Ah and
     later). Zen 4 (19h) runs a 512-bit op as two 256-bit halves, and Intel's cores issue 512-bit integer
-    multiplies on one port where 256-bit ones take two, so the same work per cycle (simd.h has the figures)."""
+    multiplies on one port where 256-bit ones take two, so the same work per cycle (simd.h has the figures).
+    Measured on a Zen 5 EPYC only; AMD's mobile Zen 5 parts are said to split 512-bit ops as Zen 4 does, where
+    these kernels would cost about 1.2x at 8 rows (Zen 4's figure) and nothing below 5 rows (groups.h)."""
     info = cpu_info() if info is None else info
     try:
         return info.get("vendor_id") == "AuthenticAMD" and int(info.get("cpu family", "0")) >= 0x1A
@@ -118,8 +120,8 @@ def compile_flags(simd: bool | Isa = True) -> list[str]:
     elif isa != "neon":
         flags += ["-mavx2", "-mfma", "-mf16c"]
     if isa in ("avx512-vnni", "avx512-vnni-zmm"):
-        # 256-bit vpdpbusd (VL); 256-bit vectors preferred for what the compiler vectorizes on its own, as the
-        # AVX2 build does (the hand-written kernels choose their widths)
+        # 256-bit vpdpbusd (VL), and 512-bit with ES_ZMM; 256-bit vectors preferred for what the compiler
+        # vectorizes on its own, as the AVX2 build does (the hand-written kernels choose their widths)
         flags += ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-mprefer-vector-width=256"]
     if isa == "avx512-vnni-zmm":
         flags += ["-DES_ZMM"]

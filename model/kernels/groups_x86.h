@@ -110,12 +110,11 @@ template <int R>
 constexpr int chains() { return R == 1 ? 4 : R == 2 ? 2 : 1; }
 
 // The VNNI kernels' vectors. Y8: the 8 outputs of one weight group in 256-bit registers. Z16 (ES_ZMM): the 16
-// outputs of two adjacent groups in 512-bit registers, each load joining the same words of both groups (`gs`
-// apart): every vpdpbusd, conversion and fma then serves 16 outputs, and each activation word broadcast serves
+// outputs of two adjacent groups in 512-bit registers, each load joining the same words of both groups (`apart`
+// elements apart): every vpdpbusd, conversion and fma then serves 16 outputs, and each activation word broadcast serves
 // two groups. Only where a 512-bit op does twice a 256-bit one's work (simd.h says where); the float steps per
 // output are the same, so the bits are.
 struct Y8 {
-  static constexpr int G = 1;  // weight groups per call
   using I = __m256i;
   using F = __m256;
   static I words(const int32_t* p, int64_t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -139,15 +138,14 @@ struct Y8 {
 #ifdef ES_ZMM
 // (the all-ones masked forms of insert and cvt: GCC 12 warns of the unmasked ones' undefined source under -Wall)
 struct Z16 {
-  static constexpr int G = 2;
   using I = __m512i;
   using F = __m512;
-  static I words(const int32_t* p, int64_t gs) {
-    return _mm512_maskz_inserti64x4(0xFF, _mm512_castsi256_si512(Y8::words(p, 0)), Y8::words(p + gs, 0), 1);
+  static I words(const int32_t* p, int64_t apart) {
+    return _mm512_maskz_inserti64x4(0xFF, _mm512_castsi256_si512(Y8::words(p, 0)), Y8::words(p + apart, 0), 1);
   }
-  static F floats(const float* p, int64_t gs) {
-    const __m512d lo = _mm512_castpd256_pd512(_mm256_loadu_pd(reinterpret_cast<const double*>(p)));
-    return _mm512_castpd_ps(_mm512_maskz_insertf64x4(0xFF, lo, _mm256_loadu_pd(reinterpret_cast<const double*>(p + gs)), 1));
+  static F floats(const float* p, int64_t apart) {
+    auto half = [](const float* q) { return _mm256_loadu_pd(reinterpret_cast<const double*>(q)); };
+    return _mm512_castpd_ps(_mm512_maskz_insertf64x4(0xFF, _mm512_castpd256_pd512(half(p)), half(p + apart), 1));
   }
   static I bytes(char c) { return _mm512_set1_epi8(c); }
   static I bcast(int32_t w) { return _mm512_set1_epi32(w); }
@@ -170,7 +168,7 @@ struct Z16 {
 // place of maddubs + madd + add (three instructions, and an int16 step): the same exact integer dot per block,
 // so the same float steps after it, and one instruction per 4 products instead of two or three, which is what
 // lets a group take up to 8 rows at once (ROWS) for little more than the cost of reading its weights.
-// V::G adjacent groups at once (V above): their words gw, their scales and offsets gs floats apart.
+// V's groups at once (V above): their words gw, their scales and offsets gs elements apart.
 template <typename V, int R>
 void group_q4_vnni(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const float* dx,
                    const float* sx, int64_t nb, float* out, int64_t ldo) {
