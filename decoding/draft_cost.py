@@ -103,17 +103,16 @@ class DraftLength:
                  fixed: int | None = None):
         self.passes, self.drafts, self.fixed = passes, drafts, fixed
         self.k_start, self.k_min, self.k_max = k_start, k_min, k_max
-        self.kept: dict[str, int] = {}
-        self.rejected: dict[str, int] = {}  # verifications that rejected a draft of this drafter
         self.idle: dict[str, int] = {}  # steps since this drafter last drafted
         # per drafter and depth i (from 1): verifications whose draft i was judged (drafts before it kept), and
-        # of those, the ones that kept it
+        # of those, the ones that kept it; their sums are the drafts kept and the verifications that rejected one
         self.judged: dict[str, list[int]] = {}
         self.kept_at: dict[str, list[int]] = {}
 
     def acceptance(self, name: str) -> float:
         """The rate over all depths: each draft kept given the ones before it."""
-        kept, rejected = self.kept.get(name, 0), self.rejected.get(name, 0)
+        kept = sum(self.kept_at.get(name, []))
+        rejected = sum(self.judged.get(name, [])) - kept
         return (kept + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (kept + rejected + PRIOR_WEIGHT)
 
     def acceptance_at(self, name: str, depth: int) -> float:
@@ -161,14 +160,10 @@ class DraftLength:
             self.idle[name] = self.idle.get(name, 0) + 1
             return
         self.idle[name] = 0
-        self.kept[name] = self.kept.get(name, 0) + accepted
-        if accepted < proposed:
-            self.rejected[name] = self.rejected.get(name, 0) + 1
         judged, kept = self.judged.setdefault(name, []), self.kept_at.setdefault(name, [])
+        judged.extend([0] * (proposed - len(judged)))
+        kept.extend([0] * (proposed - len(kept)))
         reached = min(proposed, accepted + 1)  # drafts 1..accepted kept, the next one judged and rejected
-        for _ in range(len(judged), proposed):
-            judged.append(0)
-            kept.append(0)
         for i in range(reached):
             judged[i] += 1
             kept[i] += i < accepted

@@ -87,13 +87,12 @@ class SpeculativePolicy:
         prompt, want_logprobs = request.prompt_ids, request.sampling.logprobs
         cached = seq.length
         out = yield Rows(prompt[cached:], last_only=True, features=observe is not None)
-        if observe and seeded:
-            # the prompt's last feature alone, whatever the prefix cache held: a feature drafter that saw more of
-            # the prompt on a cold cache drafts other tokens than on a warm one, and at temperature > 0 other
-            # drafts draw the seed's randomness otherwise (the same seeded request gave two answers)
-            observe(len(prompt) - 1, out.hidden[0, -1:])
-        elif observe:
-            observe(cached, out.hidden[0])
+        if observe:
+            # seeded: the prompt's last feature alone, whatever the prefix cache held: a feature drafter that saw
+            # more of the prompt on a cold cache drafts other tokens than on a warm one, and at temperature > 0
+            # other drafts draw the seed's randomness otherwise (the same seeded request gave two answers)
+            first = len(prompt) - 1 if seeded else cached
+            observe(first, out.hidden[0, first - cached:])
         step = [sampler.choose_with_logprob(out.logits[0, -1])]
         tokens, besides = list(prompt), 0
         while True:

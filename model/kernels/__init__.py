@@ -125,7 +125,7 @@ def compile_flags(simd: bool | Isa = True) -> list[str]:
         flags += ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-mprefer-vector-width=256"]
     if isa == "avx512-vnni-zmm":
         flags += ["-DES_ZMM"]
-    elif isa == "avx-vnni":
+    if isa == "avx-vnni":
         flags += ["-mavxvnni"]
     return flags
 
