@@ -98,6 +98,18 @@ def test_attention_and_norm_match_torch():
     torch.testing.assert_close(mod.attention(q, k, v, start, causal[None, None]), ref, atol=1e-5, rtol=1e-5)
     x, w = torch.randn(3, 64, generator=g), torch.randn(64, generator=g)
     torch.testing.assert_close(mod.rms_norm(x, w, 1e-5), torch.rms_norm(x, (64,), w, 1e-5), atol=1e-5, rtol=1e-5)
+    gate_up = silu_inputs()
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    torch.testing.assert_close(mod.silu_mul(gate_up), (torch.nn.functional.silu(gate) * up).float(), atol=1e-30,
+                               rtol=1e-6)
+
+
+def silu_inputs() -> torch.Tensor:
+    # gate_up [3, 2 * 20]: the 8-lane form and a tail of 4, random gates up to +-40, the signs of zero and
+    # values past exp's range (silu(-100) is -100 e^-100 ~ 0, silu(100) is 100)
+    gate_up = torch.randn(3, 40, generator=torch.Generator().manual_seed(4)) * 10
+    gate_up[0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 88.0, -88.0])
+    return gate_up
 
 
 @pytest.mark.slow
@@ -118,6 +130,7 @@ def test_the_portable_build_gives_the_same_bits(isa):
     q, keys = torch.randn(1, 4, 3, 64), torch.randn(1, 2, 9, 64)
     assert torch.equal(simd.attention(q, keys, keys, 6, None), portable.attention(q, keys, keys, 6, None))
     assert torch.equal(simd.rms_norm(x, w[0], 1e-5), portable.rms_norm(x, w[0], 1e-5))
+    assert torch.equal(simd.silu_mul(silu_inputs()), portable.silu_mul(silu_inputs()))
 
 
 def test_the_build_is_chosen_by_the_cpus_features():

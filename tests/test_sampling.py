@@ -50,6 +50,13 @@ def test_greedy_ignores_top_k_top_p_and_seed():
     assert [a.choose(logits) for _ in range(3)] == [b.choose(logits) for _ in range(3)] == [int(logits.argmax())] * 3
 
 
+def test_greedy_takes_the_first_of_equal_maxima():
+    # as torch's argmax does, from a row of a pass's logits [1, T, V] as the policies pass it
+    logits = torch.zeros(1, 2, 6)
+    logits[0, 1, [2, 4]] = 5.0
+    assert sampler(6, temperature=0.0).choose(logits[0, -1]) == 2 == int(logits[0, -1].argmax())
+
+
 def test_logit_bias_forces_a_token():
     logits = random_logits(seed=2)
     target = int(logits.argmin())

@@ -361,7 +361,28 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
   return attend_keys(q, Keys{keys, values, table.data_ptr<int64_t>(), keys.size(0), 1}, start, mask);
 }
 
-// gate_up [..., 2I] -> silu(gate) * up [..., I], silu(g) = g / (1 + exp(-g))
+namespace {
+
+// silu(g) u = g sigmoid(g) u with sigmoid from e = exp_neg(-|g|) <= 1: 1 / (1 + e) where g >= 0, e / (1 + e)
+// below, i.e. (g >= 0 ? g : g e) / (1 + e) * u, the same operations in the 8-lane form. libm's scalar exp had
+// been 4-5% of a decoding pass at 1-16 rows on a 2-core Zen 5 EPYC (perf), all of it on the calling thread.
+inline float silu_mul1(float g, float u) {
+  const float e = exp_neg(-std::fabs(g));
+  return (g >= 0.f ? g : g * e) / (1.f + e) * u;
+}
+
+#ifdef ES_AVX2
+inline __m256 silu_mul8(__m256 g, __m256 u) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 e = exp_neg(_mm256_or_ps(g, sign));  // -|g|
+  const __m256 num = _mm256_blendv_ps(_mm256_mul_ps(g, e), g, _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_GE_OQ));
+  return _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.f), e)), u);
+}
+#endif
+
+}  // namespace
+
+// gate_up [..., 2I] -> silu(gate) * up [..., I] (silu_mul1's arithmetic)
 torch::Tensor silu_mul(torch::Tensor gate_up) {
   check_float(gate_up, "gate_up");
   gate_up = gate_up.contiguous();
@@ -374,11 +395,15 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   // rows on the pool's threads as rms_norm's: a layer's silu_mul and two norms over a 1073-row prompt took 1.92 ms
   // on the two threads of a 2-core EPYC against 3.35 on one (alternated, the same bits)
   parallel_chunks(0, rows, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r)
-      for (int64_t i = 0; i < I; ++i) {
-        const float g = gp[r * 2 * I + i], u = gp[r * 2 * I + I + i];
-        op[r * I + i] = g / (1.f + std::exp(-g)) * u;
-      }
+    for (int64_t r = lo; r < hi; ++r) {
+      const float *g = gp + r * 2 * I, *u = g + I;
+      float* o = op + r * I;
+      int64_t i = 0;
+#ifdef ES_AVX2
+      for (; i + 8 <= I; i += 8) _mm256_storeu_ps(o + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+#endif
+      for (; i < I; ++i) o[i] = silu_mul1(g[i], u[i]);
+    }
   });
   return out;
 }
