@@ -13,10 +13,12 @@ import pytest
 pytestmark = pytest.mark.slow
 
 # HeadSplit at epsilon 0 adds each group's share of the output projection in group order: within float rounding
-# of naive, not bitwise (README, HeadSplit), so a prompt whose greedy path passes a near-tie splits them. Of 5
-# prompts tried, 4 split within 24 tokens in the default float16 cache and 3 in float32 (the sleep prompt used
-# before split in float16); this one agrees in float16 (in float32 it splits at its 10th word)
-MESSAGES = [{"role": "user", "content": "Name three rivers in Europe."}]
+# of naive, not bitwise (README, HeadSplit), and the 8-bit blocks the next matmul quantizes its input to turn a
+# rounding into a step of a block's scale now and then, so a prompt whose greedy path passes a near-tie splits
+# them. Of 5 prompts tried first, 4 split within 24 tokens in the default float16 cache and 3 in float32; the
+# rivers prompt that agreed then split once the SwiGLU took the kernels' own exp (session 10), and of 12 prompts
+# tried with it 4 agree for 24 tokens in float16, this one among them
+MESSAGES = [{"role": "user", "content": "Name three types of trees."}]
 
 
 def chat(url: str, decoding, max_tokens: int = 24, headers: dict | None = None, **kw) -> dict:

@@ -115,7 +115,8 @@ def test_requests_outline_cannot_serve_fall_back(tiny_loaded, question):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    model = load_local(resolve_model(None), "auto", 1.0, ModelThread(2))  # the default format, as served
+    # the default weights and KV format, as served: the same bits as the servers below
+    model = load_local(resolve_model(None), "auto", 1.0, ModelThread(2), kv="float16")
     yield model
     model.executor.close()
 
