@@ -364,8 +364,9 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
 namespace {
 
 // silu(g) u = g sigmoid(g) u with sigmoid from e = exp_neg(-|g|) <= 1: 1 / (1 + e) where g >= 0, e / (1 + e)
-// below, i.e. (g >= 0 ? g : g e) / (1 + e) * u, the same operations in the 8-lane form. libm's scalar exp had
-// been 4-5% of a decoding pass at 1-16 rows on a 2-core Zen 5 EPYC (perf), all of it on the calling thread.
+// below, i.e. (g >= 0 ? g : g e) / (1 + e) * u, the same operations in the 8-lane form. With libm's scalar
+// exp a layer's silu_mul took 3.5 / 11.9 / 45.3 us at 1 / 4 / 16 rows of SmolLM2's 1536 on a 2-core Zen 5
+// EPYC, all of it on the calling thread (10% of a 16-row pass); this form takes 1.1 / 2.7 / 8.9.
 inline float silu_mul1(float g, float u) {
   const float e = exp_neg(-std::fabs(g));
   return (g >= 0.f ? g : g * e) / (1.f + e) * u;
