@@ -29,16 +29,15 @@ def measure_verify_cost(model: str | None, heads: Path, sizes) -> dict[int, floa
     """Median seconds of one decoding step that verifies n tokens, for n in `sizes`, served in-process in the
     weights and KV cache `edgespec serve` loads by default: a forward pass of n tokens after 300 cached ones
     with a tree mask, the LM head on all of them, an argmax on two (the root and one accepted node) and the
-    Medusa heads on one.
-    n = 1 is a plain naive step. Runs in a subprocess."""
+    Medusa heads on one. n = 1 is a plain naive step. Runs in a subprocess."""
     out = subprocess.run([sys.executable, "-m", "edgespec.decoding.training.medusa_cost", model or "", str(heads),
                           *map(str, sorted(set(sizes)))], check=True, capture_output=True, text=True)
     return {int(n): s for n, s in json.loads(out.stdout.splitlines()[-1]).items()}
 
 
 def _measure(model: str | None, heads_path: Path, sizes: list[int], context: int = 300, reps: int = 15):
-    # serve's defaults (--weights auto, --kv-format float16): the shipped tree was once sized by bfloat16 passes,
-    # 26.6 ms a step where the served Q4_1 takes about 3.5, and a row costs another share of a step in each
+    # serve's defaults (--weights auto, --kv-format float16): the shipped tree was sized by bfloat16 passes (26.6
+    # ms a step where the served Q4_1 takes about 6 here), whose cost grows otherwise with the tree's rows
     loaded = load_local(resolve_model(model), "auto", 1.0, ModelThread(os.cpu_count() or 1), kv="float16")
     executor = loaded.executor
     heads = executor.thread.run_sync(MedusaModel.load, heads_path, executor.ends)
