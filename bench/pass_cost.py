@@ -3,7 +3,8 @@ matmuls (the kernels called straight, without Python; a mixture of experts' feed
 routes the rows and runs each chosen expert once over the rows that chose it), its head, and the whole pass
 (layers and head over a 100-token cache). The ratio to one row is what a verification pass of R-1 drafts pays
 against a plain step. `batch_ms` is one pass over R sequences decoding a token each (each with its own 100-token
-cache, LayerStack.forward_rows): R over its ratio to one row is what batching R streams can gain at most.
+cache, LayerStack.forward_rows): R over its ratio to one row is what batching R streams can gain at most. The
+caches are in --kv-format, serve's float16 by default.
 
     python -m bench.pass_cost --out bench/results/pass-cost
     python -m bench.pass_cost --model ~/.cache/edgespec/synth/qwen3-moe-7b-a1b-q4_1-s0 --out DIR
@@ -28,6 +29,7 @@ from edgespec.bench.versus import machine_info
 from edgespec.model.blocks import SeqRows
 from edgespec.model.config import ModelConfig
 from edgespec.model.ffn import Experts
+from edgespec.model.kv_format import kv_format
 from edgespec.model.linear import Kernel, weight_format
 from edgespec.model.source import resolve_model
 from edgespec.model.stack import LayerStack, TokenEnds
@@ -86,13 +88,15 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a model folder or GGUF (default: the served default)")
     ap.add_argument("--weights", default="auto")
+    ap.add_argument("--kv-format", default="float16", help="the caches' format (serve's default: float16)")
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     files = resolve_model(args.model)
     cfg, src, fmt = ModelConfig.from_folder(files.folder), open_source(files), weight_format(args.weights)
-    stack, ends = LayerStack.load(src, cfg, 0, cfg.n_layers, fmt), TokenEnds.load(src, cfg, fmt)
+    stack = LayerStack.load(src, cfg, 0, cfg.n_layers, fmt, kv_format(args.kv_format))
+    ends = TokenEnds.load(src, cfg, fmt)
     context = 100
     with torch.inference_mode():
         cache = stack.new_cache(context + 32)
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         row["batch_speedup"] = round(row["rows"] * one["batch_ms"] / row["batch_ms"], 3)
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine_info() | {"threads": torch.get_num_threads()}, "model": files.name,
-              "weights": args.weights,
+              "weights": args.weights, "kv_format": args.kv_format,
               "context": context, "rows": rows_out}
     (args.out / "pass_cost.json").write_text(json.dumps(result, indent=1) + "\n")
     for row in rows_out:

@@ -8,6 +8,7 @@ not installed with the package: its commands run from a checkout of the reposito
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -322,6 +323,10 @@ def serve(args: argparse.Namespace) -> None:
         policies = build_policies(drafts, settings.speculative_drafter, draft_k, medusa, settings.policy,
                                   settings.headsplit, settings.headsplit_epsilon)
         service = CompletionService(loaded, engine, policies, settings, metrics, cluster)
+        # What is loaded stays: out of the collector's way. A full collection walked the default server's ~370k
+        # objects in 161-166 ms holding the GIL, a stall of every stream whenever one ran; frozen, 0.0 ms.
+        gc.collect()
+        gc.freeze()
         uvicorn.run(create_app(service, shutdown), host=settings.host, port=settings.port,
                     log_level=settings.log_level, **uvicorn_http_options(settings.max_header_bytes))
     finally:

@@ -21,6 +21,7 @@ from edgespec.model.kernels import (
     isas,
     load,
 )
+from edgespec.model.kv_format import KV_FORMATS
 from edgespec.model.quant import Q8, Interleaved, quantize_q4, quantize_q8, widened
 
 N, K = 100, 256  # N not a multiple of 8: the last weight group is partial
@@ -127,8 +128,13 @@ def test_the_portable_build_gives_the_same_bits(isa):
     for m in range(1, 9):  # each pass size a kernel compiles for (rows 1..8 at once), and pairs of groups
         part = matmuls(simd, w, x[:m].contiguous(), *ws)
         assert all(torch.equal(part[k], b[k][:m]) for k in a), m
-    q, keys = torch.randn(1, 4, 3, 64), torch.randn(1, 2, 9, 64)
-    assert torch.equal(simd.attention(q, keys, keys, 6, None), portable.attention(q, keys, keys, 6, None))
+    # attention in each KV format over 45 slots (runs of 16 and a tail; 4 at a time and a tail), at head sizes
+    # that take the 512-bit values' passes of 64 and 16 and the 8-lane tail
+    for fmt in KV_FORMATS.values():
+        for hd in (64, 72, 96) if fmt.name != "q8_0" else (64, 96):
+            q, keys, values = torch.randn(2, 6, 3, hd), torch.randn(2, 2, 45, hd), torch.randn(2, 2, 45, hd)
+            ks, vs = fmt.encode(keys), fmt.encode(values)
+            assert torch.equal(simd.attention(q, ks, vs, 42, None), portable.attention(q, ks, vs, 42, None)), fmt
     assert torch.equal(simd.rms_norm(x, w[0], 1e-5), portable.rms_norm(x, w[0], 1e-5))
     assert torch.equal(simd.silu_mul(silu_inputs()), portable.silu_mul(silu_inputs()))
 

@@ -18,26 +18,40 @@ inline float half_bits_to_float(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// a head vector's floats by index i (the 8-lane load8 takes i % 8 == 0)
+// a head vector's bytes, and its floats by index i (the 8-lane load8 takes i % 8 == 0, the 16-lane load16 of a
+// build with 512-bit kernels i % 16 == 0)
 struct KVF32 {
+  static int64_t bytes(int64_t hd) { return 4 * hd; }
   static float at(const uint8_t* row, int64_t i) { return reinterpret_cast<const float*>(row)[i]; }
 #ifdef ES_AVX2
   static __m256 load8(const uint8_t* row, int64_t i) {
     return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i);
   }
 #endif
+#ifdef ES_ZMM
+  static __m512 load16(const uint8_t* row, int64_t i) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + i);
+  }
+#endif
 };
 
 struct KVF16 {
+  static int64_t bytes(int64_t hd) { return 2 * hd; }
   static float at(const uint8_t* row, int64_t i) { return half_bits_to_float(row + 2 * i); }
 #ifdef ES_AVX2
   static __m256 load8(const uint8_t* row, int64_t i) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i)));
   }
 #endif
+#ifdef ES_ZMM
+  static __m512 load16(const uint8_t* row, int64_t i) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * i)));
+  }
+#endif
 };
 
 struct KVQ8 {
+  static int64_t bytes(int64_t hd) { return hd / KV_Q8_BLOCK * KV_Q8_BYTES; }
   static float at(const uint8_t* row, int64_t i) {
     const uint8_t* b = row + i / KV_Q8_BLOCK * KV_Q8_BYTES;
     return half_bits_to_float(b) * static_cast<float>(static_cast<int8_t>(b[2 + i % KV_Q8_BLOCK]));
@@ -47,6 +61,13 @@ struct KVQ8 {
     const uint8_t* b = row + i / KV_Q8_BLOCK * KV_Q8_BYTES;
     const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + i % KV_Q8_BLOCK));
     return _mm256_mul_ps(_mm256_set1_ps(half_bits_to_float(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+  }
+#endif
+#ifdef ES_ZMM
+  static __m512 load16(const uint8_t* row, int64_t i) {  // i % 16 == 0: the 16 values sit in one block
+    const uint8_t* b = row + i / KV_Q8_BLOCK * KV_Q8_BYTES;
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + i % KV_Q8_BLOCK));
+    return _mm512_mul_ps(_mm512_set1_ps(half_bits_to_float(b)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
   }
 #endif
 };
