@@ -102,7 +102,7 @@ constexpr int64_t PREFETCH_SLOTS = 16;
 // Scores of H query heads (qs[u], u < H) against the same n keys: each key's 8-value chunks are read (and
 // widened) once for all H heads, where a head at a time read them H times (GQA: SmolLM2's 9 query heads share 3
 // KV heads). Per (head, slot) the operations are dot_kv's: an 8-lane fma chain over the chunks, reduce8, times
-// scale; slots go 4 at a time for independent chains.
+// scale; slots go 4 at a time for independent chains. Slot j's scores go to sc[u][at + j] (a run's place).
 template <class R, int H>
 void scores_grouped(const float* const* qs, const uint8_t* const* kps, int64_t n, int64_t hd, float scale,
                     float* const* sc, int64_t at) {
@@ -198,10 +198,9 @@ void values_grouped(const float* const* p, const uint8_t* const* vps, int64_t n,
 // The scores go in runs of PREFETCH_SLOTS slots, the next run's keys fetched to L1 and the run's values to L2 for
 // the weighted sum after them: a batch's sequences each read their own cache, which no hardware prefetcher
 // followed across the blocks' slot pointers (8 sequences over 300 slots: 70% of the kernel's samples on its loads
-// of keys and values).
-// Attention alone, 8 rows each over its own float16 cache in 30 layers, the builds alternated in one process:
-// 0.91x the time over 150 slots, 0.78x over 300, 0.59x over 500; 1.03x over 50, and one row over 50 slots
-// (in cache already) 0.12 -> 0.14 ms a pass. The order of the arithmetic is unchanged.
+// of keys and values). Attention alone, 8 rows each over its own float16 cache in 30 layers, the builds
+// alternated in one process: 0.91x the time over 150 slots, 0.78x over 300, 0.59x over 500; 1.03x over 50, and
+// one row over 50 slots (in cache already) 0.12 -> 0.14 ms a pass. The order of the arithmetic is unchanged.
 template <class R, int H>
 void attend_run(const float* const* qs, const uint8_t* const* kps, const uint8_t* const* vps, int64_t n, int64_t hd,
                 float scale, float* const* sc, float* const* o) {
