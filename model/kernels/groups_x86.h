@@ -33,21 +33,23 @@ inline void quantize_row_avx2(const float* x, int64_t K, int8_t* qx, float* dx, 
   }
 }
 
-// The weights of block b + AHEAD fetched while block b is computed: n words at w, ns scales at d and m (m may be
-// null), and for a second group (G = 2) the same `gw` and `gs` elements on; prefetches past the end fault nothing. A
+// The weights of block b + AHEAD fetched while block b is computed: its W words at pw and S scales at d8 and m8 (m8
+// may be null), per block as a group's kernel reads them, in G groups `gw` words and `gs` scales apart; prefetches
+// past the end fault nothing. A
 // pass of several rows computes long enough on each block that the hardware's prefetch fell behind. The served
 // model on the 2-core EPYC, the builds alternated in one process: in 512-bit registers its q8 head (49152 x 576)
 // took 0.58-0.64x the time at 8 rows, 0.76-0.88x at 12-16, 0.82-0.85x at 2-4, its layer matmuls 0.93-0.95x at 8
 // rows and the same at 1; the 256-bit VNNI and AVX2 paths' layer matmuls 0.92-0.99x at 1-8 rows, their head the
 // same. 16 blocks ahead measured no better.
 constexpr int64_t AHEAD = 8;
-template <int G>
-inline void ahead(const int32_t* w, int64_t n, int64_t gw, const float* d, const float* m, int64_t ns, int64_t gs) {
+template <int G, int W, int S>
+inline void ahead(const int32_t* pw, const float* d8, const float* m8, int64_t b, int64_t gw, int64_t gs) {
+  const int64_t w0 = (b + AHEAD) * W * G8, s0 = (b + AHEAD) * S * G8;
   for (int g = 0; g < G; ++g) {
-    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(w + g * gw + i, 0, 3);
-    for (int64_t i = 0; i < ns; i += 16) {
-      __builtin_prefetch(d + g * gs + i, 0, 3);
-      if (m != nullptr) __builtin_prefetch(m + g * gs + i, 0, 3);
+    for (int64_t i = 0; i < W * G8; i += 16) __builtin_prefetch(pw + g * gw + w0 + i, 0, 3);
+    for (int64_t i = 0; i < S * G8; i += 16) {
+      __builtin_prefetch(d8 + g * gs + s0 + i, 0, 3);
+      if (m8 != nullptr) __builtin_prefetch(m8 + g * gs + s0 + i, 0, 3);
     }
   }
 }
@@ -62,7 +64,7 @@ void group_q4(const int32_t* pw, const float* d8, const float* m8, const int8_t*
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
-    ahead<1>(pw + (b + AHEAD) * 4 * G8, 4 * G8, 0, d8 + (b + AHEAD) * G8, m8 + (b + AHEAD) * G8, G8, 0);
+    ahead<1, 4, 1>(pw, d8, m8, b, 0, 0);
     __m256i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
@@ -95,8 +97,7 @@ void group_q8(const int32_t* pw, const float* d8, const float* m8, const int8_t*
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
-    ahead<1>(pw + (b + AHEAD) * 8 * G8, 8 * G8, 0, d8 + (b + AHEAD) * S * G8, A ? m8 + (b + AHEAD) * S * G8 : nullptr,
-             S * G8, 0);
+    ahead<1, 8, S>(pw, d8, A ? m8 : nullptr, b, 0, 0);
     __m256i s[S][R];
     for (int h = 0; h < S; ++h)
       for (int r = 0; r < R; ++r) s[h][r] = _mm256_setzero_si256();
@@ -201,7 +202,7 @@ void group_q4_vnni(const int32_t* pw, const float* d8, const float* m8, const in
   for (int r = 0; r < R; ++r) acc[r] = V::fzero();
   const typename V::I low = V::bytes(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
-    ahead<V::G>(pw + (b + AHEAD) * 4 * G8, 4 * G8, gw, d8 + (b + AHEAD) * G8, m8 + (b + AHEAD) * G8, G8, gs);
+    ahead<V::G, 4, 1>(pw, d8, m8, b, gw, gs);
     constexpr int C = chains<R>();
     typename V::I s[C][R];
     for (int c = 0; c < C; ++c)
@@ -238,8 +239,7 @@ void group_q8_vnni(const int32_t* pw, const float* d8, const float* m8, const ui
   for (int r = 0; r < R; ++r) acc[r] = V::fzero();
   const typename V::I bias = V::bytes(static_cast<char>(0x80));
   for (int64_t b = 0; b < nb; ++b) {
-    ahead<V::G>(pw + (b + AHEAD) * 8 * G8, 8 * G8, gw, d8 + (b + AHEAD) * S * G8,
-                A ? m8 + (b + AHEAD) * S * G8 : nullptr, S * G8, gs);
+    ahead<V::G, 8, S>(pw, d8, A ? m8 : nullptr, b, gw, gs);
     // chains: C per scale (words 0..3 of a half block alternate over them when S = 2, 0..7 when S = 1)
     constexpr int C = S == 1 ? chains<R>() : std::max(1, chains<R>() / 2);
     typename V::I s[S][C][R], c[S][C];
