@@ -110,11 +110,16 @@ lock:
 		-o $(PI_LOCK) pyproject.toml
 
 # llama.cpp's OpenAI server for `edgespec bench-peer`, in its own virtual environment (its pins stay out of
-# edgespec's). Built from source without AMX: an AMX build segfaulted on an AMX Xeon. --no-cache-dir, so that
-# a wheel cached from a build with other flags is not reused. Not part of `make test`.
+# edgespec's). Built from source for this CPU without AMX: an AMX build segfaulted on an AMX Xeon, and one with
+# -DGGML_AMX=OFF alone still compiled its tile code (-march=native defines __AMX_INT8__) and died of SIGILL at
+# its first prompt of several tokens on another (it never asks Linux for the tiles); the -mno-amx flags take
+# them out of -march=native. --no-cache-dir, so that a wheel cached from a build with other flags is not reused.
+# Not part of `make test`.
 LLAMA_VENV ?= /root/llamacpp-venv
+NO_AMX = -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 
 peer-env:
 	$(PYTHON) -m venv $(LLAMA_VENV)
-	CMAKE_ARGS="-DGGML_AMX=OFF" $(LLAMA_VENV)/bin/python -m pip install --disable-pip-version-check --no-cache-dir \
+	CMAKE_ARGS="-DGGML_AMX=OFF -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'" \
+		$(LLAMA_VENV)/bin/python -m pip install --disable-pip-version-check --no-cache-dir \
 		'llama-cpp-python[server]==0.3.36'

@@ -30,7 +30,7 @@ N, K = 100, 256  # N not a multiple of 8: the last weight group is partial
 def inputs(seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(N, K, generator=g)
-    x = torch.randn(9, K, generator=g)
+    x = torch.randn(33, K, generator=g)  # 33 rows: two tiles of 16 (AMX's, groups_amx.h), one row past them
     q8 = quantize_q8(w)
     # a scale per half block, as Q6_K and Q3_K hold them: each half's own
     halves = Q8(q8.qs, q8.d.repeat_interleave(2, dim=1) * (1 + torch.rand(N, K // 16, generator=g)))
@@ -125,7 +125,8 @@ def test_the_portable_build_gives_the_same_bits(isa):
     w, x, *ws = inputs(3)
     a, b = matmuls(simd, w, x, *ws), matmuls(portable, w, x, *ws)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    for m in range(1, 9):  # each pass size a kernel compiles for (rows 1..8 at once), and pairs of groups
+    # each pass size a kernel compiles for (rows 1..8 at once, or a tile of 16 and what is left), and pairs of groups
+    for m in range(1, x.shape[0] + 1):
         part = matmuls(simd, w, x[:m].contiguous(), *ws)
         assert all(torch.equal(part[k], b[k][:m]) for k in a), m
     # attention in each KV format over 45 slots (runs of 16 and a tail; 4 at a time and a tail), at head sizes
@@ -146,6 +147,10 @@ def test_the_build_is_chosen_by_the_cpus_features():
     assert isas(avx512_vnni, "x86_64", wide=False) == ["portable", "avx2", "avx512-vnni"]
     # where 512-bit vectors run at full width, two weight groups in one 512-bit kernel is the widest path
     assert isas(avx512_vnni, "x86_64", wide=True) == ["portable", "avx2", "avx512-vnni", "avx512-vnni-zmm"]
+    # AMX tiles (Intel's Sapphire Rapids and later), on top of the VNNI kernels (passes of fewer rows)
+    amx = avx512_vnni | {"amx_tile", "amx_int8", "amx_bf16"}
+    assert isas(amx, "x86_64", wide=False) == ["portable", "avx2", "avx512-vnni", "avx512-amx"]
+    assert isas(amx - {"amx_int8"}, "x86_64", wide=False) == ["portable", "avx2", "avx512-vnni"]
     assert isas(avx2 | {"avx_vnni"}, "x86_64", wide=True) == ["portable", "avx2", "avx-vnni"]
     assert isas(avx2 | {"avx_vnni"}, "x86_64") == ["portable", "avx2", "avx-vnni"]
     assert isas(avx512_vnni - {"avx512vl"}, "x86_64") == ["portable", "avx2"]  # VNNI on zmm only: not used
@@ -154,11 +159,12 @@ def test_the_build_is_chosen_by_the_cpus_features():
     assert isas({"fp", "asimd", "crc32"}, "aarch64") == ["portable", "neon"]
     assert isas(avx512_vnni, "riscv64") == ["portable"]
     # each path compiles with flags of its own, so each has a build (and a cache key) of its own
-    paths = ("portable", "avx2", "avx512-vnni", "avx512-vnni-zmm", "avx-vnni", "neon", "neon-dotprod")
+    paths = ("portable", "avx2", "avx512-vnni", "avx512-vnni-zmm", "avx512-amx", "avx-vnni", "neon", "neon-dotprod")
     flags = {isa: tuple(compile_flags(isa)) for isa in paths}
     assert len(set(flags.values())) == len(paths)
     assert "-mavx512vnni" in flags["avx512-vnni"] and "-mavxvnni" in flags["avx-vnni"]
     assert "-DES_ZMM" in flags["avx512-vnni-zmm"] and "-DES_ZMM" not in flags["avx512-vnni"]
+    assert "-mamx-int8" in flags["avx512-amx"] and "-mavx512vnni" in flags["avx512-amx"]
     assert compile_flags(False) == list(flags["portable"])
 
 

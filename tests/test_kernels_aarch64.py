@@ -31,9 +31,9 @@ def build(compiler: str, isa: Isa, out: Path) -> Path:
 def same_bits(run: list[str], isa: Isa) -> None:
     got = subprocess.run(run, capture_output=True, text=True, timeout=120)
     assert got.returncode == 0, got.stdout + got.stderr
-    # three seeds: the quantizer, then each form at 1-8 rows, one weight group at a time and two at once
+    # three seeds: the quantizer, then each form at 1-32 rows, one weight group at a time and two at once
     assert got.stdout.splitlines() == ([f"same bits: {isa}, quantize_row"] +
-                                       [f"same bits: {isa}, {form}, 1-8 rows, 1-2 groups" for form in FORMS]) * 3
+                                       [f"same bits: {isa}, {form}, 1-32 rows, 1-2 groups" for form in FORMS]) * 3
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ ROUND = "q[i] = vcvtnq_s32_f32(vmulq_n_f32(v[i], id));"
 ], ids=["q4-order", "quantize-rounding"])
 def test_the_check_fails_on_a_wrong_neon_kernel(cross, tmp_path, wrong: str, right: str, seen: str):
     """check.cpp would see a wrong rule in the NEON kernels."""
-    for name in ("simd.h", "groups.h", "groups_x86.h", "check.cpp"):
+    for name in ("simd.h", "groups.h", "groups_x86.h", "groups_amx.h", "check.cpp"):
         shutil.copy(HERE / name, tmp_path / name)
     neon = (HERE / "groups_neon.h").read_text()
     assert right in neon
@@ -76,6 +76,22 @@ def test_the_check_fails_on_a_wrong_neon_kernel(cross, tmp_path, wrong: str, rig
                     str(out)], check=True)
     got = subprocess.run([QEMU, "-cpu", "cortex-a72", str(out)], capture_output=True, text=True, timeout=120)
     assert got.returncode == 1 and seen in got.stdout.splitlines()[-1]
+
+
+@pytest.mark.skipif("avx512-amx" not in isas(), reason="this CPU has no AMX tiles")
+def test_the_check_fails_on_a_wrong_amx_kernel(tmp_path):
+    """check.cpp would see the AMX kernels read a block's dots where the next block's are stored (each block's dots
+    are read one block late, out of a buffer per block parity)."""
+    for name in ("simd.h", "groups.h", "groups_x86.h", "groups_neon.h", "check.cpp"):
+        shutil.copy(HERE / name, tmp_path / name)
+    amx, right = (HERE / "groups_amx.h").read_text(), "V::words(dots[b & 1][h][r], 8)"
+    assert right in amx
+    (tmp_path / "groups_amx.h").write_text(amx.replace(right, "V::words(dots[(b + 1) & 1][h][r], 8)"))
+    out = tmp_path / "wrong"
+    subprocess.run(["g++", "-std=c++17", *compile_flags("avx512-amx"), str(tmp_path / "check.cpp"), "-o", str(out)],
+                   check=True)
+    got = subprocess.run([str(out)], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 1 and "DIFFERENT q4: 8 rows" in got.stdout.splitlines()[-1]
 
 
 @pytest.mark.parametrize("isa", isas())

@@ -4,8 +4,9 @@ a stack of them in one call each), `ffn.cpp` (a feed-forward, dense or a mixture
 (the KV cache's storage formats), `bind.cpp` (the Python module).
 
 `load()` builds the extension with the flags this CPU supports (on x86: the VNNI path where the CPU has
-AVX512_VNNI with AVX512_VL, and 512-bit kernels taking two weight groups at once where 512-bit vectors run at
-full width (Zen 5), or AVX-VNNI; else AVX2 + FMA; on aarch64: NEON, with sdot where the CPU has the dot
+AVX512_VNNI with AVX512_VL, with AMX-INT8 tiles for passes of 8 rows or more where it has them (Sapphire Rapids and
+later Xeons), or 512-bit kernels taking two weight groups at once where 512-bit vectors run at full width (Zen 5);
+or AVX-VNNI; else AVX2 + FMA; on aarch64: NEON, with sdot where the CPU has the dot
 product extension; the portable C++ loops elsewhere) into `model/kernels/build/`, and returns the module.
 `groups.h` holds the quantized matmuls' kernels without torch, and `check.cpp` compares them with the portable
 ones on their own (tests/test_kernels_aarch64.py runs it for aarch64 under qemu-user).
@@ -32,7 +33,8 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [HERE / "quant.cpp", HERE / "ops.cpp", HERE / "layer.cpp", HERE / "ffn.cpp", HERE / "pool.cpp",
            HERE / "bind.cpp"]
-HEADERS = [HERE / name for name in ("common.h", "kv.h", "simd.h", "groups.h", "groups_x86.h", "groups_neon.h")]
+HEADERS = [HERE / name for name in ("common.h", "kv.h", "simd.h", "groups.h", "groups_x86.h", "groups_amx.h",
+                                    "groups_neon.h")]
 NAME = "edgespec_kernels"
 # torch's build lock older than this is a killed compile's (a compile takes 20-90 s): left in place, every later
 # load waited on it forever, a server start included, with nothing in its log
@@ -75,9 +77,10 @@ def full_width_512(info: dict[str, str] | None = None) -> bool:
         return False
 
 
-Isa = Literal["portable", "avx2", "avx512-vnni", "avx512-vnni-zmm", "avx-vnni", "neon", "neon-dotprod"]
+Isa = Literal["portable", "avx2", "avx512-vnni", "avx512-vnni-zmm", "avx512-amx", "avx-vnni", "neon", "neon-dotprod"]
 AVX2 = {"avx2", "fma", "f16c"}
 AVX512_VNNI = AVX2 | {"avx512f", "avx512vl", "avx512bw", "avx512_vnni"}
+AMX_INT8 = AVX512_VNNI | {"amx_tile", "amx_int8"}
 AVX_VNNI = AVX2 | {"avx_vnni"}
 
 
@@ -85,7 +88,8 @@ def isas(have: set[str] | frozenset[str] | None = None, machine: str | None = No
          ) -> list[Isa]:
     """The kernel paths a CPU with flags `have` (this one's by default) can run, narrowest first; `wide`: its
     512-bit vectors run at full width (`full_width_512()`, this one's by default), where two weight groups in one
-    512-bit kernel is the widest path."""
+    512-bit kernel is the widest path; AMX tiles are where the CPU has them (only Intel's do; none also runs
+    512-bit vectors at full width)."""
     have = cpu_flags() if have is None else have
     wide = full_width_512() if wide is None else wide
     machine = machine or platform.machine()
@@ -96,7 +100,11 @@ def isas(have: set[str] | frozenset[str] | None = None, machine: str | None = No
         return out
     out.append("avx2")
     if have >= AVX512_VNNI:
-        out += ["avx512-vnni", "avx512-vnni-zmm"] if wide else ["avx512-vnni"]
+        out.append("avx512-vnni")
+        if have >= AMX_INT8:
+            out.append("avx512-amx")
+        elif wide:
+            out.append("avx512-vnni-zmm")
     elif have >= AVX_VNNI:
         out.append("avx-vnni")
     return out
@@ -119,12 +127,14 @@ def compile_flags(simd: bool | Isa = True) -> list[str]:
         flags += ["-march=armv8.2-a+dotprod"]
     elif isa != "neon":
         flags += ["-mavx2", "-mfma", "-mf16c"]
-    if isa in ("avx512-vnni", "avx512-vnni-zmm"):
+    if isa in ("avx512-vnni", "avx512-vnni-zmm", "avx512-amx"):
         # 256-bit vpdpbusd (VL), and 512-bit with ES_ZMM; 256-bit vectors preferred for what the compiler
         # vectorizes on its own, as the AVX2 build does (the hand-written kernels choose their widths)
         flags += ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-mprefer-vector-width=256"]
     if isa == "avx512-vnni-zmm":
         flags += ["-DES_ZMM"]
+    if isa == "avx512-amx":
+        flags += ["-mamx-tile", "-mamx-int8"]
     if isa == "avx-vnni":
         flags += ["-mavxvnni"]
     return flags

@@ -1,6 +1,6 @@
 // A standalone check of the group kernels, without torch or Python: every kernel this build compiles (its path,
 // simd.h) against the portable kernels on the same inputs, bit for bit, for the activations' quantizer and for q4
-// and the four q8 forms at 1-8 activation rows, one weight group and two at once. tests/test_kernels_aarch64.py
+// and the four q8 forms at 1-32 activation rows, one weight group and two at once. tests/test_kernels_aarch64.py
 // builds it with Debian's aarch64 cross compiler for NEON with and without sdot and runs it under qemu-user as a
 // Pi 4 (Cortex-A72) and a Pi 5 (Cortex-A76) would; built natively,
 // it checks this x86 CPU's path the same way. Prints one line per form, exits 1 on the first difference.
@@ -13,7 +13,7 @@ using namespace groups;
 
 namespace {
 
-constexpr int64_t NB = 7, K = NB * QK, MAXR = 8;
+constexpr int64_t NB = 7, K = NB * QK, MAXR = 32;  // two tiles of the most rows a build's tile holds (AMX's 16)
 
 constexpr int GROUPS = 2;  // adjacent weight groups, as a 512-bit kernel takes them (groups.h's WIDE)
 
@@ -53,13 +53,14 @@ Inputs make(uint32_t seed) {
 }
 
 // the outputs [R, 8 G] of rows 0..R-1 in steps of ROWS, as quant.cpp's run_groups takes them: G groups in one
-// call of simd(G, r, n, out, ldo), or group by group through portable(g, r, n, out, ldo)
+// call of simd(G, r, n, out, ldo, R) (R: the pass's rows, for which it loads the AMX tiles as run_groups does), or
+// group by group through portable(g, r, n, out, ldo)
 template <typename Simd, typename Portable>
 std::pair<std::vector<float>, std::vector<float>> rows(int G, int64_t R, Simd simd, Portable portable) {
   std::vector<float> a(R * G * G8), b(R * G * G8);
   for (int64_t r = 0; r < R; r += ROWS) {
     const int64_t n = std::min<int64_t>(ROWS, R - r);
-    simd(G, r, n, &a[r * G * G8], G * G8);
+    simd(G, r, n, &a[r * G * G8], G * G8, R);
     for (int g = 0; g < G; ++g) portable(g, r, n, &b[r * G * G8 + g * G8], G * G8);
   }
   return {a, b};
@@ -76,7 +77,7 @@ bool same(const char* form, int64_t R, const std::vector<float>& a, const std::v
   return false;
 }
 
-// a form's group kernel (simd) against the portable one, at 1-8 rows, one group and two at once (above)
+// a form's group kernel (simd) against the portable one, at 1-MAXR rows, one group and two at once (above)
 template <typename Simd, typename Portable>
 bool check(const char* form, Simd simd, Portable portable) {
   for (int G = 1; G <= GROUPS; ++G)
@@ -93,9 +94,10 @@ bool check_q8(const Inputs& in, const char* form) {
   const std::vector<uint8_t> ux = q8_activations(in.qx.data(), in.qx.size());
   const float* ss = S == 2 && A ? in.sh.data() : in.sx.data();
   const float* m8 = A ? in.m8.data() : nullptr;
-  return check(form, [&](int G, int64_t r, int64_t n, float* o, int64_t ldo) {
+  return check(form, [&](int G, int64_t r, int64_t n, float* o, int64_t ldo, int64_t M) {
+    const Tiles tiles(QK / S, M);
     q8_group<S, A>(in.pw8.data(), in.d8.data(), m8, &in.qx[r * K], ux.empty() ? nullptr : &ux[r * K], &in.dx[r * NB],
-                   ss + r * NB * S, NB, n, o, ldo, G);
+                   ss + r * NB * S, NB, n, o, ldo, tiles, G);
   }, [&](int g, int64_t r, int64_t n, float* o, int64_t ldo) {
     group_q8_portable<S, A>(&in.pw8[g * NB * 8 * G8], &in.d8[g * NB * S * G8], m8 ? m8 + g * NB * S * G8 : nullptr,
                             &in.qx[r * K], &in.dx[r * NB], ss + r * NB * S, NB, n, o, ldo);
@@ -103,9 +105,10 @@ bool check_q8(const Inputs& in, const char* form) {
 }
 
 bool check_q4(const Inputs& in) {
-  return check("q4", [&](int G, int64_t r, int64_t n, float* o, int64_t ldo) {
+  return check("q4", [&](int G, int64_t r, int64_t n, float* o, int64_t ldo, int64_t M) {
+    const Tiles tiles(QK, M);
     q4_group(in.pw4.data(), in.d8.data(), in.m8.data(), &in.qx[r * K], &in.dx[r * NB], &in.sx[r * NB], NB, n, o, ldo,
-             G);
+             tiles, G);
   }, [&](int g, int64_t r, int64_t n, float* o, int64_t ldo) {
     group_q4_portable(&in.pw4[g * NB * 4 * G8], &in.d8[g * NB * G8], &in.m8[g * NB * G8], &in.qx[r * K],
                       &in.dx[r * NB], &in.sx[r * NB], NB, n, o, ldo);

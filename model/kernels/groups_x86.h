@@ -41,10 +41,11 @@ inline void quantize_row_avx2(const float* x, int64_t K, int8_t* qx, float* dx, 
 // took 0.58-0.64x the time at 8 rows, 0.76-0.88x at 12-16, 0.82-0.85x at 2-4, its layer matmuls 0.93-0.95x at 8
 // rows and the same at 1; the 256-bit VNNI and AVX2 paths' layer matmuls 0.92-0.99x at 1-8 rows, their head the
 // same. 16 blocks ahead measured no better.
+// The AMX kernels (groups_amx.h) take D = AMX_AHEAD.
 constexpr int64_t AHEAD = 8;
-template <int G, int W, int S>
+template <int G, int W, int S, int64_t D = AHEAD>
 inline void ahead(const int32_t* pw, const float* d8, const float* m8, int64_t b, int64_t gw, int64_t gs) {
-  const int64_t w0 = (b + AHEAD) * W * G8, s0 = (b + AHEAD) * S * G8;
+  const int64_t w0 = (b + D) * W * G8, s0 = (b + D) * S * G8;
   for (int g = 0; g < G; ++g) {
     for (int64_t i = 0; i < W * G8; i += 16) __builtin_prefetch(pw + g * gw + w0 + i, 0, 3);
     for (int64_t i = 0; i < S * G8; i += 16) {
@@ -159,7 +160,7 @@ struct Y8 {
   static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
 };
 
-#ifdef ES_ZMM
+#if defined(ES_ZMM) || defined(ES_AMX)
 // (the all-ones masked forms of insert and cvt: GCC 12 warns of the unmasked ones' undefined source under -Wall)
 struct Z16 {
   static constexpr int G = 2;

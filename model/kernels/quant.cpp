@@ -55,34 +55,36 @@ void check_groups(const torch::Tensor& pw, const torch::Tensor& d8, int64_t word
   TORCH_CHECK(N > (pw.size(0) - 1) * G8 && N <= pw.size(0) * G8, N, " rows do not fill ", pw.size(0), " groups");
 }
 
-// All outputs [M, N] by weight groups: group(g, G, r, R, out, ldo) computes the 8 G outputs of groups g..g+G-1
-// (G = 1, or groups::WIDE where they are whole) for rows r..r+R-1 (R <= ROWS, r a multiple of ROWS: one tile of
-// quantize_rows'). Work is split over units of WIDE groups only; within a thread's units, activation rows go in
-// runs of 16 so that a run's quantized rows stay in L1 while the groups stream past, and each unit's weights are
-// reused for the run's ROWS-row steps. A unit past N's last whole groups goes group by group, the last one, when
-// N is not a multiple of 8, through a buffer.
+// All outputs [M, N] by weight groups: group(g, G, r, R, out, ldo, tiles) computes the 8 G outputs of groups
+// g..g+G-1 (G = 1, or groups::WIDE where they are whole) for rows r..r+R-1 (R <= ROWS, r a multiple of ROWS: one
+// tile of quantize_rows'); `tiles` the AMX tiles for dots of `tile_k` bytes, loaded by each thread for its share of
+// the pass where the build has them (groups_amx.h). Work is split over units of WIDE groups only; within a
+// thread's units, activation rows go in runs of 16 so that a run's quantized rows stay in L1 while the groups
+// stream past, and each unit's weights are reused for the run's ROWS-row steps. A unit past N's last whole groups
+// goes group by group, the last one, when N is not a multiple of 8, through a buffer.
 template <typename Group>
-torch::Tensor run_groups(int64_t M, int64_t N, Group group) {
+torch::Tensor run_groups(int64_t M, int64_t N, int tile_k, Group group) {
   constexpr int64_t RUN = 16, W = groups::WIDE;
   auto out = torch::empty({M, N}, torch::kFloat);
   float* op = out.data_ptr<float>();
   const int64_t G = (N + G8 - 1) / G8;
   parallel_chunks(0, (G + W - 1) / W, std::max<int64_t>(1, 2 / W), [&](int64_t lo, int64_t hi) {
+    const groups::Tiles tiles(tile_k, M);
     for (int64_t r0 = 0; r0 < M; r0 += RUN)
       for (int64_t u = lo; u < hi; ++u)
         for (int64_t r = r0; r < std::min(M, r0 + RUN); r += ROWS) {
           const int64_t R = std::min<int64_t>(ROWS, M - r);
           if ((u + 1) * W * G8 <= N) {
-            group(u * W, W, r, R, op + r * N + u * W * G8, N);
+            group(u * W, W, r, R, op + r * N + u * W * G8, N, tiles);
             continue;
           }
           for (int64_t g = u * W; g < std::min(G, (u + 1) * W); ++g) {
             const int64_t n = g * G8;
             if (n + G8 <= N) {
-              group(g, 1, r, R, op + r * N + n, N);
+              group(g, 1, r, R, op + r * N + n, N, tiles);
             } else {
               float part[ROWS * G8];
-              group(g, 1, r, R, part, G8);
+              group(g, 1, r, R, part, G8, tiles);
               for (int64_t i = 0; i < R; ++i) std::copy(part + i * G8, part + i * G8 + (N - n), op + (r + i) * N + n);
             }
           }
@@ -118,11 +120,11 @@ torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, tor
   const float *dp = d8.data_ptr<float>(), *mp = m8.data_ptr<float>();
   const int8_t* qx = q.qx.data_ptr<int8_t>();
   const float *dx = q.dx.data_ptr<float>(), *sx = q.sx.data_ptr<float>();
-  auto one = [&](int64_t g, int G, int64_t r, int64_t R, float* o, int64_t ldo) {
+  auto one = [&](int64_t g, int G, int64_t r, int64_t R, float* o, int64_t ldo, const groups::Tiles& tiles) {
     groups::q4_group(w + g * nb * 4 * G8, dp + g * nb * G8, mp + g * nb * G8, qx + r * K, dx + r * nb, sx + r * nb, nb,
-                     R, o, ldo, G);
+                     R, o, ldo, tiles, G);
   };
-  return run_groups(x.size(0), N, one);
+  return run_groups(x.size(0), N, QK, one);
 }
 
 // a scale per block (S = 1) or per half block (S = 2) of an interleaved q8 weight, from its scales' shape
@@ -149,14 +151,14 @@ torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, c10
   const float* dx = q.dx.data_ptr<float>();
   const float* ss = (S == 2 && mp ? q.sh : q.sx).data_ptr<float>();  // the activations' sums per offset
   const std::vector<uint8_t> ux = groups::q8_activations(qx, q.qx.numel());
-  auto one = [&](int64_t g, int G, int64_t r, int64_t R, float* o, int64_t ldo) {
+  auto one = [&](int64_t g, int G, int64_t r, int64_t R, float* o, int64_t ldo, const groups::Tiles& tiles) {
     const int32_t* gw = w + g * nb * 8 * G8;
     const float *gd = dp + g * nb * S * G8, *gm = mp ? mp + g * nb * S * G8 : nullptr;
     const uint8_t* gu = ux.empty() ? nullptr : ux.data() + r * K;
     auto kernel = [&](auto Sc, auto Ac) {
       constexpr int SS = decltype(Sc)::value;
       groups::q8_group<SS, decltype(Ac)::value>(gw, gd, gm, qx + r * K, gu, dx + r * nb, ss + r * nb * SS, nb, R, o,
-                                                ldo, G);
+                                                ldo, tiles, G);
     };
     using One = std::integral_constant<int, 1>;
     using Two = std::integral_constant<int, 2>;
@@ -165,7 +167,7 @@ torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, c10
     if (S == 2) gm ? kernel(Two{}, Yes{}) : kernel(Two{}, No{});
     else gm ? kernel(One{}, Yes{}) : kernel(One{}, No{});
   };
-  return run_groups(x.size(0), N, one);
+  return run_groups(x.size(0), N, static_cast<int>(QK / S), one);
 }
 
 // x [M, K] float; w [N, K] float -> [M, N] float

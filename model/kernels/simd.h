@@ -31,6 +31,13 @@ inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_
 #error "ES_ZMM needs AVX-512 VNNI and BW"
 #endif
 
+// AMX-INT8 tiles (Sapphire Rapids and later Xeons), with the AVX-512 VNNI kernels for passes of fewer rows
+// (groups_amx.h)
+#if defined(ES_VNNI) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AMX_TILE__) && \
+    defined(__AMX_INT8__)
+#define ES_AMX 1
+#endif
+
 // aarch64: NEON (every ARMv8-A core, the Pi 4's Cortex-A72 included), with sdot where the core has the dot
 // product extension (ARMv8.2-A's, the Pi 5's Cortex-A76: -march=armv8.2-a+dotprod)
 #if !defined(ES_NO_SIMD) && defined(__aarch64__) && defined(__ARM_NEON)
@@ -43,7 +50,9 @@ inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_
 
 // the name of the path this build compiled (`isa()` in Python; model/kernels/__init__.py's Isa)
 inline const char* isa_name() {
-#if defined(ES_ZMM)
+#if defined(ES_AMX)
+  return "avx512-amx";
+#elif defined(ES_ZMM)
   return "avx512-vnni-zmm";
 #elif defined(ES_VNNI) && defined(__AVX512VNNI__)
   return "avx512-vnni";
