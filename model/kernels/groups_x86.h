@@ -33,15 +33,14 @@ inline void quantize_row_avx2(const float* x, int64_t K, int8_t* qx, float* dx, 
   }
 }
 
-// The weights of block b + AHEAD fetched while block b is computed: its W words at pw and S scales at d8 and m8 (m8
-// may be null), per block as a group's kernel reads them, in G groups `gw` words and `gs` scales apart; prefetches
-// past the end fault nothing. A
-// pass of several rows computes long enough on each block that the hardware's prefetch fell behind. The served
-// model on the 2-core EPYC, the builds alternated in one process: in 512-bit registers its q8 head (49152 x 576)
-// took 0.58-0.64x the time at 8 rows, 0.76-0.88x at 12-16, 0.82-0.85x at 2-4, its layer matmuls 0.93-0.95x at 8
-// rows and the same at 1; the 256-bit VNNI and AVX2 paths' layer matmuls 0.92-0.99x at 1-8 rows, their head the
-// same. 16 blocks ahead measured no better.
-// The AMX kernels (groups_amx.h) take D = AMX_AHEAD.
+// The weights of block b + D fetched while block b is computed (D = AHEAD; the AMX kernels' AMX_AHEAD,
+// groups_amx.h): its W words at pw and S scales at d8 and m8 (m8 may be null), per block as a group's kernel reads
+// them, in G groups `gw` words and `gs` scales apart; prefetches past the end fault nothing. A pass of several rows
+// computes long enough on each block that the hardware's prefetch fell behind. The served model on the 2-core
+// EPYC, the builds alternated in one process: in 512-bit registers its q8 head (49152 x 576) took 0.58-0.64x the
+// time at 8 rows, 0.76-0.88x at 12-16, 0.82-0.85x at 2-4, its layer matmuls 0.93-0.95x at 8 rows and the same at
+// 1; the 256-bit VNNI and AVX2 paths' layer matmuls 0.92-0.99x at 1-8 rows, their head the same. 16 blocks ahead
+// measured no better.
 constexpr int64_t AHEAD = 8;
 template <int G, int W, int S, int64_t D = AHEAD>
 inline void ahead(const int32_t* pw, const float* d8, const float* m8, int64_t b, int64_t gw, int64_t gs) {
