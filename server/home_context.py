@@ -32,11 +32,18 @@ class Entity:
 class Mention:
     """What a request names: the entities whose name (or alias) it holds, the areas, and the domains it names
     by their own words ("fan", "media player"). `domains`: what the request's target is, as far as these say:
-    the named entities' domains, else the named domains; empty when they say nothing (an area alone)."""
+    the named entities' domains, else the named domains; empty when they say nothing (an area alone). `said`:
+    the request's words."""
 
     entities: tuple[Entity, ...]
     areas: tuple[str, ...]
     domains: tuple[str, ...]
+    said: tuple[str, ...] = ()
+
+    def says(self, value: str) -> bool:
+        """Whether the request holds all of `value`'s words, in order and adjacent (case aside)."""
+        w = words(value)
+        return bool(w) and any(list(self.said[i:i + len(w)]) == w for i in range(len(self.said) - len(w) + 1))
 
 
 def words(text: str) -> list[str]:
@@ -62,11 +69,8 @@ def admitted_domains(tool: ToolSpec) -> frozenset[str] | None:
     strings); None when it names none (any domain, as far as the schema says)."""
     props = tool.parameters.get("properties") if isinstance(tool.parameters, dict) else None
     domain = props.get("domain") if isinstance(props, dict) else None
-    if not isinstance(domain, dict):
-        return None
-    items = domain.get("items") if domain.get("type") == "array" else domain
-    enum = items.get("enum") if isinstance(items, dict) else None
-    return frozenset(str(v) for v in enum) if isinstance(enum, list) and enum else None
+    enum = _enum(domain) if isinstance(domain, dict) else None
+    return frozenset(enum) if enum is not None else None
 
 
 def mention(request: str, entities: tuple[Entity, ...]) -> Mention:
@@ -93,7 +97,7 @@ def mention(request: str, entities: tuple[Entity, ...]) -> Mention:
     listed = sorted({e.domain for e in entities}, key=lambda d: -len(words(d)))
     said_domains = tuple(d for d in listed if find(d))
     domains = tuple(sorted({e.domain for e in hit})) or said_domains
-    return Mention(hit, hit_areas, domains)
+    return Mention(hit, hit_areas, domains, tuple(said))
 
 
 def as_domains(request: str, named: Mention) -> str:
@@ -154,15 +158,21 @@ def _listed(value: Any) -> tuple[str, ...]:
 def grounded(tool: ToolSpec, home: tuple[Entity, ...], named: Mention) -> ToolSpec:
     """`tool` as the grammar holds it when the prompt lists the `home`'s entities and the tool acts on them (its
     schema has a `domain` property, as Home Assistant's entity intents do): its `name`, `area` and `domain` take
-    only the values of the entities it may target, and the optional arrays whose schema says nothing of their
-    items are left out. The targets: of the entities whose domain the tool's schema admits, the ones the request
-    `named`, else those in the domains and areas it named, else all; the areas: the named ones, else the targets'.
+    only the values of the entities it may target; its other optional parameters with an enum (a string, or an
+    array of strings) take only the values the request names, and are left out where it names none; the optional
+    arrays whose schema says nothing of their items are left out. The targets: of the entities whose domain the
+    tool's schema admits, the ones the request `named`, else those in the domains and areas it named, else all;
+    the areas: the named ones, else the targets'.
 
     Measured on SmolLM2-135M with Home Assistant 2025.4.4's own turn "Turn on the kitchen light": HassTurnOn was
     called with `{"area": "kitchen", "domain": ["kitchen", "area", "name"]}` (OpenAI integration) and with
     `device_class` filled with made-up words (the Ollama integration strips the arrays' item enums); HA's
     matching refused both and the light stayed off. Given every listed name, it paused the "Hallway Light" for
-    "the office speaker". Every call made under the grounded schema is valid under the client's."""
+    "the office speaker". With the OpenAI integration's `device_class` item enum offered, a call could fill it
+    with the enum's first values: HA builds that enum from a set, so its order follows the process's hash seed;
+    in 21 runs of tests/ha, each with its own seed, "Turn on the kitchen light" failed twice, the recorded one
+    with `{"area": "Kitchen", "device_class": ["tv", "speaker", "receiver"]}` (the enum's first three), which
+    HA's matching refused. Every call made under the grounded schema is valid under the client's."""
     params = tool.parameters
     props = params.get("properties") if isinstance(params, dict) else None
     if not home or not isinstance(props, dict) or not isinstance(props.get("domain"), dict):
@@ -182,9 +192,21 @@ def grounded(tool: ToolSpec, home: tuple[Entity, ...], named: Mention) -> ToolSp
             out[key] = schema
         elif listed.get(key):
             out[key] = _only(schema, listed[key])
-        elif key in required or schema.get("type") != "array" or "items" in schema:
+        elif key in required:
+            out[key] = schema
+        elif (enum := _enum(schema)) is not None:
+            if said := [v for v in enum if named.says(v)]:
+                out[key] = _only(schema, said)
+        elif schema.get("type") != "array" or "items" in schema:
             out[key] = schema
     return ToolSpec(tool.name, tool.description, {**params, "properties": out})
+
+
+def _enum(schema: dict[str, Any]) -> list[str] | None:
+    """The values a string's (or an array of strings') schema enumerates; None where it enumerates none."""
+    inner = schema.get("items") if schema.get("type") == "array" else schema
+    enum = inner.get("enum") if isinstance(inner, dict) else None
+    return [str(v) for v in enum] if isinstance(enum, list) and enum else None
 
 
 def _only(schema: dict[str, Any], values: list[str]) -> dict[str, Any]:
