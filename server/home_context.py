@@ -38,7 +38,7 @@ class Mention:
     entities: tuple[Entity, ...]
     areas: tuple[str, ...]
     domains: tuple[str, ...]
-    said: tuple[str, ...] = ()
+    said: tuple[str, ...]
 
     def says(self, value: str) -> bool:
         """Whether the request holds all of `value`'s words, in order and adjacent (case aside)."""
