@@ -9,6 +9,7 @@ entities have, and a tool admits a domain only where its `domain` parameter's en
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,11 +44,16 @@ class Mention:
     def says(self, value: str) -> bool:
         """Whether the request holds all of `value`'s words, in order and adjacent (case aside)."""
         w = words(value)
-        return bool(w) and any(list(self.said[i:i + len(w)]) == w for i in range(len(self.said) - len(w) + 1))
+        return bool(w) and next(_starts(self.said, w), None) is not None
 
 
 def words(text: str) -> list[str]:
     return _WORD.findall(text.lower())
+
+
+def _starts(said: Sequence[str], w: list[str]) -> Iterator[int]:
+    """Where the words `w` start in `said`, in order and adjacent."""
+    return (i for i in range(len(said) - len(w) + 1) if list(said[i:i + len(w)]) == w)
 
 
 def listed_entities(system_texts: list[str]) -> tuple[Entity, ...]:
@@ -83,9 +89,9 @@ def mention(request: str, entities: tuple[Entity, ...]) -> Mention:
 
     def find(name: str) -> bool:
         w = words(name)
-        for i in range(len(said) - len(w) + 1):
+        for i in _starts(said, w):
             span = (i, i + len(w))
-            if said[span[0]:span[1]] == w and not any(a < span[1] and span[0] < b for a, b in spans):
+            if not any(a < span[1] and span[0] < b for a, b in spans):
                 spans.append(span)
                 return True
         return False
