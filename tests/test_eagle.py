@@ -42,7 +42,7 @@ def ends_of(folder, dtype=torch.float32) -> TokenEnds:
 def reference_drafts(model: FeatureDraftModel, f: torch.Tensor, tokens: list[int], first: int, k: int) -> list[int]:
     """Greedy drafts recomputed from scratch with the training forward: pairs (g_(i-1), x_i) for i > first."""
     net, ends = model.net, model.ends
-    g = list(ends.norm(f[first:]))  # true features of positions first..n-1
+    g = list(ends.norm(f[first:].to(ends.dtype)))  # true features of positions first..n-1
     ids = list(tokens[first + 1:])  # x_(first+1)..x_n
     drafts = []
     for _ in range(k):
@@ -56,10 +56,12 @@ def reference_drafts(model: FeatureDraftModel, f: torch.Tensor, tokens: list[int
     return drafts
 
 
-@pytest.mark.parametrize("first", [0, 7])
-def test_incremental_drafting_equals_the_training_forward(target, first):
+@pytest.mark.parametrize(("first", "dtype"), [(0, torch.float32), (7, torch.float32), (7, torch.bfloat16)])
+def test_incremental_drafting_equals_the_training_forward(target, first, dtype):
+    """float32: the drafter's layer runs as one compiled call; bfloat16: as its modules."""
     folder, path = target
-    model = FeatureDraftModel.load("eagle", path, ends_of(folder))
+    model = FeatureDraftModel.load("eagle", path, ends_of(folder, dtype))
+    assert (model.layer is None) == (dtype == torch.bfloat16)
     torch.manual_seed(1)
     n, k = 40, 4
     f = torch.randn(n + 2 * k + 8, model.cfg.hidden_size) * 3  # stand-in last-layer outputs
