@@ -80,10 +80,11 @@ class FeatureDraftModel:
         self.head = restricted_head(ends, net.vocab)  # [..., H] -> [..., N]
         self.ids = net.vocab.tolist()  # the head's row -> its token id
         # the layer as one compiled call with its weights gathered once where it compiles (float32 activations),
-        # else its modules. With the rotation looked up once per proposal and the pick read from a list, a
-        # proposal of one draft right after a pass of the model took 0.947 ms against 1.032 with the layer's own
-        # call and a lookup and tensor index per token, one of two 1.452 against 1.585 (the same drafts; a 2-core
-        # Xeon with AMX, medians of 150, interleaved)
+        # else its modules. With the rotation sliced once per proposal (Rotary.span) and the pick read from a
+        # list, a proposal right after a pass of the model took 1.12 / 1.838 / 3.216 ms for 1 / 2 / 4 drafts
+        # against 1.237 / 2.054 / 3.531 with the layer's own call, a rotation gathered and a tensor indexed per
+        # draft (the same drafts; a 2-core Xeon with AMX, medians of 200, interleaved:
+        # bench/results/issue39-drafter-session14)
         self.layer = CompiledLayers([net.layer]) if net.layer.compiled else None
 
     def drafter(self, params: SamplingParams, capacity: int) -> FeatureDrafter:
@@ -162,7 +163,7 @@ class FeatureDrafter:
             return [], None
         self.cache.truncate(self.fed)
         a = self.first + 1 + self.fed  # first draft index not fed yet
-        rope = self.model.net.rotary(torch.arange(a, n + k).unsqueeze(0))  # positions a..n fed, n+1.. drafted
+        rope = self.model.net.rotary.span(a, n + max(k, 1))  # positions a..n fed, n+1.. drafted
         g = self._step(self.g[a - 1:n], tokens[a:n + 1], a, self.first, rope.rows(0, n + 1 - a))
         self.fed = n - self.first
         drafts: list[int] = []

@@ -251,6 +251,20 @@ def test_partial_rotary_leaves_the_other_dims_as_they_are(tmp_path):
     assert torch.equal(out[..., still], x[..., still]) and not torch.equal(out[..., :6], x[..., :6])
 
 
+def test_a_span_of_positions_is_their_lookup(tmp_path):
+    # Rotary.span (a feature drafter's steps) slices the tables where the lookup gathers them: the same rotation,
+    # the sliding layers' own beside it
+    from edgespec.model.blocks import Rotary
+
+    cfg = ModelConfig.from_folder(make_model("gemma3", tmp_path / "gemma3"))
+    assert cfg.rope_local_theta is not None
+    rotary = Rotary(cfg, torch.float32)
+    span, looked = rotary.span(5, 12), rotary(torch.arange(5, 12)[None])
+    assert span.local is not None and looked.local is not None
+    for a, b in ((span, looked), (span.local, looked.local)):
+        assert torch.equal(a.cos, b.cos) and torch.equal(a.sin, b.sin) and torch.equal(a.positions, b.positions)
+
+
 def test_a_folders_generation_config_adds_its_end_ids(tmp_path):
     # Phi-3's and Phi-4-mini's end of turn, <|end|>, is named only by generation_config.json (config.json names
     # <|endoftext|>); transformers' generate stops on both
