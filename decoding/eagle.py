@@ -28,7 +28,7 @@ from torch import nn
 from edgespec.decoding.draft_model import draft_sampler
 from edgespec.decoding.target_fit import check_target, restricted_head, target_metadata
 from edgespec.decoding.types import SamplingParams
-from edgespec.model.blocks import CompiledLayers, DecoderLayer, Rope, Rotary, SeqRows
+from edgespec.model.blocks import CompiledLayers, DecoderLayer, Rotary, SeqRows
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_cache import KVCache
 from edgespec.model.kv_format import FLOAT32
@@ -80,11 +80,10 @@ class FeatureDraftModel:
         self.head = restricted_head(ends, net.vocab)  # [..., H] -> [..., N]
         self.ids = net.vocab.tolist()  # the head's row -> its token id
         # the layer as one compiled call with its weights gathered once where it compiles (float32 activations),
-        # else its modules. With the rotation sliced once per proposal (Rotary.span) and the pick read from a
-        # list, a proposal right after a pass of the model took 1.12 / 1.838 / 3.216 ms for 1 / 2 / 4 drafts
-        # against 1.237 / 2.054 / 3.531 with the layer's own call, a rotation gathered and a tensor indexed per
-        # draft (the same drafts; a 2-core Xeon with AMX, medians of 200, interleaved:
-        # bench/results/issue39-drafter-session14)
+        # else its modules. With the rotation sliced from the tables (Rotary.span) and the pick read from a list,
+        # a proposal right after a pass of the model took 1.104 / 1.829 / 3.119 ms for 1 / 2 / 4 drafts against
+        # 1.251 / 2.015 / 3.45 with the layer's own call, a rotation gathered and a tensor indexed per draft (the
+        # same drafts; a 2-core Xeon with AMX, medians of 200, interleaved: bench/results/issue39-drafter-session14)
         self.layer = CompiledLayers([net.layer]) if net.layer.compiled else None
 
     def drafter(self, params: SamplingParams, capacity: int) -> FeatureDrafter:
@@ -131,10 +130,11 @@ class FeatureDrafter:
         self.known = start + len(g)
         self.fed = min(self.fed, self.known - self.first - 1)  # positions past them were drafts: re-feed
 
-    def _step(self, g_prev: torch.Tensor, ids: list[int], start: int, first: int, rope: Rope) -> torch.Tensor:
-        # g_prev [T, H] with ids [T] at draft indices start..start+T-1, rope their rotation ([1, 1, T, hd] tables)
-        # -> predicted g at the last one [1, 1, H]; first: self.first, known by then
+    def _step(self, g_prev: torch.Tensor, ids: list[int], start: int, first: int) -> torch.Tensor:
+        # g_prev [T, H] with ids [T] at draft indices start..start+T-1 -> predicted g at the last one [1, 1, H];
+        # first: self.first, known by then
         net, t = self.model.net, len(ids)
+        rope = net.rotary.span(start, start + t)
         emb = self.model.ends.embed_tokens(torch.tensor([ids]))  # [1, T, H]
         x = net.fc(torch.cat([g_prev.unsqueeze(0), emb], dim=-1))  # [1, T, H]
         slot = start - first - 1
@@ -163,8 +163,7 @@ class FeatureDrafter:
             return [], None
         self.cache.truncate(self.fed)
         a = self.first + 1 + self.fed  # first draft index not fed yet
-        rope = self.model.net.rotary.span(a, n + max(k, 1))  # positions a..n fed, n+1.. drafted
-        g = self._step(self.g[a - 1:n], tokens[a:n + 1], a, self.first, rope.rows(0, n + 1 - a))
+        g = self._step(self.g[a - 1:n], tokens[a:n + 1], a, self.first)
         self.fed = n - self.first
         drafts: list[int] = []
         qs: list[torch.Tensor] = []  # the draws' distributions [V] (none when greedy)
@@ -174,6 +173,5 @@ class FeatureDrafter:
             if q is not None:
                 qs.append(q)
             if i + 1 < k:
-                j = n + 1 + i - a  # the draft's row of rope
-                g = self._step(g[0], [token], n + 1 + i, self.first, rope.rows(j, j + 1))
+                g = self._step(g[0], [token], n + 1 + i, self.first)
         return drafts, None if self.greedy else torch.stack(qs)  # [k, V]
