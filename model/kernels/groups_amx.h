@@ -8,9 +8,12 @@
 // int32 = A . B, exact. So a block's dot of 16 rows and 16 outputs is one tdpbssd (q8) or tdpbsud (q4, its
 // nibbles unpacked to bytes) where the VNNI kernels take 8 vpdpbusd per row and group; the float steps after it
 // are the VNNI kernels' per output and block, in the same order, so the bits are the same. The dots go through
-// memory (a tile's C is stored, then read into vectors): a block's C is read one block later, while the tile
-// unit works on the next, because reading it at once waited on the tile store (a 1536 x 576 matmul at 16 rows,
-// one thread: 135 us read at once, against 26 us for the tile ops alone).
+// memory (a tile's C is stored, then read into vectors), each step a block behind the one before it, so that
+// none waits on the tile unit: block b's words are paired while block b - 2's are dotted, its C stored once
+// block b + 1's dots are issued, read once block b + 2's are (a 1536 x 576 matmul at 16 rows, one thread: 135 us
+// with C read at once, against 26 us for the tile ops alone; the served model's layer matmuls, 2 threads, with
+// the store and the pairing a block later each: 0.88-0.93x the time at 8 rows, 0.78-0.85x at 16, README of
+// bench/results/issue39-amx-pipeline).
 #pragma once
 #ifdef ES_AMX
 #include <sys/syscall.h>
@@ -34,8 +37,8 @@ inline bool amx_ready() {
 // The tile shapes of the kernels below, loaded once per thread and pass (ldtilecfg took ~120 ns here, a
 // quarter of a 16-row group's time over K = 576), for a pass of `rows` activation rows (none below AMX_ROWS):
 // `k` the bytes of one dot, 32 for a block (q4, q8 with a scale per block), 16 for a half block (q8 with a scale
-// per half). Tiles: A 0 (and 5, a second half's), B 1 (two groups' words side by side), C 3 (and 6); A and C
-// of 8 rows for a pass of 8 rows at most (half the tile loads, dots and stores of 16).
+// per half). Tiles: A 0 (and 5, a second half's), B 1 (two groups' words side by side), C 3 and 4 by block
+// parity (and 6 and 7); A and C of 8 rows for a pass of 8 rows at most (half the tile loads, dots and stores).
 class Tiles {
  public:
   Tiles(int k, int64_t rows) : on_(rows >= AMX_ROWS && amx_ready()) {
@@ -49,8 +52,8 @@ class Tiles {
     auto tile = [&](int t, int height, int bytes) { cfg.rows[t] = static_cast<uint8_t>(height), cfg.colsb[t] = bytes; };
     tile(0, m, k);
     tile(1, k / 4, 64);
-    tile(3, m, 64);
-    if (k == 16) tile(5, m, 16), tile(6, m, 64);
+    tile(3, m, 64), tile(4, m, 64);
+    if (k == 16) tile(5, m, 16), tile(6, m, 64), tile(7, m, 64);
     _tile_loadconfig(&cfg);
   }
   ~Tiles() {
@@ -65,22 +68,49 @@ class Tiles {
 };
 
 // One block's (or half block's) dots of 16 rows by 16 outputs: A (tile a) from the activations at x, B (tile 1)
-// from two groups' words side by side at w (rows 64 bytes apart), C (tile c) stored at o, rows 16 int32 apart;
-// Q4: B holds unsigned bytes. A macro: GCC's tile intrinsics paste their tile numbers into the instruction's
-// text, so they take literals only.
+// from two groups' words side by side at w (rows 64 bytes apart), into C (tile c); Q4: B holds unsigned bytes.
+// The C tiles alternate by block parity (3 and 4, a half block's 6 and 7): a block's C is stored after the next
+// block's dots are issued, since a store right after its own dots waited for them (a third of group_amx's time
+// at 16 rows, `perf record`). Macros: GCC's tile intrinsics paste their tile numbers into the instruction's text,
+// so they take literals only.
 #define ES_BLOCK_DOTS(NAME, a, c)                                    \
   template <bool Q4>                                                 \
-  inline void NAME(const int8_t* x, const int32_t* w, int32_t* o) {  \
+  inline void NAME(const int8_t* x, const int32_t* w) {              \
     _tile_loadd(a, x, QK);                                           \
     _tile_zero(c);                                                   \
     _tile_loadd(1, w, 64);                                           \
     if constexpr (Q4) _tile_dpbsud(c, a, 1);                         \
     else _tile_dpbssd(c, a, 1);                                      \
-    _tile_stored(c, o, 64);                                          \
   }
-ES_BLOCK_DOTS(block_dots, 0, 3)
-ES_BLOCK_DOTS(half_dots, 5, 6)
+ES_BLOCK_DOTS(block_dots_even, 0, 3)
+ES_BLOCK_DOTS(block_dots_odd, 0, 4)
+ES_BLOCK_DOTS(half_dots_even, 5, 6)
+ES_BLOCK_DOTS(half_dots_odd, 5, 7)
 #undef ES_BLOCK_DOTS
+
+// Block b's dots (S dots of 32 / S bytes: x its activations, w its words) into the C tiles of its parity
+template <bool Q4, int S>
+inline void block_dots(int64_t b, const int8_t* x, const int32_t* w) {
+  if (b & 1) {
+    block_dots_odd<Q4>(x, w);
+    if constexpr (S == 2) half_dots_odd<Q4>(x + 16, w + 4 * 16);
+  } else {
+    block_dots_even<Q4>(x, w);
+    if constexpr (S == 2) half_dots_even<Q4>(x + 16, w + 4 * 16);
+  }
+}
+
+// Block b's C tiles stored at o: [S][16 rows][16] int32
+template <int S>
+inline void store_dots(int64_t b, int32_t* o) {
+  if (b & 1) {
+    _tile_stored(4, o, 64);
+    if constexpr (S == 2) _tile_stored(7, o + 16 * 16, 64);
+  } else {
+    _tile_stored(3, o, 64);
+    if constexpr (S == 2) _tile_stored(6, o + 16 * 16, 64);
+  }
+}
 
 // Block b of two groups (g0 and g1, W words per block, interleaved: [W, 8] int32 each) as one B of 16 outputs:
 // row j of `to` [8, 16] int32 is word j of g0's 8 outputs, then of g1's. Q4: the W = 4 words' nibbles as bytes,
@@ -109,8 +139,8 @@ inline void pair_words(const int32_t* g0, const int32_t* g1, int32_t* to) {
 // whose float steps run), q8 with S scales per block (A: affine), or Q4 (its steps are affine q8's, groups.h).
 // Arguments as the VNNI kernels'; the caller loaded Tiles(32 / S). A tile op's cost is the same for 8 outputs as
 // for 16 (~6 ns for a dot of 16 rows, as for a store of its C, measured here), so two groups go through one:
-// their words are paired a block ahead of their tile load (pair_words: a load of words just stored waited on the
-// stores); one group is paired with itself, its second 8 outputs never read. (Layer matmuls in the served model's
+// their words are paired two blocks ahead of their tile load (pair_words: a load of words just stored waited on
+// the stores); one group is paired with itself, its second 8 outputs never read. (Layer matmuls in the served model's
 // shapes, q4, 2 threads, against the VNNI kernels: 1.04x the time at 8 rows with a tile op per group, 0.86x
 // paired.)
 template <typename V, int RT, int S, bool A, bool Q4>
@@ -121,12 +151,14 @@ void group_amx(const int32_t* pw, const float* d8, const float* m8, const int8_t
   const int64_t gw = nb * W * G8, gs = nb * S * G8;
   const int32_t* second = pw + (V::G - 1) * gw;
   alignas(64) int32_t dots[2][S][16][16];  // by block parity: [half][row][group * 8 + output]
-  alignas(64) int32_t words[2][8][16];     // by block parity: B, two groups' words side by side
+  alignas(64) int32_t words[4][8][16];     // by block mod 4: B, two groups' words side by side
   typename V::F acc[RT];
   for (int r = 0; r < RT; ++r) acc[r] = V::fzero();
   auto floats = [&](int64_t b) {  // block b's float steps, from its stored dots
     for (int h = 0; h < S; ++h) {
       const typename V::F d = V::floats(d8 + (b * S + h) * G8, gs);
+      // unrolled, the rows' sums stay in registers (a loop kept them on the stack; 0.89-0.93x the time at 16 rows)
+#pragma GCC unroll 16
       for (int r = 0; r < RT; ++r) {
         const typename V::F dot = V::cvt(V::words(dots[b & 1][h][r], 8));
         acc[r] = V::fma(dot, V::mul(d, V::bcast(dx[b * ROWS + r])), acc[r]);
@@ -136,14 +168,16 @@ void group_amx(const int32_t* pw, const float* d8, const float* m8, const int8_t
     }
   };
   pair_words<Q4>(pw, second, words[0][0]);
+  if (nb > 1) pair_words<Q4>(pw + W * G8, second + W * G8, words[1][0]);
   for (int64_t b = 0; b < nb; ++b) {
     ahead<V::G, W, S, AMX_AHEAD>(pw, d8, A ? m8 : nullptr, b, gw, gs);
-    if (b + 1 < nb) pair_words<Q4>(pw + (b + 1) * W * G8, second + (b + 1) * W * G8, words[(b + 1) & 1][0]);
-    const int8_t* x = qx + b * ROWS * QK;
-    block_dots<Q4>(x, words[b & 1][0], dots[b & 1][0][0]);
-    if constexpr (S == 2) half_dots<Q4>(x + 16, words[b & 1][4], dots[b & 1][1][0]);
-    if (b > 0) floats(b - 1);
+    if (b + 2 < nb) pair_words<Q4>(pw + (b + 2) * W * G8, second + (b + 2) * W * G8, words[(b + 2) & 3][0]);
+    block_dots<Q4, S>(b, qx + b * ROWS * QK, words[b & 3][0]);
+    if (b > 0) store_dots<S>(b - 1, dots[(b - 1) & 1][0][0]);
+    if (b > 1) floats(b - 2);
   }
+  store_dots<S>(nb - 1, dots[(nb - 1) & 1][0][0]);
+  if (nb > 1) floats(nb - 2);
   floats(nb - 1);
   for (int r = 0; r < R; ++r) V::store(out + r * ldo, acc[r]);
 }
