@@ -11,9 +11,9 @@
 // memory (a tile's C is stored, then read into vectors), each step a block behind the one before it, so that
 // none waits on the tile unit: block b's words are paired while block b - 2's are dotted, its C stored once
 // block b + 1's dots are issued, read once block b + 2's are (a 1536 x 576 matmul at 16 rows, one thread: 135 us
-// with C read at once, against 26 us for the tile ops alone; the served model's layer matmuls, 2 threads, with
-// the store and the pairing a block later each: 0.88-0.93x the time at 8 rows, 0.78-0.85x at 16, README of
-// bench/results/issue39-amx-pipeline).
+// with C read at once, against 26 us for the tile ops alone; the served model's layer matmuls, on 1 or 2 threads, with
+// the store and the pairing a block later each: 0.76-0.99x the time at 16 rows, 0.89-1.02x at 8, faster the
+// longer the machine's latencies were at the time; bench/results/issue39-amx-pipeline).
 #pragma once
 #ifdef ES_AMX
 #include <sys/syscall.h>
