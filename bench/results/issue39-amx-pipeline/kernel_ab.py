@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from edgespec.bench.kernel_paths import handles
 from edgespec.bench.versus import machine_info
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_format import kv_format
@@ -49,15 +50,7 @@ def main() -> None:
     kernels = [m for layer in stack.layers for part in (layer.attn, layer.ffn) for m in part.modules()
                if isinstance(m, Kernel)]
 
-    def linears(module) -> list:
-        made = []
-        for m in kernels:
-            t = [getattr(m, name) for name in m.TENSORS]
-            a, b, c = (*t, *[t[0]] * (3 - len(t)))
-            made.append(module.Linear(m.KIND, a, b, c, m.bias, m.out_features))
-        return made
-
-    calls = {key: linears(extension(key)) for key in keys}
+    calls = {key: handles(extension(key), kernels) for key in keys}
     xs = {r: [torch.randn(r, m.in_features) for m in kernels] for r in rows}
     times: dict = {(k, r): [] for k in keys for r in rows}
     with torch.inference_mode():
