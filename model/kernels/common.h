@@ -1,7 +1,13 @@
 // Shared by the kernels: includes, the SIMD switch (simd.h), and the one fixed reduction of 8 float lanes.
 #pragma once
-#include <torch/extension.h>
+// ATen's tensor and the few factories the kernels call, not <torch/extension.h>: parsing that (all of libtorch's
+// C++ API and pybind11) took 30 s of each file's compile here against 4.5 s for these; only bind.cpp needs Python.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -121,17 +127,17 @@ inline void rotate(const float* x, const float* c, const float* s, int64_t hd, f
 // kernels' own threads (pool.cpp says why not at::parallel_for); a nested call runs serially
 void parallel_chunks(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 
-torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, torch::Tensor m8, int64_t N);
-torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, c10::optional<torch::Tensor> m8,
+at::Tensor q4_matmul(at::Tensor x, at::Tensor pw, at::Tensor d8, at::Tensor m8, int64_t N);
+at::Tensor q8_matmul(at::Tensor x, at::Tensor pw, at::Tensor d8, c10::optional<at::Tensor> m8,
                         int64_t N);
-torch::Tensor f32_matmul(torch::Tensor x, torch::Tensor w);
-torch::Tensor q8_rows(torch::Tensor pw, torch::Tensor d8, c10::optional<torch::Tensor> m8, torch::Tensor ids);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
-torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t start,
-                        c10::optional<torch::Tensor> mask);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-torch::Tensor kv_encode(torch::Tensor x, torch::Tensor like);
+at::Tensor f32_matmul(at::Tensor x, at::Tensor w);
+at::Tensor q8_rows(at::Tensor pw, at::Tensor d8, c10::optional<at::Tensor> m8, at::Tensor ids);
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
+at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
+at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t start,
+                        c10::optional<at::Tensor> mask);
+at::Tensor silu_mul(at::Tensor gate_up);
+at::Tensor kv_encode(at::Tensor x, at::Tensor like);
 
 // The keys and values one attention call reads, in blocks: k, v [N, n_kv, BS, row] in a KV storage format
 // (kv.h; any strides, last dim contiguous) and table, int64 [trows, nb] row-major (trows 1 or the query rows): row b's slot j is in block
@@ -140,31 +146,31 @@ torch::Tensor kv_encode(torch::Tensor x, torch::Tensor like);
 // pointer, not a tensor: a view or a conversion per call cost microseconds, times every sequence and layer of
 // a step (measured: 16 sequences decoding in one pass were 12% slower with them).
 struct Keys {
-  torch::Tensor k, v;
+  at::Tensor k, v;
   const int64_t* table;
   int64_t trows, nb;
 };
-torch::Tensor attend_keys(torch::Tensor q, const Keys& keys, int64_t start, c10::optional<torch::Tensor> mask);
+at::Tensor attend_keys(at::Tensor q, const Keys& keys, int64_t start, c10::optional<at::Tensor> mask);
 
 // One sequence's share of a batch of rows (layer.cpp's attention_rows): its T rows are written at slots
 // start..start+T of its blocks (k, v: the pool's [N, n_kv, BS, row] in a KV format (kv.h), contiguous; table int64 [nb]) and attend
 // over the slots before them and themselves; mask [1, 1, T, S] or none (causal).
 struct SeqKV {
-  torch::Tensor k, v, table;
+  at::Tensor k, v, table;
   int64_t start, T;
-  c10::optional<torch::Tensor> mask;
+  c10::optional<at::Tensor> mask;
 };
-torch::Tensor attend_seqs(torch::Tensor q, const std::vector<SeqKV>& seqs);
+at::Tensor attend_seqs(at::Tensor q, const std::vector<SeqKV>& seqs);
 
 // One linear layer in a compiled format (layer.cpp), built once per weight and called per pass.
 struct Linear {
   int64_t kind;  // 0 q4, 1 q8, 2 float32, 3 affine q8
-  torch::Tensor a, b, c;
-  c10::optional<torch::Tensor> bias;
+  at::Tensor a, b, c;
+  c10::optional<at::Tensor> bias;
   int64_t n;  // output rows
-  Linear(int64_t kind, torch::Tensor a, torch::Tensor b, torch::Tensor c, c10::optional<torch::Tensor> bias,
+  Linear(int64_t kind, at::Tensor a, at::Tensor b, at::Tensor c, c10::optional<at::Tensor> bias,
          int64_t n);
-  torch::Tensor operator()(const torch::Tensor& x) const;
+  at::Tensor operator()(const at::Tensor& x) const;
 };
 // A layer's attention weights (or those of some of its KV groups, a HeadSplit device's): the q/k/v projection
 // (n_q + 2 n_kv heads out), the output projection, and Qwen3's RMS norms of each head's q and k before the
@@ -172,13 +178,13 @@ struct Linear {
 struct Attn {
   Linear qkv, o;
   int64_t n_q, n_kv;
-  c10::optional<torch::Tensor> q_norm, k_norm;
+  c10::optional<at::Tensor> q_norm, k_norm;
   double eps;
 };
-torch::Tensor attention_block(torch::Tensor x, const Attn& attn, torch::Tensor cos, torch::Tensor sin,
-                              torch::Tensor k, torch::Tensor v, torch::Tensor table, int64_t start,
-                              c10::optional<torch::Tensor> mask);
-torch::Tensor attention_rows(torch::Tensor x, const Attn& attn, torch::Tensor cos, torch::Tensor sin,
+at::Tensor attention_block(at::Tensor x, const Attn& attn, at::Tensor cos, at::Tensor sin,
+                              at::Tensor k, at::Tensor v, at::Tensor table, int64_t start,
+                              c10::optional<at::Tensor> mask);
+at::Tensor attention_rows(at::Tensor x, const Attn& attn, at::Tensor cos, at::Tensor sin,
                              const std::vector<SeqKV>& seqs);
 
 // A layer's SwiGLU feed-forward (ffn.cpp): dense (one gate_up and one down), or a mixture of experts (a router
@@ -194,34 +200,34 @@ struct Ffn {
   Ffn(Linear gate_up, Linear down);
   Ffn(c10::optional<Linear> router, std::vector<int64_t> held, std::vector<Linear> gate_up, std::vector<Linear> down,
       int64_t n_experts, int64_t top_k, bool renorm);
-  torch::Tensor operator()(const torch::Tensor& x) const;  // x [..., H] float, already normed -> [..., H]
-  std::tuple<torch::Tensor, torch::Tensor> route(const torch::Tensor& x) const;  // x [M, H] -> ids, weights [M, k]
-  torch::Tensor experts(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& wts) const;
-  torch::Tensor combine(const torch::Tensor& ids, const torch::Tensor& parts) const;
+  at::Tensor operator()(const at::Tensor& x) const;  // x [..., H] float, already normed -> [..., H]
+  std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& x) const;  // x [M, H] -> ids, weights [M, k]
+  at::Tensor experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts) const;
+  at::Tensor combine(const at::Tensor& ids, const at::Tensor& parts) const;
 };
 
 // A compiled decoder layer's weights, gathered once (model/stack.py's LayerStack at load): decoder_layer_rows'
 // arguments besides the rows, their rotation and their caches.
 struct LayerWeights {
-  torch::Tensor norm1, norm2;
+  at::Tensor norm1, norm2;
   double eps;
   Attn attn;
   Ffn ffn;
 };
-torch::Tensor decoder_layer_rows(torch::Tensor x, const LayerWeights& w, torch::Tensor cos, torch::Tensor sin,
+at::Tensor decoder_layer_rows(at::Tensor x, const LayerWeights& w, at::Tensor cos, at::Tensor sin,
                                  const std::vector<SeqKV>& seqs);
-torch::Tensor decoder_layer(torch::Tensor x, const LayerWeights& w, torch::Tensor cos, torch::Tensor sin,
-                            torch::Tensor k, torch::Tensor v, torch::Tensor table, int64_t start,
-                            c10::optional<torch::Tensor> mask);
+at::Tensor decoder_layer(at::Tensor x, const LayerWeights& w, at::Tensor cos, at::Tensor sin,
+                            at::Tensor k, at::Tensor v, at::Tensor table, int64_t start,
+                            c10::optional<at::Tensor> mask);
 
 // One sequence's share of a pass through a stack of layers: SeqKV's, with the keys and values of every layer
 // (k[i], v[i]: layer i's pool tensors; one block table for all of them).
 struct SeqLayers {
-  std::vector<torch::Tensor> k, v;
-  torch::Tensor table;
+  std::vector<at::Tensor> k, v;
+  at::Tensor table;
   int64_t start, T;
-  c10::optional<torch::Tensor> mask;
+  c10::optional<at::Tensor> mask;
 };
-torch::Tensor decoder_stack(torch::Tensor x, const std::vector<LayerWeights>& layers,
-                            const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
+at::Tensor decoder_stack(at::Tensor x, const std::vector<LayerWeights>& layers,
+                            const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
                             const std::vector<SeqLayers>& seqs);

@@ -34,11 +34,11 @@ Ffn::Ffn(c10::optional<Linear> router, std::vector<int64_t> held, std::vector<Li
 // Each row's experts [M, k] and weights [M, k] from the router's logits [M, E]: softmax (max subtracted, exp,
 // divided by the sum in index order), the k largest probabilities (ties to the lower id), renormalised where
 // asked. Row by row, in one fixed order.
-std::tuple<torch::Tensor, torch::Tensor> Ffn::route(const torch::Tensor& x) const {
+std::tuple<at::Tensor, at::Tensor> Ffn::route(const at::Tensor& x) const {
   TORCH_CHECK(router.has_value(), "these experts have no router (an expert host's)");
-  const torch::Tensor logits = (*router)(x.contiguous());
+  const at::Tensor logits = (*router)(x.contiguous());
   const int64_t M = logits.size(0), E = logits.size(1), k = top_k;
-  torch::Tensor ids = torch::empty({M, k}, torch::kLong), wts = torch::empty({M, k}, torch::kFloat);
+  at::Tensor ids = at::empty({M, k}, at::kLong), wts = at::empty({M, k}, at::kFloat);
   const float* lp = logits.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
   float* wp = wts.data_ptr<float>();
@@ -70,12 +70,12 @@ std::tuple<torch::Tensor, torch::Tensor> Ffn::route(const torch::Tensor& x) cons
 // x [M, H] (normed), each row's experts ids [M, k] and weights wts [M, k] -> each slot's weighted expert output
 // [M, k, H] for the slots whose expert is held here, zeros elsewhere. Each held expert runs once over just the
 // rows that chose it.
-torch::Tensor Ffn::experts(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& wts) const {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2, "x must be float [M, H]");
+at::Tensor Ffn::experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts) const {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be float [M, H]");
   const int64_t M = x.size(0), H = x.size(1), k = ids.size(1);
-  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 2 && ids.size(0) == M && wts.sizes() == ids.sizes() &&
-                  wts.scalar_type() == torch::kFloat, "ids (int64) and wts (float) must be [M, k]");
-  const torch::Tensor rows = x.contiguous(), idc = ids.contiguous(), wc = wts.contiguous();
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 2 && ids.size(0) == M && wts.sizes() == ids.sizes() &&
+                  wts.scalar_type() == at::kFloat, "ids (int64) and wts (float) must be [M, k]");
+  const at::Tensor rows = x.contiguous(), idc = ids.contiguous(), wc = wts.contiguous();
   const int64_t* ip = idc.data_ptr<int64_t>();
   const float* wp = wc.data_ptr<float>();
   const int64_t E = static_cast<int64_t>(local.size());
@@ -88,16 +88,16 @@ torch::Tensor Ffn::experts(const torch::Tensor& x, const torch::Tensor& ids, con
   std::vector<int64_t> active;
   for (size_t a = 0; a < at.size(); ++a)
     if (!at[a].empty()) active.push_back(static_cast<int64_t>(a));
-  torch::Tensor out = torch::zeros({M, k, H}, rows.options());
+  at::Tensor out = at::zeros({M, k, H}, rows.options());
   float* op = out.data_ptr<float>();
   const float* xp = rows.data_ptr<float>();
   auto expert = [&](int64_t a) {  // plain loops, no torch op: one inside the pool would start OpenMP's threads
     const std::vector<int64_t>& slots = at[a];
     const int64_t m = static_cast<int64_t>(slots.size());
-    torch::Tensor own = torch::empty({m, H}, rows.options());  // the expert's rows [m, H]
+    at::Tensor own = at::empty({m, H}, rows.options());  // the expert's rows [m, H]
     for (int64_t i = 0; i < m; ++i)
       std::memcpy(own.data_ptr<float>() + i * H, xp + slots[i] / k * H, H * sizeof(float));
-    torch::Tensor y = down[a](silu_mul(gate_up[a](own)));  // [m, H]
+    at::Tensor y = down[a](silu_mul(gate_up[a](own)));  // [m, H]
     const float* yp = y.data_ptr<float>();
     for (int64_t i = 0; i < m; ++i)
       for (int64_t c = 0; c < H; ++c) op[slots[i] * H + c] = yp[i * H + c] * wp[slots[i]];
@@ -116,15 +116,15 @@ torch::Tensor Ffn::experts(const torch::Tensor& x, const torch::Tensor& ids, con
 
 // ids [M, k], parts [M, k, H] (every slot's weighted output) -> [M, H]: each row's slots added from zero in
 // ascending expert order, whichever devices computed them.
-torch::Tensor Ffn::combine(const torch::Tensor& ids, const torch::Tensor& parts) const {
-  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 2 && parts.scalar_type() == torch::kFloat &&
+at::Tensor Ffn::combine(const at::Tensor& ids, const at::Tensor& parts) const {
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 2 && parts.scalar_type() == at::kFloat &&
                   parts.dim() == 3 && parts.size(0) == ids.size(0) && parts.size(1) == ids.size(1),
               "ids must be int64 [M, k] and parts float [M, k, H]");
   const int64_t M = ids.size(0), k = ids.size(1), H = parts.size(2);
-  const torch::Tensor idc = ids.contiguous(), pc = parts.contiguous();
+  const at::Tensor idc = ids.contiguous(), pc = parts.contiguous();
   const int64_t* ip = idc.data_ptr<int64_t>();
   const float* pp = pc.data_ptr<float>();
-  torch::Tensor out = torch::zeros({M, H}, parts.options());
+  at::Tensor out = at::zeros({M, H}, parts.options());
   float* op = out.data_ptr<float>();
   std::vector<int64_t> order(k);
   for (int64_t r = 0; r < M; ++r) {
@@ -139,10 +139,10 @@ torch::Tensor Ffn::combine(const torch::Tensor& ids, const torch::Tensor& parts)
   return out;
 }
 
-torch::Tensor Ffn::operator()(const torch::Tensor& x) const {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat, "x must be float32");
+at::Tensor Ffn::operator()(const at::Tensor& x) const {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
   const int64_t H = x.size(-1);
-  const torch::Tensor rows = x.reshape({-1, H}).contiguous();  // [M, H]
+  const at::Tensor rows = x.reshape({-1, H}).contiguous();  // [M, H]
   if (!router.has_value() && held.empty()) return down[0](silu_mul(gate_up[0](rows))).view(x.sizes());
   TORCH_CHECK(held.size() == local.size(), "a layer whose experts are placed on several devices runs in steps: "
               "route, experts on each device, combine");

@@ -73,15 +73,15 @@ struct KVQ8 {
 };
 
 // The format of a pool's tensor of head vectors of hd floats (a TORCH_CHECK names what does not fit)
-inline KVKind kv_kind(const torch::Tensor& store, int64_t hd) {
+inline KVKind kv_kind(const at::Tensor& store, int64_t hd) {
   switch (store.scalar_type()) {
-    case torch::kFloat:
+    case at::kFloat:
       TORCH_CHECK(store.size(-1) == hd, "a float32 KV row must hold ", hd, " values, not ", store.size(-1));
       return KVKind::F32;
-    case torch::kHalf:
+    case at::kHalf:
       TORCH_CHECK(store.size(-1) == hd, "a float16 KV row must hold ", hd, " values, not ", store.size(-1));
       return KVKind::F16;
-    case torch::kByte:
+    case at::kByte:
       TORCH_CHECK(hd % KV_Q8_BLOCK == 0 && store.size(-1) == hd / KV_Q8_BLOCK * KV_Q8_BYTES,
                   "a q8_0 KV row of ", hd, " values is ", hd / KV_Q8_BLOCK * KV_Q8_BYTES, " bytes, not ", store.size(-1));
       return KVKind::Q8_0;

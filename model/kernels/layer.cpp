@@ -9,15 +9,15 @@
 
 // One linear layer of n output rows in a compiled format: kind 0 = q4 (pw, d8, m8 interleaved as quant.cpp
 // says), 1 = q8 (pw, d8), 2 = float32 (w [n, K]), 3 = affine q8 (pw, d8, m8); bias [n] or none, added after.
-Linear::Linear(int64_t kind, torch::Tensor a, torch::Tensor b, torch::Tensor c, c10::optional<torch::Tensor> bias,
+Linear::Linear(int64_t kind, at::Tensor a, at::Tensor b, at::Tensor c, c10::optional<at::Tensor> bias,
                int64_t n)
     : kind(kind), a(a.contiguous()), b(b.contiguous()), c(c.contiguous()), bias(bias), n(n) {
   TORCH_CHECK(kind >= 0 && kind <= 3, "linear kind must be 0 (q4), 1 (q8), 2 (float32) or 3 (affine q8)");
 }
 
-torch::Tensor Linear::operator()(const torch::Tensor& x) const {
+at::Tensor Linear::operator()(const at::Tensor& x) const {
   // x [M, K] float contiguous -> [M, N]
-  torch::Tensor y = kind == 0   ? q4_matmul(x, a, b, c, n)
+  at::Tensor y = kind == 0   ? q4_matmul(x, a, b, c, n)
                     : kind == 1 ? q8_matmul(x, a, b, c10::nullopt, n)
                     : kind == 3 ? q8_matmul(x, a, b, c, n)
                                 : f32_matmul(x, a);
@@ -31,9 +31,9 @@ torch::Tensor Linear::operator()(const torch::Tensor& x) const {
 // in one run over the threads (attend_seqs). Each output row is computed as when its sequence runs alone (the
 // matmuls are row-invariant, attention is per query row), so batching changes no bits. -> [M, H] (partial when
 // the block holds some of the layer's groups).
-torch::Tensor attention_rows(torch::Tensor x, const Attn& attn, torch::Tensor cos, torch::Tensor sin,
+at::Tensor attention_rows(at::Tensor x, const Attn& attn, at::Tensor cos, at::Tensor sin,
                              const std::vector<SeqKV>& seqs) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2, "x must be float [M, H]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be float [M, H]");
   const int64_t M = x.size(0), H = x.size(1);
   int64_t rows = 0;
   for (const SeqKV& s : seqs) rows += s.T;
@@ -42,18 +42,18 @@ torch::Tensor attention_rows(torch::Tensor x, const Attn& attn, torch::Tensor co
   sin = sin.contiguous();
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == M && sin.sizes() == cos.sizes(), "cos, sin must be [M, hd]");
   const int64_t n_q = attn.n_q, n_kv = attn.n_kv;
-  torch::Tensor y = attn.qkv(x.contiguous());  // [M, heads*hd]
+  at::Tensor y = attn.qkv(x.contiguous());  // [M, heads*hd]
   const int64_t hd = cos.size(1), heads = n_q + 2 * n_kv;
   const bool qk_norm = attn.q_norm.has_value();
   TORCH_CHECK(qk_norm == attn.k_norm.has_value(), "q and k are normed both or neither");
   for (const auto& w : {attn.q_norm, attn.k_norm})
-    TORCH_CHECK(!w || (w->numel() == hd && w->is_contiguous() && w->scalar_type() == torch::kFloat),
+    TORCH_CHECK(!w || (w->numel() == hd && w->is_contiguous() && w->scalar_type() == at::kFloat),
                 "the q and k norms must be contiguous float [hd]");
   const float* qn = qk_norm ? attn.q_norm->data_ptr<float>() : nullptr;
   const float* kn = qk_norm ? attn.k_norm->data_ptr<float>() : nullptr;
   const float eps = static_cast<float>(attn.eps);
   TORCH_CHECK(y.size(1) == heads * hd, "qkv gives ", y.size(1), " columns, not ", heads * hd);
-  auto q = torch::empty({M, n_q, hd}, x.options());  // each row's rotated queries, as attend_seqs reads them
+  auto q = at::empty({M, n_q, hd}, x.options());  // each row's rotated queries, as attend_seqs reads them
   const float *yp = y.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float* qp = q.data_ptr<float>();
   int64_t r0 = 0;
@@ -64,7 +64,7 @@ torch::Tensor attention_rows(torch::Tensor x, const Attn& attn, torch::Tensor co
                 "a sequence's blocks must be contiguous [N, n_kv, BS, row], keys and values stored alike");
     const KVKind kind = kv_kind(s.k, hd);
     const int64_t row_bytes = s.k.size(3) * s.k.element_size();
-    TORCH_CHECK(s.table.scalar_type() == torch::kLong && s.table.dim() == 1 && s.table.is_contiguous(),
+    TORCH_CHECK(s.table.scalar_type() == at::kLong && s.table.dim() == 1 && s.table.is_contiguous(),
                 "a block table must be contiguous int64 [nb]");
     const int64_t nb = s.table.size(0);
     TORCH_CHECK(s.start >= 0 && s.start + T <= nb * BS, "the write does not fit the sequence's blocks");
@@ -98,16 +98,16 @@ namespace {
 
 // The one sequence of a single-sequence call: x [1, T, H] -> rows [T, H]; cos, sin [1, 1, T, hd] -> [T, hd]
 struct OneSeq {
-  torch::Tensor x, cos, sin;
+  at::Tensor x, cos, sin;
   std::vector<SeqKV> seqs;
 };
 
-OneSeq one_seq(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& k,
-               const torch::Tensor& v, const torch::Tensor& table, int64_t start,
-               const c10::optional<torch::Tensor>& mask) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 3 && x.size(0) == 1, "x must be float [1, T, H]");
+OneSeq one_seq(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k,
+               const at::Tensor& v, const at::Tensor& table, int64_t start,
+               const c10::optional<at::Tensor>& mask) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.size(0) == 1, "x must be float [1, T, H]");
   const int64_t T = x.size(1);
-  auto rows = [&](const torch::Tensor& t) { return t.reshape({T, t.size(-1)}); };
+  auto rows = [&](const at::Tensor& t) { return t.reshape({T, t.size(-1)}); };
   return OneSeq{x.reshape({T, x.size(2)}), rows(cos), rows(sin), {SeqKV{k, v, table, start, T, mask}}};
 }
 
@@ -116,26 +116,26 @@ OneSeq one_seq(const torch::Tensor& x, const torch::Tensor& cos, const torch::Te
 // x [1, T, H] float (already normed); attn: the block's weights; cos, sin [1, 1, T, hd]; k, v [N, n_kv, BS, hd]
 // and table [nb]: the sequence's blocks (SeqKV), written at slots start..start+T; mask as ops.cpp's attention.
 // -> the block's attention output [1, T, H] (attention_rows over one sequence).
-torch::Tensor attention_block(torch::Tensor x, const Attn& attn, torch::Tensor cos, torch::Tensor sin,
-                              torch::Tensor k, torch::Tensor v, torch::Tensor table, int64_t start,
-                              c10::optional<torch::Tensor> mask) {
+at::Tensor attention_block(at::Tensor x, const Attn& attn, at::Tensor cos, at::Tensor sin,
+                              at::Tensor k, at::Tensor v, at::Tensor table, int64_t start,
+                              c10::optional<at::Tensor> mask) {
   const OneSeq r = one_seq(x, cos, sin, k, v, table, start, mask);
   return attention_rows(r.x, attn, r.cos, r.sin, r.seqs).view(x.sizes());
 }
 
 // x [M, H] -> x + attn(norm1(x)) = z, then z + ffn(norm2(z)) [M, H]: a layer over the rows of several
 // sequences, arguments as attention_rows'
-torch::Tensor decoder_layer_rows(torch::Tensor x, const LayerWeights& w, torch::Tensor cos, torch::Tensor sin,
+at::Tensor decoder_layer_rows(at::Tensor x, const LayerWeights& w, at::Tensor cos, at::Tensor sin,
                                  const std::vector<SeqKV>& seqs) {
   x = x.contiguous();
-  torch::Tensor z = x + attention_rows(rms_norm(x, w.norm1, w.eps), w.attn, cos, sin, seqs);
-  return z + w.ffn(rms_norm(z, w.norm2, w.eps));
+  at::Tensor z = x.add(attention_rows(rms_norm(x, w.norm1, w.eps), w.attn, cos, sin, seqs));
+  return z.add(w.ffn(rms_norm(z, w.norm2, w.eps)));
 }
 
 // x [1, T, H] -> [1, T, H]: decoder_layer_rows over one sequence; arguments as attention_block's
-torch::Tensor decoder_layer(torch::Tensor x, const LayerWeights& w, torch::Tensor cos, torch::Tensor sin,
-                            torch::Tensor k, torch::Tensor v, torch::Tensor table, int64_t start,
-                            c10::optional<torch::Tensor> mask) {
+at::Tensor decoder_layer(at::Tensor x, const LayerWeights& w, at::Tensor cos, at::Tensor sin,
+                            at::Tensor k, at::Tensor v, at::Tensor table, int64_t start,
+                            c10::optional<at::Tensor> mask) {
   const OneSeq r = one_seq(x, cos, sin, k, v, table, start, mask);
   return decoder_layer_rows(r.x, w, r.cos, r.sin, r.seqs).view(x.sizes());
 }
@@ -145,8 +145,8 @@ torch::Tensor decoder_layer(torch::Tensor x, const LayerWeights& w, torch::Tenso
 // One call for the whole stack: called layer by layer from Python, a one-row pass of SmolLM2-135M's 30 layers
 // took 4.3 ms against 3.5 in one call (attribute lookups on torch modules, the arguments' conversions, the GIL
 // taken back 30 times, from the event loop when it held it). -> [M, H]
-torch::Tensor decoder_stack(torch::Tensor x, const std::vector<LayerWeights>& layers,
-                            const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
+at::Tensor decoder_stack(at::Tensor x, const std::vector<LayerWeights>& layers,
+                            const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
                             const std::vector<SeqLayers>& seqs) {
   const size_t L = layers.size();
   TORCH_CHECK(cos.size() == L && sin.size() == L, "a rotation per layer: ", L, " layers, ", cos.size(), " tables");

@@ -10,19 +10,19 @@
 
 namespace {
 
-void check_float(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat, name, " must be float32");
+void check_float(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32");
 }
 
 }  // namespace
 
 // x [..., H], w [H] -> w * (x / sqrt(mean(x^2) + eps)), rows independent
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   check_float(x, "x");
   x = x.contiguous();
   const int64_t H = x.size(-1), rows = x.numel() / H;
   TORCH_CHECK(H % 8 == 0 && w.numel() == H, "rms_norm needs H % 8 == 0 and a weight of H");
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = w.contiguous().data_ptr<float>();
   float* op = out.data_ptr<float>();
   // a prompt's rows on the pool's threads in runs of 16, as quant.cpp's quantizer does (a decode pass's few rows
@@ -34,13 +34,13 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 }
 
 // x [B, heads, T, hd] (any strides), cos, sin [B, 1, T, hd] -> x cos + rotate_half(x) sin, contiguous
-torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   check_float(x, "x");
   x = x.contiguous();
   cos = cos.expand({x.size(0), 1, x.size(2), x.size(3)}).contiguous();
   sin = sin.expand({x.size(0), 1, x.size(2), x.size(3)}).contiguous();
   const int64_t B = x.size(0), heads = x.size(1), T = x.size(2), hd = x.size(3);
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b)
@@ -327,8 +327,8 @@ void attend_parts(KVKind kind, const std::vector<AttendArgs>& parts) {
 // The checks of a call's keys, values and mask, and its part's arguments; `held` keeps the mask's bool copy
 // alive for the call. q, out: see AttendArgs; B, nq, T, hd: the queries' shape.
 AttendArgs attend_part(const float* q, float* out, int64_t qb, int64_t qh, int64_t qt, int64_t B, int64_t nq,
-                       int64_t T, int64_t hd, const Keys& keys, int64_t start, const c10::optional<torch::Tensor>& mask,
-                       std::vector<torch::Tensor>& held) {
+                       int64_t T, int64_t hd, const Keys& keys, int64_t start, const c10::optional<at::Tensor>& mask,
+                       std::vector<at::Tensor>& held) {
   const int64_t nkv = keys.k.size(1), N = keys.k.size(0), BS = keys.k.size(2);
   TORCH_CHECK(hd % 8 == 0 && nq % nkv == 0, "attention needs head_dim % 8 == 0 and whole query groups");
   TORCH_CHECK(keys.v.scalar_type() == keys.k.scalar_type(), "keys and values must be stored alike");
@@ -342,7 +342,7 @@ AttendArgs attend_part(const float* q, float* out, int64_t qb, int64_t qh, int64
   const bool* mp = nullptr;
   int64_t mrows = 0, S = nb * BS;
   if (mask.has_value()) {
-    const torch::Tensor& m = held.emplace_back(mask->to(torch::kBool).contiguous());
+    const at::Tensor& m = held.emplace_back(mask->to(at::kBool).contiguous());
     TORCH_CHECK(m.dim() == 4 && m.size(2) == T && m.size(3) <= S, "mask must be [B or 1, 1, T, <= S]");
     mp = m.data_ptr<bool>();
     mrows = m.size(0);
@@ -367,13 +367,13 @@ AttendArgs attend_part(const float* q, float* out, int64_t qb, int64_t qh, int64
 // over its visible slots in slot order: scores <q, k> / sqrt(hd), a softmax with its max and sum taken in
 // that order, then the sum of p v in that order. Where a slot's entry lives (which block) changes no
 // arithmetic; keys and values in float16 or q8_0 are read as the floats kv.h gives. -> [B, n_q, T, hd]
-torch::Tensor attend_keys(torch::Tensor q, const Keys& keys, int64_t start, c10::optional<torch::Tensor> mask) {
+at::Tensor attend_keys(at::Tensor q, const Keys& keys, int64_t start, c10::optional<at::Tensor> mask) {
   check_float(q, "q");
   q = q.contiguous();
   const int64_t B = q.size(0), nq = q.size(1), T = q.size(2), hd = q.size(3);
   const KVKind kind = kv_kind(keys.k, hd);
-  auto out = torch::empty_like(q);
-  std::vector<torch::Tensor> held;
+  auto out = at::empty_like(q);
+  std::vector<at::Tensor> held;
   attend_parts(kind, {attend_part(q.data_ptr<float>(), out.data_ptr<float>(), nq * T * hd, T * hd, hd, B, nq, T, hd,
                                   keys, start, mask, held)});
   return out;
@@ -382,13 +382,13 @@ torch::Tensor attend_keys(torch::Tensor q, const Keys& keys, int64_t start, c10:
 // q [M, n_q, hd] float contiguous: the rows of several sequences in turn (seqs[i].T each, their keys and values
 // already written) -> [M, n_q, hd], each sequence's rows as attend_keys gives them alone, every sequence's
 // jobs in one run over the threads
-torch::Tensor attend_seqs(torch::Tensor q, const std::vector<SeqKV>& seqs) {
+at::Tensor attend_seqs(at::Tensor q, const std::vector<SeqKV>& seqs) {
   check_float(q, "q");
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [M, n_q, hd]");
   TORCH_CHECK(!seqs.empty(), "attention needs a sequence");
   const int64_t nq = q.size(1), hd = q.size(2);
-  auto out = torch::empty_like(q);
-  std::vector<torch::Tensor> held;
+  auto out = at::empty_like(q);
+  std::vector<at::Tensor> held;
   std::vector<AttendArgs> parts;
   parts.reserve(seqs.size());
   const KVKind kind = kv_kind(seqs[0].k, hd);
@@ -408,9 +408,9 @@ torch::Tensor attend_seqs(torch::Tensor q, const std::vector<SeqKV>& seqs) {
 
 // keys, values [Bk, n_kv, S, hd] (Bk 1 or B, last dim contiguous, S >= start+T): attend_keys over plain keys,
 // each row's one block of S slots
-torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t start,
-                        c10::optional<torch::Tensor> mask) {
-  const torch::Tensor table = torch::arange(keys.size(0), torch::kLong);
+at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t start,
+                        c10::optional<at::Tensor> mask) {
+  const at::Tensor table = at::arange(keys.size(0), at::kLong);
   return attend_keys(q, Keys{keys, values, table.data_ptr<int64_t>(), keys.size(0), 1}, start, mask);
 }
 
@@ -437,13 +437,13 @@ inline __m256 silu_mul8(__m256 g, __m256 u) {
 }  // namespace
 
 // gate_up [..., 2I] -> silu(gate) * up [..., I] (silu_mul1's arithmetic)
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   check_float(gate_up, "gate_up");
   gate_up = gate_up.contiguous();
   const int64_t I = gate_up.size(-1) / 2, rows = gate_up.numel() / (2 * I);
   auto sizes = gate_up.sizes().vec();
   sizes.back() = I;
-  auto out = torch::empty(sizes, gate_up.options());
+  auto out = at::empty(sizes, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   // rows on the pool's threads as rms_norm's: a layer's silu_mul and two norms over a 1073-row prompt took 1.92 ms
@@ -464,12 +464,12 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 
 // x [n, hd] float -> [n, row] head vectors stored as kv.h writes them into a cache of `like`'s dtype (float32,
 // float16, uint8 for q8_0): what attention_rows writes, for model/kv_format.py's tests
-torch::Tensor kv_encode(torch::Tensor x, torch::Tensor like) {
+at::Tensor kv_encode(at::Tensor x, at::Tensor like) {
   check_float(x, "x");
   x = x.contiguous();
   const int64_t n = x.size(0), hd = x.size(1);
-  const int64_t row = like.scalar_type() == torch::kByte ? hd / KV_Q8_BLOCK * KV_Q8_BYTES : hd;
-  auto out = torch::empty({n, row}, like.options());
+  const int64_t row = like.scalar_type() == at::kByte ? hd / KV_Q8_BLOCK * KV_Q8_BYTES : hd;
+  auto out = at::empty({n, row}, like.options());
   const KVKind kind = kv_kind(out, hd);
   for (int64_t i = 0; i < n; ++i)
     kv_write(kind, x.data_ptr<float>() + i * hd, hd, static_cast<uint8_t*>(out.data_ptr()) + i * row * out.element_size());

@@ -18,13 +18,13 @@ void dot_f32(const float* w, const float* x, int64_t K, int64_t r0, int64_t r1, 
 struct QuantizedRows {
   // tiles of ROWS rows as the group kernels read them (groups.h), M rounded up to a whole tile: [Mt, K] int8,
   // [Mt, K/32], [Mt, K/32], [Mt, K/16] (empty unless asked for); the rows after M are never read
-  torch::Tensor qx, dx, sx, sh;
+  at::Tensor qx, dx, sx, sh;
 };
 
-QuantizedRows quantize_rows(const torch::Tensor& x, bool half_sums = false) {
+QuantizedRows quantize_rows(const at::Tensor& x, bool half_sums = false) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK, Mt = (M + ROWS - 1) / ROWS * ROWS;
-  QuantizedRows q{torch::empty({Mt, K}, torch::kInt8), torch::empty({Mt, nb}, torch::kFloat),
-                  torch::empty({Mt, nb}, torch::kFloat), torch::empty({half_sums ? Mt : 0, 2 * nb}, torch::kFloat)};
+  QuantizedRows q{at::empty({Mt, K}, at::kChar), at::empty({Mt, nb}, at::kFloat),
+                  at::empty({Mt, nb}, at::kFloat), at::empty({half_sums ? Mt : 0, 2 * nb}, at::kFloat)};
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q.qx.data_ptr<int8_t>();
   float *dp = q.dx.data_ptr<float>(), *sp = q.sx.data_ptr<float>();
@@ -41,17 +41,17 @@ QuantizedRows quantize_rows(const torch::Tensor& x, bool half_sums = false) {
   return q;
 }
 
-void check_x(const torch::Tensor& x, int64_t K, int64_t multiple) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous float [M, K]");
+void check_x(const at::Tensor& x, int64_t K, int64_t multiple) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float [M, K]");
   TORCH_CHECK(x.size(1) == K && K % multiple == 0, "x has ", x.size(1), " columns, the weight ", K);
 }
 
 // S: scales per block (q8 may have 2, one per half block)
-void check_groups(const torch::Tensor& pw, const torch::Tensor& d8, int64_t words, int64_t N, int64_t S = 1) {
-  TORCH_CHECK(pw.dim() == 4 && pw.scalar_type() == torch::kInt && pw.size(2) == words && pw.size(3) == G8 &&
+void check_groups(const at::Tensor& pw, const at::Tensor& d8, int64_t words, int64_t N, int64_t S = 1) {
+  TORCH_CHECK(pw.dim() == 4 && pw.scalar_type() == at::kInt && pw.size(2) == words && pw.size(3) == G8 &&
                   pw.is_contiguous(), "weights must be interleaved int32 [G, nb, ", words, ", 8]");
   TORCH_CHECK(d8.dim() == 3 && d8.size(0) == pw.size(0) && d8.size(1) == pw.size(1) * S && d8.size(2) == G8 &&
-                  d8.scalar_type() == torch::kFloat && d8.is_contiguous(), "scales must be float [G, nb * ", S, ", 8]");
+                  d8.scalar_type() == at::kFloat && d8.is_contiguous(), "scales must be float [G, nb * ", S, ", 8]");
   TORCH_CHECK(N > (pw.size(0) - 1) * G8 && N <= pw.size(0) * G8, N, " rows do not fill ", pw.size(0), " groups");
 }
 
@@ -63,9 +63,9 @@ void check_groups(const torch::Tensor& pw, const torch::Tensor& d8, int64_t word
 // stream past, and each unit's weights are reused for the run's ROWS-row steps. A unit past N's last whole groups
 // goes group by group, the last one, when N is not a multiple of 8, through a buffer.
 template <typename Group>
-torch::Tensor run_groups(int64_t M, int64_t N, int tile_k, Group group) {
+at::Tensor run_groups(int64_t M, int64_t N, int tile_k, Group group) {
   constexpr int64_t RUN = 16, W = groups::WIDE;
-  auto out = torch::empty({M, N}, torch::kFloat);
+  auto out = at::empty({M, N}, at::kFloat);
   float* op = out.data_ptr<float>();
   const int64_t G = (N + G8 - 1) / G8;
   parallel_chunks(0, (G + W - 1) / W, std::max<int64_t>(1, 2 / W), [&](int64_t lo, int64_t hi) {
@@ -95,9 +95,9 @@ torch::Tensor run_groups(int64_t M, int64_t N, int tile_k, Group group) {
 
 // Dense rows by weight row, activation rows in tiles of 16 (a weight row read once per tile).
 template <typename Dot>
-torch::Tensor run(int64_t M, int64_t N, Dot dot) {
+at::Tensor run(int64_t M, int64_t N, Dot dot) {
   constexpr int64_t TILE = 16;
-  auto out = torch::empty({M, N}, torch::kFloat);
+  auto out = at::empty({M, N}, at::kFloat);
   float* op = out.data_ptr<float>();
   parallel_chunks(0, N, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t r0 = 0; r0 < M; r0 += TILE)
@@ -110,11 +110,11 @@ torch::Tensor run(int64_t M, int64_t N, Dot dot) {
 
 // x [M, K] float; pw [G, K/32, 4, 8] int32, d8, m8 [G, K/32, 8] float (interleaved, model/quant.py); N rows
 // -> [M, N] float
-torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, torch::Tensor m8, int64_t N) {
+at::Tensor q4_matmul(at::Tensor x, at::Tensor pw, at::Tensor d8, at::Tensor m8, int64_t N) {
   const int64_t nb = pw.size(1), K = nb * QK;
   check_x(x, K, QK);
   check_groups(pw, d8, 4, N);
-  TORCH_CHECK(m8.sizes() == d8.sizes() && m8.scalar_type() == torch::kFloat && m8.is_contiguous(), "bad offsets");
+  TORCH_CHECK(m8.sizes() == d8.sizes() && m8.scalar_type() == at::kFloat && m8.is_contiguous(), "bad offsets");
   auto q = quantize_rows(x);
   const int32_t* w = pw.data_ptr<int32_t>();
   const float *dp = d8.data_ptr<float>(), *mp = m8.data_ptr<float>();
@@ -128,7 +128,7 @@ torch::Tensor q4_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, tor
 }
 
 // a scale per block (S = 1) or per half block (S = 2) of an interleaved q8 weight, from its scales' shape
-int64_t q8_scales(const torch::Tensor& pw, const torch::Tensor& d8) {
+int64_t q8_scales(const at::Tensor& pw, const at::Tensor& d8) {
   TORCH_CHECK(pw.dim() == 4 && d8.dim() == 3 && pw.size(1) > 0, "interleaved q8 weight expected");
   const int64_t S = d8.size(1) / pw.size(1);
   TORCH_CHECK(S == 1 || S == 2, "q8 scales must be one per block or one per half block");
@@ -137,12 +137,12 @@ int64_t q8_scales(const torch::Tensor& pw, const torch::Tensor& d8) {
 
 // x [M, K] float; pw [G, K/32, 8, 8] int32, d8 [G, K/32 * S, 8] float (S = 1 or 2), m8 like d8 or none (affine);
 // N rows -> [M, N] float
-torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, c10::optional<torch::Tensor> m8,
+at::Tensor q8_matmul(at::Tensor x, at::Tensor pw, at::Tensor d8, c10::optional<at::Tensor> m8,
                         int64_t N) {
   const int64_t nb = pw.size(1), K = nb * QK, S = q8_scales(pw, d8);
   check_x(x, K, QK);
   check_groups(pw, d8, 8, N, S);
-  TORCH_CHECK(!m8.has_value() || (m8->sizes() == d8.sizes() && m8->scalar_type() == torch::kFloat &&
+  TORCH_CHECK(!m8.has_value() || (m8->sizes() == d8.sizes() && m8->scalar_type() == at::kFloat &&
                                   m8->is_contiguous()), "offsets must be float, shaped as the scales");
   auto q = quantize_rows(x, S == 2 && m8.has_value());  // offsets per half block read the sums per half
   const int32_t* w = pw.data_ptr<int32_t>();
@@ -171,7 +171,7 @@ torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor pw, torch::Tensor d8, c10
 }
 
 // x [M, K] float; w [N, K] float -> [M, N] float
-torch::Tensor f32_matmul(torch::Tensor x, torch::Tensor w) {
+at::Tensor f32_matmul(at::Tensor x, at::Tensor w) {
   const int64_t N = w.size(0), K = w.size(1);
   check_x(x, K, 8);
   const float *wp = w.data_ptr<float>(), *xp = x.data_ptr<float>();
@@ -180,14 +180,14 @@ torch::Tensor f32_matmul(torch::Tensor x, torch::Tensor w) {
 
 // Rows ids [n] of an interleaved q8 matrix as floats [n, K], d q in float32 (a tied embedding's lookup: the
 // same values as the plain matrix's, without a second copy of the table)
-torch::Tensor q8_rows(torch::Tensor pw, torch::Tensor d8, c10::optional<torch::Tensor> m8, torch::Tensor ids) {
+at::Tensor q8_rows(at::Tensor pw, at::Tensor d8, c10::optional<at::Tensor> m8, at::Tensor ids) {
   const int64_t S = q8_scales(pw, d8);
   check_groups(pw, d8, 8, pw.size(0) * G8, S);
   TORCH_CHECK(!m8.has_value() || m8->sizes() == d8.sizes(), "offsets must be shaped as the scales");
   const float* mp = m8.has_value() ? m8->data_ptr<float>() : nullptr;
-  ids = ids.to(torch::kLong).contiguous();
+  ids = ids.to(at::kLong).contiguous();
   const int64_t nb = pw.size(1), n = ids.numel(), G = pw.size(0);
-  auto out = torch::empty({n, nb * QK}, torch::kFloat);
+  auto out = at::empty({n, nb * QK}, at::kFloat);
   const int64_t* ip = ids.data_ptr<int64_t>();
   const int8_t* w = reinterpret_cast<const int8_t*>(pw.data_ptr<int32_t>());
   const float* dp = d8.data_ptr<float>();
