@@ -50,7 +50,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., H] -> [..., H]
-        if x.dtype == torch.float32 and fused(x.shape[-1]) and kernels_take(x, self.weight):
+        # the kernel takes float32 rows and a float32 weight; float32 rows against a bf16 weight (a bf16 model's
+        # norm fed float32 activations) take torch's, which widens the weight
+        if x.dtype == self.weight.dtype == torch.float32 and fused(x.shape[-1]) and kernels_take(x, self.weight):
             return compiled().rms_norm(x, self.weight, self.eps)
         # torch.rms_norm, not F.rms_norm: the functional wrapper's checks cost more than the math here
         if x.dtype == torch.float32 or self.weight.dtype == torch.float32:

@@ -87,6 +87,17 @@ def test_a_q4_widened_to_affine_q8_gives_the_q4_kernels_bits():
     assert torch.equal(got["wide"], got["q4"])
 
 
+@pytest.mark.filterwarnings("ignore:Mismatch dtype")  # torch's note that it widens the weight, unfused
+def test_a_bf16_norm_takes_float32_rows():
+    # the kernel takes a float32 weight only: float32 rows against a bf16 one once raised from inside it
+    from edgespec.model.blocks import RMSNorm
+
+    norm = RMSNorm(64, 1e-5, torch.bfloat16)
+    norm.weight.data = torch.randn(64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(norm(x), torch.rms_norm(x, (64,), norm.weight.float(), 1e-5), atol=0, rtol=0)
+
+
 def test_attention_and_norm_match_torch():
     g = torch.Generator().manual_seed(2)
     q, k, v = torch.randn(2, 4, 5, 64, generator=g), torch.randn(2, 2, 12, 64, generator=g), torch.randn(
