@@ -129,13 +129,13 @@ void parallel_chunks(int64_t begin, int64_t end, int64_t grain, const std::funct
 
 at::Tensor q4_matmul(at::Tensor x, at::Tensor pw, at::Tensor d8, at::Tensor m8, int64_t N);
 at::Tensor q8_matmul(at::Tensor x, at::Tensor pw, at::Tensor d8, c10::optional<at::Tensor> m8,
-                        int64_t N);
+                     int64_t N);
 at::Tensor f32_matmul(at::Tensor x, at::Tensor w);
 at::Tensor q8_rows(at::Tensor pw, at::Tensor d8, c10::optional<at::Tensor> m8, at::Tensor ids);
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
 at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t start,
-                        c10::optional<at::Tensor> mask);
+                     c10::optional<at::Tensor> mask);
 at::Tensor silu_mul(at::Tensor gate_up);
 at::Tensor kv_encode(at::Tensor x, at::Tensor like);
 
@@ -182,10 +182,10 @@ struct Attn {
   double eps;
 };
 at::Tensor attention_block(at::Tensor x, const Attn& attn, at::Tensor cos, at::Tensor sin,
-                              at::Tensor k, at::Tensor v, at::Tensor table, int64_t start,
-                              c10::optional<at::Tensor> mask);
+                           at::Tensor k, at::Tensor v, at::Tensor table, int64_t start,
+                           c10::optional<at::Tensor> mask);
 at::Tensor attention_rows(at::Tensor x, const Attn& attn, at::Tensor cos, at::Tensor sin,
-                             const std::vector<SeqKV>& seqs);
+                          const std::vector<SeqKV>& seqs);
 
 // A layer's SwiGLU feed-forward (ffn.cpp): dense (one gate_up and one down), or a mixture of experts (a router
 // [E, H], experts_per_token of E a row) holding the experts `held` (all of them, or those a device holds of a
@@ -215,10 +215,10 @@ struct LayerWeights {
   Ffn ffn;
 };
 at::Tensor decoder_layer_rows(at::Tensor x, const LayerWeights& w, at::Tensor cos, at::Tensor sin,
-                                 const std::vector<SeqKV>& seqs);
+                              const std::vector<SeqKV>& seqs);
 at::Tensor decoder_layer(at::Tensor x, const LayerWeights& w, at::Tensor cos, at::Tensor sin,
-                            at::Tensor k, at::Tensor v, at::Tensor table, int64_t start,
-                            c10::optional<at::Tensor> mask);
+                         at::Tensor k, at::Tensor v, at::Tensor table, int64_t start,
+                         c10::optional<at::Tensor> mask);
 
 // One sequence's share of a pass through a stack of layers: SeqKV's, with the keys and values of every layer
 // (k[i], v[i]: layer i's pool tensors; one block table for all of them).
@@ -229,5 +229,5 @@ struct SeqLayers {
   c10::optional<at::Tensor> mask;
 };
 at::Tensor decoder_stack(at::Tensor x, const std::vector<LayerWeights>& layers,
-                            const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
-                            const std::vector<SeqLayers>& seqs);
+                         const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+                         const std::vector<SeqLayers>& seqs);

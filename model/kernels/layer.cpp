@@ -32,7 +32,7 @@ at::Tensor Linear::operator()(const at::Tensor& x) const {
 // matmuls are row-invariant, attention is per query row), so batching changes no bits. -> [M, H] (partial when
 // the block holds some of the layer's groups).
 at::Tensor attention_rows(at::Tensor x, const Attn& attn, at::Tensor cos, at::Tensor sin,
-                             const std::vector<SeqKV>& seqs) {
+                          const std::vector<SeqKV>& seqs) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be float [M, H]");
   const int64_t M = x.size(0), H = x.size(1);
   int64_t rows = 0;
@@ -117,8 +117,8 @@ OneSeq one_seq(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin
 // and table [nb]: the sequence's blocks (SeqKV), written at slots start..start+T; mask as ops.cpp's attention.
 // -> the block's attention output [1, T, H] (attention_rows over one sequence).
 at::Tensor attention_block(at::Tensor x, const Attn& attn, at::Tensor cos, at::Tensor sin,
-                              at::Tensor k, at::Tensor v, at::Tensor table, int64_t start,
-                              c10::optional<at::Tensor> mask) {
+                           at::Tensor k, at::Tensor v, at::Tensor table, int64_t start,
+                           c10::optional<at::Tensor> mask) {
   const OneSeq r = one_seq(x, cos, sin, k, v, table, start, mask);
   return attention_rows(r.x, attn, r.cos, r.sin, r.seqs).view(x.sizes());
 }
@@ -126,7 +126,7 @@ at::Tensor attention_block(at::Tensor x, const Attn& attn, at::Tensor cos, at::T
 // x [M, H] -> x + attn(norm1(x)) = z, then z + ffn(norm2(z)) [M, H]: a layer over the rows of several
 // sequences, arguments as attention_rows'
 at::Tensor decoder_layer_rows(at::Tensor x, const LayerWeights& w, at::Tensor cos, at::Tensor sin,
-                                 const std::vector<SeqKV>& seqs) {
+                              const std::vector<SeqKV>& seqs) {
   x = x.contiguous();
   at::Tensor z = x.add(attention_rows(rms_norm(x, w.norm1, w.eps), w.attn, cos, sin, seqs));
   return z.add(w.ffn(rms_norm(z, w.norm2, w.eps)));
@@ -134,8 +134,8 @@ at::Tensor decoder_layer_rows(at::Tensor x, const LayerWeights& w, at::Tensor co
 
 // x [1, T, H] -> [1, T, H]: decoder_layer_rows over one sequence; arguments as attention_block's
 at::Tensor decoder_layer(at::Tensor x, const LayerWeights& w, at::Tensor cos, at::Tensor sin,
-                            at::Tensor k, at::Tensor v, at::Tensor table, int64_t start,
-                            c10::optional<at::Tensor> mask) {
+                         at::Tensor k, at::Tensor v, at::Tensor table, int64_t start,
+                         c10::optional<at::Tensor> mask) {
   const OneSeq r = one_seq(x, cos, sin, k, v, table, start, mask);
   return decoder_layer_rows(r.x, w, r.cos, r.sin, r.seqs).view(x.sizes());
 }
@@ -146,8 +146,8 @@ at::Tensor decoder_layer(at::Tensor x, const LayerWeights& w, at::Tensor cos, at
 // took 4.3 ms against 3.5 in one call (attribute lookups on torch modules, the arguments' conversions, the GIL
 // taken back 30 times, from the event loop when it held it). -> [M, H]
 at::Tensor decoder_stack(at::Tensor x, const std::vector<LayerWeights>& layers,
-                            const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
-                            const std::vector<SeqLayers>& seqs) {
+                         const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+                         const std::vector<SeqLayers>& seqs) {
   const size_t L = layers.size();
   TORCH_CHECK(cos.size() == L && sin.size() == L, "a rotation per layer: ", L, " layers, ", cos.size(), " tables");
   for (const SeqLayers& s : seqs)

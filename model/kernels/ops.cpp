@@ -409,7 +409,7 @@ at::Tensor attend_seqs(at::Tensor q, const std::vector<SeqKV>& seqs) {
 // keys, values [Bk, n_kv, S, hd] (Bk 1 or B, last dim contiguous, S >= start+T): attend_keys over plain keys,
 // each row's one block of S slots
 at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t start,
-                        c10::optional<at::Tensor> mask) {
+                     c10::optional<at::Tensor> mask) {
   const at::Tensor table = at::arange(keys.size(0), at::kLong);
   return attend_keys(q, Keys{keys, values, table.data_ptr<int64_t>(), keys.size(0), 1}, start, mask);
 }

@@ -138,7 +138,7 @@ int64_t q8_scales(const at::Tensor& pw, const at::Tensor& d8) {
 // x [M, K] float; pw [G, K/32, 8, 8] int32, d8 [G, K/32 * S, 8] float (S = 1 or 2), m8 like d8 or none (affine);
 // N rows -> [M, N] float
 at::Tensor q8_matmul(at::Tensor x, at::Tensor pw, at::Tensor d8, c10::optional<at::Tensor> m8,
-                        int64_t N) {
+                     int64_t N) {
   const int64_t nb = pw.size(1), K = nb * QK, S = q8_scales(pw, d8);
   check_x(x, K, QK);
   check_groups(pw, d8, 8, N, S);
