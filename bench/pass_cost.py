@@ -60,6 +60,18 @@ def layer_matmuls(stack, r: int) -> list:
     return calls
 
 
+def decoding_seqs(stack, ends, context: int, r: int) -> list[SeqRows]:
+    """r sequences decoding a token each, each after its own cache of `context` tokens: a batch step's SeqRows
+    for LayerStack.forward_rows, at positions `context`."""
+    prompt = ends.embed_tokens(torch.zeros(1, context, dtype=torch.long))
+    seqs = []
+    for _ in range(r):
+        cache = stack.new_cache(context + 32)
+        stack(prompt, torch.arange(context)[None], cache, 0)
+        seqs.append(SeqRows(cache, context, 1))
+    return seqs
+
+
 def costs(stack, ends, cache, context: int, r: int, repeats: int) -> dict:
     """Medians for a pass of r rows after `context` cached tokens."""
     matmuls = layer_matmuls(stack, r)
@@ -71,10 +83,7 @@ def costs(stack, ends, cache, context: int, r: int, repeats: int) -> dict:
         cache.length = context
         ends.logits(stack(h, positions, cache, context, None if r == 1 else mask))
 
-    caches = [stack.new_cache(context + 32) for _ in range(r)]
-    for c in caches:
-        stack(ends.embed_tokens(torch.zeros(1, context, dtype=torch.long)), torch.arange(context)[None], c, 0)
-    seqs = [SeqRows(c, context, 1) for c in caches]
+    seqs = decoding_seqs(stack, ends, context, r)
 
     def batch():
         ends.logits(stack.forward_rows(h[0], torch.full((r,), context), seqs)[None])

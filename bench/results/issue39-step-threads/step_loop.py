@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from edgespec.model.blocks import SeqRows
+from edgespec.bench.pass_cost import decoding_seqs
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_format import kv_format
 from edgespec.model.linear import weight_format
@@ -27,13 +27,8 @@ def main() -> None:
     files = resolve_model(None)
     cfg, src, fmt = ModelConfig.from_folder(files.folder), open_source(files), weight_format("auto")
     stack = LayerStack.load(src, cfg, 0, cfg.n_layers, fmt, kv_format("float16"))
-    prompt = TokenEnds.load(src, cfg, fmt).embed_tokens(torch.zeros(1, CONTEXT, dtype=torch.long))
     with torch.inference_mode():
-        seqs = []
-        for _ in range(rows):
-            cache = stack.new_cache(CONTEXT + 32)
-            stack(prompt, torch.arange(CONTEXT)[None], cache, 0)
-            seqs.append(SeqRows(cache, CONTEXT, 1))
+        seqs = decoding_seqs(stack, TokenEnds.load(src, cfg, fmt), CONTEXT, rows)
         h, pos = torch.randn(rows, cfg.hidden_size), torch.full((rows,), CONTEXT)
         for _ in range(5):
             stack.forward_rows(h, pos, seqs)

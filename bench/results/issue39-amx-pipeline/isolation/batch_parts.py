@@ -13,8 +13,8 @@ import time
 
 import torch
 
+from edgespec.bench.pass_cost import decoding_seqs
 from edgespec.bench.versus import machine_info
-from edgespec.model.blocks import SeqRows
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_format import kv_format
 from edgespec.model.linear import weight_format
@@ -47,7 +47,7 @@ def main() -> None:
                 cache.length = CONTEXT
                 stack(h, torch.arange(CONTEXT, CONTEXT + r)[None], cache, CONTEXT, None if r == 1 else mask)
 
-            seqs = [SeqRows(filled(), CONTEXT, 1) for _ in range(r)]
+            seqs = decoding_seqs(stack, ends, CONTEXT, r)
 
             def batch(h=h, seqs=seqs, r=r):
                 stack.forward_rows(h[0], torch.full((r,), CONTEXT), seqs)
