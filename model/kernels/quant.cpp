@@ -17,14 +17,21 @@ void dot_f32(const float* w, const float* x, int64_t K, int64_t r0, int64_t r1, 
 
 struct QuantizedRows {
   // tiles of ROWS rows as the group kernels read them (groups.h), M rounded up to a whole tile: [Mt, K] int8,
-  // [Mt, K/32], [Mt, K/32], [Mt, K/16] (empty unless asked for); the rows after M are never read
+  // [Mt, K/32], [Mt, K/32], [Mt, K/16] (empty unless asked for); the rows after M are zeros in the floats
   at::Tensor qx, dx, sx, sh;
 };
 
 QuantizedRows quantize_rows(const at::Tensor& x, bool half_sums = false) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK, Mt = (M + ROWS - 1) / ROWS * ROWS;
-  QuantizedRows q{at::empty({Mt, K}, at::kChar), at::empty({Mt, nb}, at::kFloat),
-                  at::empty({Mt, nb}, at::kFloat), at::empty({half_sums ? Mt : 0, 2 * nb}, at::kFloat)};
+  // The AMX kernels' float steps run for a whole tile's rows (groups_amx.h), so they read the scales and sums of
+  // the rows after M (into outputs never stored). Left as the allocator gave them, those often held an earlier
+  // pass's int8 bytes, which read as floats are denormals, and every fma on one took a microcode assist: the
+  // served model's batch steps of 10 to 15 sequences took 20.7-35.0 ms against 12.3-20.4 with zeros, alternated
+  // (bench/results/issue39-tile-padding).
+  auto floats = [&](int64_t rows, int64_t cols) {
+    return Mt == M ? at::empty({rows, cols}, at::kFloat) : at::zeros({rows, cols}, at::kFloat);
+  };
+  QuantizedRows q{at::empty({Mt, K}, at::kChar), floats(Mt, nb), floats(Mt, nb), floats(half_sums ? Mt : 0, 2 * nb)};
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q.qx.data_ptr<int8_t>();
   float *dp = q.dx.data_ptr<float>(), *sp = q.sx.data_ptr<float>();
