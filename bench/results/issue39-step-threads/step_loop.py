@@ -5,6 +5,7 @@ Run under `perf record` for timeline.py.
     python bench/results/issue39-step-threads/step_loop.py R SECONDS
 """
 
+import gc
 import statistics
 import sys
 import time
@@ -30,6 +31,8 @@ def main() -> None:
     with torch.inference_mode():
         seqs = decoding_seqs(stack, TokenEnds.load(src, cfg, fmt), CONTEXT, rows)
         h, pos = torch.randn(rows, cfg.hidden_size), torch.full((rows,), CONTEXT)
+        gc.collect()
+        gc.freeze()  # as serve does after loading
         for _ in range(5):
             stack.forward_rows(h, pos, seqs)
         times, t0 = [], time.perf_counter()
