@@ -91,7 +91,8 @@ def test_the_check_fails_on_a_wrong_amx_kernel(tmp_path):
     subprocess.run(["g++", "-std=c++17", *compile_flags("avx512-amx"), str(tmp_path / "check.cpp"), "-o", str(out)],
                    check=True)
     got = subprocess.run([str(out)], capture_output=True, text=True, timeout=120)
-    assert got.returncode == 1 and "DIFFERENT q4: 8 rows" in got.stdout.splitlines()[-1]
+    # the first pass the tiles take: AMX_ROWS rows
+    assert got.returncode == 1 and "DIFFERENT q4: 5 rows" in got.stdout.splitlines()[-1]
 
 
 @pytest.mark.parametrize("isa", isas())

@@ -19,8 +19,11 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-// the fewest rows a pass takes through the tiles (below: the VNNI kernels)
-constexpr int AMX_ROWS = 8;
+// the fewest rows a pass takes through the tiles (below: the VNNI kernels). A tile op costs the same for any
+// rows, the float steps after it are per row (group_amx's RT): the served model's batch steps, tiles against
+// VNNI in one process, the two alternated step by step: 0.98x the time at 5 rows, 0.91-0.93x at 6, 0.95x at 7;
+// 0.97-1.07x at 4, where the VNNI kernels stay.
+constexpr int AMX_ROWS = 5;
 // how many blocks ahead the tile kernels fetch their weights (groups_x86.h's `ahead`): a block takes them about
 // half the VNNI kernels' time, so their fetches came too late at the VNNI kernels' 8. The served model's layer
 // matmuls (2 threads, AMX against VNNI in one run, three runs one after another): 1.04x the VNNI kernels' time at
@@ -135,7 +138,7 @@ inline void pair_words(const int32_t* g0, const int32_t* g1, int32_t* to) {
   }
 }
 
-// The 8 G outputs of V's groups (Y8: one, Z16: two) for R <= RT rows of a 16-row tile (RT 8 or 16: the rows
+// The 8 G outputs of V's groups (Y8: one, Z16: two) for R <= RT rows of a 16-row tile (RT: the rows
 // whose float steps run), q8 with S scales per block (A: affine), or Q4 (its steps are affine q8's, groups.h).
 // Arguments as the VNNI kernels'; the caller loaded Tiles(32 / S). A tile op's cost is the same for 8 outputs as
 // for 16 (~6 ns for a dot of 16 rows, as for a store of its C, measured here), so two groups go through one:
@@ -182,14 +185,25 @@ void group_amx(const int32_t* pw, const float* d8, const float* m8, const int8_t
   for (int r = 0; r < R; ++r) V::store(out + r * ldo, acc[r]);
 }
 
-// group_amx for G groups (1: Y8, 2: Z16) at RT = 8 or 16 rows (the fewest that hold R)
+// group_amx for G groups (1: Y8, 2: Z16) at RT = R rounded up to an even count (R >= AMX_ROWS): the float
+// steps are most of the tile kernels' time, and at RT = 16 for any 9-15 rows a batch step of 10 sequences cost
+// about what one of 16 did (the served model's batch steps against RT = 8 or 16, processes alternated, the
+// machine's speed drifting: 0.62-0.98x the time at 10 rows, 0.70-0.86x at 12; bench/results/issue39-tile-padding).
+// Even counts only: each RT is a build of every kernel form.
 template <int S, bool A, bool Q4>
 void group_amx_rows(const int32_t* pw, const float* d8, const float* m8, const int8_t* qx, const float* dx,
                     const float* ss, int64_t nb, int64_t R, float* out, int64_t ldo, int G) {
+  static_assert(AMX_ROWS >= 5, "no kernel takes fewer than 6 rows");
   auto rows = [&](auto V) {
     using Vec = decltype(V);
-    if (R <= 8) group_amx<Vec, 8, S, A, Q4>(pw, d8, m8, qx, dx, ss, nb, R, out, ldo);
-    else group_amx<Vec, 16, S, A, Q4>(pw, d8, m8, qx, dx, ss, nb, R, out, ldo);
+    switch ((R + 1) / 2) {
+      case 3: return group_amx<Vec, 6, S, A, Q4>(pw, d8, m8, qx, dx, ss, nb, R, out, ldo);
+      case 4: return group_amx<Vec, 8, S, A, Q4>(pw, d8, m8, qx, dx, ss, nb, R, out, ldo);
+      case 5: return group_amx<Vec, 10, S, A, Q4>(pw, d8, m8, qx, dx, ss, nb, R, out, ldo);
+      case 6: return group_amx<Vec, 12, S, A, Q4>(pw, d8, m8, qx, dx, ss, nb, R, out, ldo);
+      case 7: return group_amx<Vec, 14, S, A, Q4>(pw, d8, m8, qx, dx, ss, nb, R, out, ldo);
+      default: return group_amx<Vec, 16, S, A, Q4>(pw, d8, m8, qx, dx, ss, nb, R, out, ldo);
+    }
   };
   G == 2 ? rows(Z16{}) : rows(Y8{});
 }
