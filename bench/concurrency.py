@@ -1,7 +1,10 @@
 """Concurrent streams against one running server: N clients stream at once (N = --streams), each its own
 prompt, greedy. Reports the aggregate decode speed (completion tokens of all streams over the wall time from
 the first first-token to the last token) against one stream's, and whether every stream's text under load
-equals its text alone (in every one of --repeats bursts; the median burst's speed is reported).
+equals its text alone (in every one of --repeats bursts; the median burst's speed is reported). The counts go
+round by round (each round one burst of every count), and the ratio to one stream is the median over the rounds
+of each round's own: this machine's speed drifts by up to 2x within a minute, and with all the one-stream
+bursts first, the ratios of one run moved with whatever the one stream happened to get.
 
     python -m bench.concurrency --url http://127.0.0.1:8000 --prompts ../shared/data/prompts/vicuna80.jsonl \\
         --streams 1,2,4,8,16 --max-tokens 96 --out bench/results/issue18-concurrency
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--streams", default="1,2,4,8,16")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--policies", default="naive")
-    ap.add_argument("--repeats", type=int, default=3, help="bursts per stream count (the median is reported)")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds, each a burst of every count (medians are reported)")
     ap.add_argument("--long-prompt-tokens", type=int, default=512,
                     help="also send a prompt of about this many tokens while 4 streams decode (0: do not)")
     ap.add_argument("--out", type=Path, required=True)
@@ -98,19 +101,23 @@ def main(argv: list[str] | None = None) -> None:
     for policy in args.policies.split(","):
         with httpx.Client(base_url=args.url, timeout=600) as client:
             alone = [stream_one(client, model, p, policy, args.max_tokens) for p in prompts]
+        rounds = [{n: burst(args.url, model, prompts[:n], policy, args.max_tokens) for n in counts}
+                  for _ in range(args.repeats)]
         rows = []
         for n in counts:
-            bursts = [burst(args.url, model, prompts[:n], policy, args.max_tokens) for _ in range(args.repeats)]
+            bursts = [r[n] for r in rounds]
             same = min(sum(r["text"] == a["text"] for r, a in zip(b["runs"], alone, strict=False)) for b in bursts)
-            rows.append({"streams": n, "aggregate_decode_tokens_per_s": statistics.median(
-                             b["aggregate_decode_tokens_per_s"] for b in bursts),
+            speed = [b["aggregate_decode_tokens_per_s"] for b in bursts]
+            ratios = [b["aggregate_decode_tokens_per_s"] / r[1]["aggregate_decode_tokens_per_s"]
+                      for b, r in zip(bursts, rounds, strict=True)]
+            rows.append({"streams": n, "aggregate_decode_tokens_per_s": statistics.median(speed),
+                         "vs_one_stream": round(statistics.median(ratios), 3),
+                         "vs_one_stream_each_round": [round(x, 3) for x in ratios],
                          "same_text_as_alone": same, "wall_s": statistics.median(b["wall_s"] for b in bursts),
                          "max_ttft_ms": round(max(r["ttft_ms"] for b in bursts for r in b["runs"]), 1)})
             print(policy, rows[-1])
-        one = rows[0]["aggregate_decode_tokens_per_s"]  # the 1-stream burst of the same loop
-        for row in rows:
-            row["vs_one_stream"] = round(row["aggregate_decode_tokens_per_s"] / one, 3)
-        results["policies"][policy] = {"one_stream_decode_tokens_per_s": one, "bursts": rows}
+        results["policies"][policy] = {"one_stream_decode_tokens_per_s": rows[0]["aggregate_decode_tokens_per_s"],
+                                       "bursts": rows}
     if args.long_prompt_tokens:
         results["long_prompt"] = long_prompt_under_load(args.url, model, prompts, 4, args.long_prompt_tokens)
         print("long prompt", results["long_prompt"])
