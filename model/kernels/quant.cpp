@@ -24,10 +24,10 @@ struct QuantizedRows {
 QuantizedRows quantize_rows(const at::Tensor& x, bool half_sums = false) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK, Mt = (M + ROWS - 1) / ROWS * ROWS;
   // The AMX kernels' float steps run for the tile's rows rounded up to an even count (groups_amx.h), so they
-  // read the scales and sums of a row after M (into outputs never stored). Left as the allocator gave them, those often held an earlier
-  // pass's int8 bytes, which read as floats are denormals, and every fma on one took a microcode assist: the
-  // served model's batch steps of 10 to 15 sequences took 20.7-35.0 ms against 12.3-20.4 with zeros, alternated
-  // (bench/results/issue39-tile-padding).
+  // read the scales and sums of a row after M (into an output never stored). Left as the allocator gave them,
+  // those often held an earlier pass's int8 bytes, which read as floats are denormals, and every fma on one took
+  // a microcode assist: when the float steps ran for 16 rows, the served model's batch steps of 10 to 15
+  // sequences took 20.7-35.0 ms against 12.3-20.4 with zeros, alternated (bench/results/issue39-tile-padding).
   auto floats = [&](int64_t rows, int64_t cols) {
     return Mt == M ? at::empty({rows, cols}, at::kFloat) : at::zeros({rows, cols}, at::kFloat);
   };
