@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", required=True)
     ap.add_argument("--prompts", type=Path, required=True)
-    ap.add_argument("--streams", default="1,2,4,8,16")
+    ap.add_argument("--streams", default="1,2,4,8,12,16",
+                    help="stream counts, 1 first (12: no whole tile of rows, bench/results/issue39-tile-padding)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--policies", default="naive")
     ap.add_argument("--repeats", type=int, default=3, help="rounds, each a burst of every count (medians are reported)")

@@ -1,4 +1,4 @@
-"""What a forward pass of R rows costs on this machine, for R = 1, 2, 4, 8, 16: the served model's layer
+"""What a forward pass of R rows costs on this machine, for R = 1, 2, 4, 8, 12, 16: the served model's layer
 matmuls (the kernels called straight, without Python; a mixture of experts' feed-forward as its one call, which
 routes the rows and runs each chosen expert once over the rows that chose it), its head, and the whole pass
 (layers and head over a 100-token cache). The ratio to one row is what a verification pass of R-1 drafts pays
@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default=None, help="a model folder or GGUF (default: the served default)")
     ap.add_argument("--weights", default="auto")
     ap.add_argument("--kv-format", default="float16", help="the caches' format (serve's default: float16)")
-    ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--rows", default="1,2,4,8,12,16",
+                    help="row counts, 1 first (12: a tile not full, bench/results/issue39-tile-padding)")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
