@@ -4,7 +4,7 @@ a stack of them in one call each), `ffn.cpp` (a feed-forward, dense or a mixture
 (the KV cache's storage formats), `bind.cpp` (the Python module).
 
 `load()` builds the extension with the flags this CPU supports (on x86: the VNNI path where the CPU has
-AVX512_VNNI with AVX512_VL, with AMX-INT8 tiles for passes of 8 rows or more where it has them (Sapphire Rapids and
+AVX512_VNNI with AVX512_VL, with AMX-INT8 tiles for passes of 5 rows or more where it has them (Sapphire Rapids and
 later Xeons), or 512-bit kernels taking two weight groups at once where 512-bit vectors run at full width (Zen 5);
 or AVX-VNNI; else AVX2 + FMA; on aarch64: NEON, with sdot where the CPU has the dot
 product extension; the portable C++ loops elsewhere) into `model/kernels/build/`, and returns the module.
