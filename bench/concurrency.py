@@ -2,8 +2,9 @@
 prompt, greedy. Reports the aggregate decode speed (completion tokens of all streams over the wall time from
 the first first-token to the last token) against one stream's, and whether every stream's text under load
 equals its text alone (in every one of --repeats bursts; the median burst's speed is reported). The counts go
-round by round (each round one burst of every count), and the ratio to one stream is the median over the rounds
-of each round's own: this machine's speed drifts by up to 2x within a minute, and with all the one-stream
+round by round (each round one burst of every count, every policy's back to back), and the ratio to one stream
+(and, for each policy after the first, to the first policy's burst of the same count) is the median over the
+rounds of each round's own: this machine's speed drifts by up to 2x within a minute, and with all the one-stream
 bursts first, the ratios of one run moved with whatever the one stream happened to get.
 
     python -m bench.concurrency --url http://127.0.0.1:8000 --prompts ../shared/data/prompts/vicuna80.jsonl \\
@@ -99,23 +100,33 @@ def main(argv: list[str] | None = None) -> None:
     prompts = load_prompts(args.prompts, max(counts))
     model = httpx.get(args.url + "/v1/models").json()["data"][0]["id"]
     results = {"settings": vars(args) | {"prompts": str(args.prompts), "out": str(args.out)}, "policies": {}}
-    for policy in args.policies.split(","):
-        with httpx.Client(base_url=args.url, timeout=600) as client:
-            alone = [stream_one(client, model, p, policy, args.max_tokens) for p in prompts]
-        rounds = [{n: burst(args.url, model, prompts[:n], policy, args.max_tokens) for n in counts}
-                  for _ in range(args.repeats)]
+    policies = args.policies.split(",")
+    alone = {}
+    with httpx.Client(base_url=args.url, timeout=600) as client:
+        for policy in policies:
+            alone[policy] = [stream_one(client, model, p, policy, args.max_tokens) for p in prompts]
+    # rounds[i][n][policy]: each round a burst of every count, every policy's one after the other
+    rounds = [{n: {policy: burst(args.url, model, prompts[:n], policy, args.max_tokens) for policy in policies}
+               for n in counts} for _ in range(args.repeats)]
+    for policy in policies:
         rows = []
         for n in counts:
-            bursts = [r[n] for r in rounds]
-            same = min(sum(r["text"] == a["text"] for r, a in zip(b["runs"], alone, strict=False)) for b in bursts)
+            bursts = [r[n][policy] for r in rounds]
+            same = min(sum(r["text"] == a["text"] for r, a in zip(b["runs"], alone[policy], strict=False))
+                       for b in bursts)
             speed = [b["aggregate_decode_tokens_per_s"] for b in bursts]
-            ratios = [b["aggregate_decode_tokens_per_s"] / r[1]["aggregate_decode_tokens_per_s"]
+            ratios = [b["aggregate_decode_tokens_per_s"] / r[1][policy]["aggregate_decode_tokens_per_s"]
                       for b, r in zip(bursts, rounds, strict=True)]
-            rows.append({"streams": n, "aggregate_decode_tokens_per_s": statistics.median(speed),
-                         "vs_one_stream": round(statistics.median(ratios), 3),
-                         "vs_one_stream_each_round": [round(x, 3) for x in ratios],
-                         "same_text_as_alone": same, "wall_s": statistics.median(b["wall_s"] for b in bursts),
-                         "max_ttft_ms": round(max(r["ttft_ms"] for b in bursts for r in b["runs"]), 1)})
+            row = {"streams": n, "aggregate_decode_tokens_per_s": statistics.median(speed),
+                   "vs_one_stream": round(statistics.median(ratios), 3),
+                   "vs_one_stream_each_round": [round(x, 3) for x in ratios]}
+            if policy != policies[0]:  # against the first policy's burst of the same count in the same round
+                first = [b["aggregate_decode_tokens_per_s"] / r[n][policies[0]]["aggregate_decode_tokens_per_s"]
+                         for b, r in zip(bursts, rounds, strict=True)]
+                row |= {f"vs_{policies[0]}": round(statistics.median(first), 3),
+                        f"vs_{policies[0]}_each_round": [round(x, 3) for x in first]}
+            rows.append(row | {"same_text_as_alone": same, "wall_s": statistics.median(b["wall_s"] for b in bursts),
+                               "max_ttft_ms": round(max(r["ttft_ms"] for b in bursts for r in b["runs"]), 1)})
             print(policy, rows[-1])
         results["policies"][policy] = {"one_stream_decode_tokens_per_s": rows[0]["aggregate_decode_tokens_per_s"],
                                        "bursts": rows}
@@ -126,6 +137,9 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "concurrency.json").write_text(json.dumps(results, indent=1) + "\n")
     panels = [(f"{p}: aggregate tok/s over one stream's", [str(r["streams"]) for r in v["bursts"]],
                [r["vs_one_stream"] for r in v["bursts"]]) for p, v in results["policies"].items()]
+    panels += [(f"{p} over {policies[0]}, same streams", [str(r["streams"]) for r in v["bursts"]],
+                [r[f"vs_{policies[0]}"] for r in v["bursts"]]) for p, v in results["policies"].items()
+               if p != policies[0]]
     bar_chart(args.out / "concurrency.png", f"concurrent streams, {args.max_tokens} new tokens, greedy", panels)
     print(f"wrote {args.out / 'concurrency.json'} and concurrency.png")
 

@@ -19,6 +19,17 @@ server, non-streamed) one rate (0.92) and up to 8 drafts gave 577 tokens/s where
 up to 16, 744 and 861 in two runs (a fixed 12: 922 between them). The eagle drafter's rates fall with depth
 instead (0.43, then 0.39 and 0.37 given the drafts before, on held-out chat). A depth seen rarely leans on the
 rate over all depths (PRIOR_WEIGHT verifications' worth).
+
+Beside other sequences a draft's rows lengthen the shared step for all of them, so the rate weighed is the
+step's, every sequence's tokens over its seconds:
+
+    rate(K) = (others + 1 + a_1 + ... + a_1 ... a_K) / (pass(besides + 1 + K) + K * draft)
+
+with `others` the other sequences (a token each) and `besides` their rows. With a request's own rate alone
+(the numerator without `others`) the default policy beside 15 other streams computed 1.356 rows per token it
+made (naive: 1.09, the prompts' rows included) and made 0.714x naive's aggregate; weighing the step's (with
+PassCosts' speed and DraftLength.could_pay, below), 1.0 rows and 0.889x (fresh servers, 256 tokens a stream:
+bench/results/issue39-load-rate/ab_servers.txt).
 """
 
 from __future__ import annotations
@@ -32,18 +43,35 @@ PROBE_EVERY = 16  # steps that drafted nothing before one draft of one token re-
 
 
 class PassCosts:
-    """Seconds per target pass by its token rows, every sequence's in the step (an average over recent passes);
-    shared by the requests of one policy, since the cost is the model's and the machine's, not the prompt's."""
+    """Seconds per target pass by its token rows, every sequence's in the step; shared by the requests of one
+    policy, since the cost is the model's and the machine's, not the prompt's.
+
+    A pass's seconds are the machine's speed times the size's own cost (`shape`): every pass moves the speed,
+    and a size's cost moves only by its ratio to the pass just before it of another size, the two timed a step
+    apart. This machine's speed drifts by up to 2x within a minute and a size is timed only when a step has
+    that many rows: with an average per size, the sizes timed in different minutes disagreed (one server's
+    table: 19 rows 35.1 ms, 17 rows 39.8, bench/results/issue39-load-rate/passes-table.txt), and a draft looked
+    cheap whenever its size had last been timed in a faster minute than the plain step's."""
 
     def __init__(self):
-        self.seconds: dict[int, float] = {}
+        self.shape: dict[int, float] = {}  # rows -> seconds at speed 1
         self.sizes: list[int] = []  # the measured sizes, ascending (each step's draft-length choice reads ~17)
+        self.speed = 1.0
+        self.last: tuple[int, float] | None = None  # the latest pass's (rows, seconds)
+
+    def measured(self, tokens: int | None = None) -> bool:
+        """Whether a pass of `tokens` rows (any pass, for None) was timed."""
+        return bool(self.shape) if tokens is None else tokens in self.shape
 
     def observe(self, tokens: int, seconds: float) -> None:
-        old = self.seconds.get(tokens)
-        if old is None:
+        last, self.last = self.last, (tokens, seconds)
+        if tokens not in self.shape:
             bisect.insort(self.sizes, tokens)
-        self.seconds[tokens] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+            self.shape[tokens] = seconds / self.speed if last is None else self.shape[last[0]] * seconds / last[1]
+            return
+        if last is not None and last[0] != tokens:  # its ratio to the pass before, both at one speed
+            self.shape[tokens] += EMA * (self.shape[last[0]] * seconds / last[1] - self.shape[tokens])
+        self.speed *= (seconds / (self.speed * self.shape[tokens])) ** EMA
 
     def get(self, tokens: int) -> float | None:
         """Measured seconds for a pass of `tokens`, else interpolated between the nearest measured sizes, else
@@ -53,21 +81,23 @@ class PassCosts:
         (the 2-core Zen 5 EPYC: a pass of 9 rows about 2x one row) kept a fresh server's n-gram drafts at the
         lengths it had measured: 2.97x naive on copy-heavy prompts, against 3.6-3.7x once longer passes had
         been timed."""
-        if tokens in self.seconds:
-            return self.seconds[tokens]
         if not self.sizes:
             return None
+        return self.speed * self._shape(tokens)
+
+    def _shape(self, tokens: int) -> float:
+        if tokens in self.shape:
+            return self.shape[tokens]
         i = bisect.bisect(self.sizes, tokens)  # sizes[:i] are smaller
         if i == 0:
-            return self.seconds[self.sizes[0]]
+            return self.shape[self.sizes[0]]
         lo = self.sizes[i - 1]
         if i < len(self.sizes):
             hi = self.sizes[i]
-            return self.seconds[lo] + (self.seconds[hi] - self.seconds[lo]) * (tokens - lo) / (hi - lo)
+            return self.shape[lo] + (self.shape[hi] - self.shape[lo]) * (tokens - lo) / (hi - lo)
         first = self.sizes[0]
-        slope = (self.seconds[lo] - self.seconds[first]) / (lo - first) if lo > first else \
-            PRIOR_SLOPE * self.seconds[first]
-        return self.seconds[lo] + (tokens - lo) * max(0.0, slope)
+        slope = (self.shape[lo] - self.shape[first]) / (lo - first) if lo > first else PRIOR_SLOPE * self.shape[first]
+        return self.shape[lo] + (tokens - lo) * max(0.0, slope)
 
 
 class DraftCosts:
@@ -126,23 +156,34 @@ class DraftLength:
         return [(kept[i] + overall * PRIOR_WEIGHT) / (judged[i] + PRIOR_WEIGHT) if i < len(judged) else overall
                 for i in range(depths)]
 
-    def choose(self, name: str, budget: int, besides: int = 0) -> int:
+    def choose(self, name: str, budget: int, besides: int = 0, others: int = 0) -> int:
         """Tokens to ask drafter `name` for (at most `budget`); besides: the other sequences' rows expected in
-        the same step (a draft's rows lengthen a shared step for all of them)."""
+        the same step, others: how many sequences those are (a draft's rows lengthen a shared step for all of
+        them, so the step's tokens are weighed, not this request's alone)."""
         if self.fixed is not None:
             return min(self.fixed, budget)
-        k = self.best(name, min(self.k_max, budget), besides)
-        if k == 0 and budget > 0 and self.idle.get(name, 0) >= PROBE_EVERY:
+        k = self.best(name, min(self.k_max, budget), besides, others)
+        if k == 0 and budget > 0 and self.idle.get(name, 0) >= PROBE_EVERY and self.could_pay(name, besides, others):
             k = 1  # a stale low acceptance must not switch drafting off for good
         return k
 
-    def best(self, name: str, k_max: int, besides: int = 0) -> int:
-        if not self.passes.seconds:  # the process's first step
+    def could_pay(self, name: str, besides: int = 0, others: int = 0) -> bool:
+        """Whether one draft, were it always kept, would pay in the step (best's rate): where not even that
+        pays, a probe of the acceptance costs the step for nothing. Beside 15 other streams each probed every
+        PROBE_EVERY + 1 steps, so about every step carried a 17th row, and 17 rows cost a tile pass more than
+        16 (29.5 against 39.8 ms in one server's table, bench/results/issue39-load-rate/passes-table.txt)."""
+        plain, longer = self.passes.get(besides + 1), self.passes.get(besides + 2)
+        if plain is None or longer is None:
+            return True
+        return (others + 2) / (longer + self.drafts.get(name)) > (others + 1) / plain
+
+    def best(self, name: str, k_max: int, besides: int = 0, others: int = 0) -> int:
+        if not self.passes.measured():  # the process's first step
             return min(self.k_start, k_max)
-        if besides + 1 not in self.passes.seconds:  # a plain step next: the baseline every K is weighed against
+        if not self.passes.measured(besides + 1):  # a plain step next: the baseline every K is weighed against
             return 0
         per_draft, rates = self.drafts.get(name), self._by_depth(name, k_max)
-        best_k, best_rate, expected, reach = 0, 0.0, 0.0, 1.0
+        best_k, best_rate, expected, reach = 0, 0.0, float(others), 1.0
         for k in range(0, k_max + 1):
             if k:
                 reach *= rates[k - 1]  # draft k kept: a_1 ... a_k

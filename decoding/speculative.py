@@ -106,9 +106,10 @@ class SpeculativePolicy:
             budget = min(request.max_tokens - len(text.ids), seq.capacity - seq.length) - 1
             # Beside other sequences a model drafter's work runs alone between the shared steps (measured: 4
             # speculative streams 0.917x one stream's aggregate speed, naive ones 1.589x): draft only by lookup
-            # then. Not for seeded sampling, whose answer must not depend on the load.
-            crowded = not seeded and seq.others_running() > 0
-            drafter, drafts, q = self._draft(chain, length, tokens, budget, stats, crowded, besides)
+            # then, and weigh K by the step's tokens, every sequence's (draft_cost.py). Not for seeded sampling,
+            # whose answer must not depend on the load.
+            others = 0 if seeded else seq.others_running()
+            drafter, drafts, q = self._draft(chain, length, tokens, budget, stats, others, besides)
             start = seq.length
             out = yield Rows([emitted[-1], *drafts], features=observe is not None)
             verdict = verify(sampler, out.logits[0], drafts, q)  # logits [1, 1 + K, V]
@@ -130,13 +131,15 @@ class SpeculativePolicy:
             step = list(zip(verdict.tokens, lps, strict=True))
 
     def _draft(self, chain: list[Drafter], length: DraftLength, tokens: list[int], budget: int, stats: StepStats,
-               crowded: bool = False, besides: int = 0):
+               others: int = 0, besides: int = 0):
         """Ask the chain's drafters in turn for as many tokens as pays for each (possibly none): -> (the drafter
-        whose drafts they are or None, drafts, their distributions [K, V] or None). `crowded`: skip the drafters
-        that compute on the model thread; besides: the other sequences' rows expected in the step."""
+        whose drafts they are or None, drafts, their distributions [K, V] or None). others: the other sequences
+        running (the drafters that compute on the model thread are skipped beside them), besides: their rows
+        expected in the step."""
         for drafter in chain:
             model_work = drafter.on_model_thread
-            k = length.choose(drafter.name, budget, besides) if budget > 0 and not (crowded and model_work) else 0
+            asked = budget > 0 and not (others and model_work)
+            k = length.choose(drafter.name, budget, besides, others) if asked else 0
             if k == 0:
                 continue
             t0 = time.perf_counter()

@@ -107,7 +107,7 @@ def test_greedy_equals_naive_with_the_draft_length_chosen_by_cost(tiny_loaded):
     policy = SpeculativePolicy()  # one policy: its measured pass costs carry from request to request
     for prompt in PROMPTS * 2:
         assert run(policy, tiny_loaded, prompt)[0] == run(NaivePolicy(), tiny_loaded, prompt)[0]
-    assert 1 in policy.passes.seconds  # plain steps were timed, the baseline every K is weighed against
+    assert policy.passes.measured(1)  # plain steps were timed, the baseline every K is weighed against
 
 
 def cost_model(seconds: dict[int, float], draft_s: float = 0.0):
@@ -138,6 +138,47 @@ def test_long_drafts_where_passes_are_flat_and_drafts_are_kept():
     assert length.choose("d", 8) == 8 and length.choose("d", 3) == 3  # bounded by the budget
     assert cost_model({1: 1.0, 9: 1.1}, draft_s=10.0).best("d", 8) == 0  # unless drafting itself is dear
 
+
+def test_beside_other_sequences_the_step_tokens_are_weighed():
+    # 7 other sequences in the step: a draft kept half the time pays for this request (1.5 tokens for 2.2 s
+    # against 1 for 2.0) but costs the step (8.5 tokens for 2.2 s against 8 for 2.0)
+    half = cost_model({1: 1.0, 8: 2.0, 9: 2.2, 16: 3.0})
+    for _ in range(20):
+        half.update("d", 1, 0)
+        half.update("d", 1, 1)
+    assert half.best("d", 8) > 0  # alone: 1.5 / pass(2) = 1.5 / 1.14 beats 1 / 1.0
+    assert half.best("d", 8, besides=7) > 0  # the request's own rate alone would still draft
+    assert half.best("d", 8, besides=7, others=7) == 0
+    # drafts kept nearly always still pay beside them: (8 + 7.6) / 3.0 against 8 / 2.0
+    runs = cost_model({1: 1.0, 8: 2.0, 16: 3.0})
+    for _ in range(40):
+        runs.update("d", 8, 8)
+    assert runs.best("d", 8, besides=7, others=7) == 8
+
+
+def test_a_drift_of_the_machine_speed_moves_every_size():
+    passes = PassCosts()
+    for _ in range(5):
+        passes.observe(16, 1.0)
+    passes.observe(17, 1.3)  # a draft's step, timed a step after a plain one
+    passes.observe(16, 1.0)
+    for _ in range(30):  # then a slow minute of plain steps
+        passes.observe(16, 2.0)
+    assert passes.get(16) == pytest.approx(2.0, rel=0.01)
+    assert passes.get(17) == pytest.approx(2.6, rel=0.01)  # not 1.3: 17 rows would look cheaper than 16
+    passes.observe(17, 2.34)  # a draft's step at 0.9x what was expected: its own cost follows
+    assert passes.get(17) / passes.get(16) < 1.3
+
+
+def test_no_probe_where_not_even_a_kept_draft_pays():
+    # 15 other streams at a tile's edge: a 17th row costs more than a kept draft brings to the step
+    edge = cost_model({1: 1.0, 2: 1.1, 16: 3.0, 17: 4.0})
+    for _ in range(10):
+        edge.update("d", 1, 0)
+    for _ in range(PROBE_EVERY):
+        edge.update("d", 0, 0)
+    assert edge.choose("d", 8, besides=15, others=15) == 0
+    assert edge.choose("d", 8) == 1  # alone, the probe
 
 def test_the_draft_length_follows_the_acceptance_at_each_depth():
     # n-gram lookup's drafts come in runs: 3 verifications in 4 reject the first draft, 1 in 4 keeps all 16. One
