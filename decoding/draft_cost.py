@@ -74,10 +74,11 @@ class PassCosts:
         self.speed *= (seconds / (self.speed * self.shape[tokens])) ** EMA
 
     def get(self, tokens: int) -> float | None:
-        """Measured seconds for a pass of `tokens`, else interpolated between the nearest measured sizes, else
-        extrapolated from the largest one along the line through the smallest and the largest (PRIOR_SLOPE
-        while only one size is measured); None before any pass was measured. The line, not a fixed slope: a
-        size is measured only once it is drafted, and 0.3 of a step per row where a row costs 0.1-0.15 here
+        """Seconds for a pass of `tokens` at the machine's present speed: its size's measured cost, else one
+        interpolated between the nearest measured sizes, else extrapolated from the largest one along the line
+        through the smallest and the largest (PRIOR_SLOPE while only one size is measured); None before any pass
+        was measured. The line, not a fixed slope: a size is measured only once it is drafted, and 0.3 of a step
+        per row where a row costs 0.1-0.15 here
         (the 2-core Zen 5 EPYC: a pass of 9 rows about 2x one row) kept a fresh server's n-gram drafts at the
         lengths it had measured: 2.97x naive on copy-heavy prompts, against 3.6-3.7x once longer passes had
         been timed."""
