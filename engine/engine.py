@@ -111,6 +111,9 @@ class Engine:
         self.live: list[_Sequence] = []  # running sequences (pruned on the event loop)
         self.task: asyncio.Task | None = None
         self.shared_steps = self.shared_calls = 0  # steps that carried several sequences, and the sequences
+        # the model thread's CPU seconds in the programs after each pass (sampling, drafting, verifying, text):
+        # work that runs while the kernels' other threads wait, so its share of a step is lost to every stream
+        self.program_seconds = 0.0
         self._outbox: list[tuple[_Sequence, object]] = []  # events yielded on the model thread, not yet sent
 
     @property
@@ -357,6 +360,7 @@ class Engine:
             return self._fault([seq for seq, _ in batch], results)
         seconds = time.perf_counter() - began
         step_rows = sum(len(w.ids) for w in works)
+        cpu = time.thread_time()
         for (seq, rows), work, result in zip(batch, works, results, strict=True):
             session = seq.session
             if isinstance(result, Exception):
@@ -375,6 +379,7 @@ class Engine:
                 hidden = torch.cat([*seq.earlier, hidden], dim=1)
             seq.rows, seq.done, seq.earlier, seq.faults = None, 0, [], 0
             self._advance(seq, Out(logits, hidden, seconds, len(batch), step_rows))
+        self.program_seconds += time.thread_time() - cpu
         if len(batch) > 1:
             self.shared_steps += 1
             self.shared_calls += len(batch)

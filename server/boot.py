@@ -108,6 +108,7 @@ def observe_engine(engine: Engine, metrics: Metrics) -> None:
     metrics.shared_pass_calls.set_function(lambda: engine.shared_calls)
     metrics.steps.set_function(lambda: executor.steps)
     metrics.step_rows.set_function(lambda: executor.step_rows)
+    metrics.program_seconds.set_function(lambda: engine.program_seconds)
     metrics.kv_blocks.labels("used").set_function(lambda: executor.pool_blocks()[0])
     metrics.kv_blocks.labels("free").set_function(lambda: executor.pool_blocks()[1])
     for name in (LAYERS, HEADSPLIT):

@@ -77,6 +77,9 @@ class Metrics:
         self.steps = Gauge("edgespec_steps", "forward passes run, since start", registry=r)
         self.step_rows = Gauge("edgespec_step_rows", "token rows those passes carried, since start (over "
                                "edgespec_steps: rows per step)", registry=r)
+        self.program_seconds = Gauge("edgespec_program_seconds", "model-thread CPU seconds the requests' programs "
+                                     "took after the passes (sampling, drafting, verifying, text), since start "
+                                     "(over edgespec_generated_tokens_total: per token)", registry=r)
         self.sequences_waiting = Gauge("edgespec_sequences_waiting", "requests waiting for KV cache room now",
                                        registry=r)
         self.queue_admitted = Gauge("edgespec_queue_admitted", "requests that waited for KV cache room and then "

@@ -64,12 +64,18 @@ def test_incremental_drafting_equals_the_training_forward(target, first, dtype):
     assert (model.layer is None) == (dtype == torch.bfloat16)
     torch.manual_seed(1)
     n, k = 40, 4
-    f = torch.randn(n + 2 * k + 8, model.cfg.hidden_size) * 3  # stand-in last-layer outputs
+    f = torch.randn(n + 2 * k + 16, model.cfg.hidden_size) * 3  # stand-in last-layer outputs
     tokens = torch.randint(0, model.cfg.vocab_size, (len(f) + 1,)).tolist()
     drafter = FeatureDrafter(model, SamplingParams(temperature=0.0), len(f) + k + 1)
     drafter.observe(first, f[first:n])  # a prefill from `first` on (earlier slots came from a cached prefix)
     pos = n
-    for accepted in [0, 3, 1, 4, 2]:  # verification outcomes: how many drafts the target kept
+    # verification outcomes: how many drafts the target kept; None a step the drafter was not asked in (beside
+    # other streams): its features are normed only when a proposal reads them, several steps' at once
+    for accepted in [0, 3, None, None, 1, None, 4, None, 2]:
+        if accepted is None:
+            drafter.observe(pos, f[pos:pos + 1])
+            pos += 1
+            continue
         drafts, q = drafter.propose(tokens[:pos + 1], k)
         assert q is None and drafts == reference_drafts(model, f[:pos], tokens[:pos + 1], first, k)
         tokens[pos + 1:pos + 1 + accepted] = drafts[:accepted]

@@ -133,6 +133,8 @@ at::Tensor q8_matmul(at::Tensor x, at::Tensor pw, at::Tensor d8, c10::optional<a
 at::Tensor f32_matmul(at::Tensor x, at::Tensor w);
 at::Tensor q8_rows(at::Tensor pw, at::Tensor d8, c10::optional<at::Tensor> m8, at::Tensor ids);
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
+at::Tensor add_rows(const at::Tensor& x, const at::Tensor& y);
+void add_bias_(at::Tensor& y, const at::Tensor& bias);
 at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor attention(at::Tensor q, at::Tensor keys, at::Tensor values, int64_t start,
                      c10::optional<at::Tensor> mask);

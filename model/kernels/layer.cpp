@@ -21,7 +21,7 @@ at::Tensor Linear::operator()(const at::Tensor& x) const {
                     : kind == 1 ? q8_matmul(x, a, b, c10::nullopt, n)
                     : kind == 3 ? q8_matmul(x, a, b, c, n)
                                 : f32_matmul(x, a);
-  if (bias.has_value()) y.add_(*bias);
+  if (bias.has_value()) add_bias_(y, *bias);
   return y;
 }
 
@@ -128,8 +128,8 @@ at::Tensor attention_block(at::Tensor x, const Attn& attn, at::Tensor cos, at::T
 at::Tensor decoder_layer_rows(at::Tensor x, const LayerWeights& w, at::Tensor cos, at::Tensor sin,
                               const std::vector<SeqKV>& seqs) {
   x = x.contiguous();
-  at::Tensor z = x.add(attention_rows(rms_norm(x, w.norm1, w.eps), w.attn, cos, sin, seqs));
-  return z.add(w.ffn(rms_norm(z, w.norm2, w.eps)));
+  at::Tensor z = add_rows(x, attention_rows(rms_norm(x, w.norm1, w.eps), w.attn, cos, sin, seqs));
+  return add_rows(z, w.ffn(rms_norm(z, w.norm2, w.eps)));
 }
 
 // x [1, T, H] -> [1, T, H]: decoder_layer_rows over one sequence; arguments as attention_block's

@@ -33,6 +33,40 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   return out;
 }
 
+// x + y (float32, one shape [..., H]), rows on the pool's threads as rms_norm's. The residual adds were torch's
+// at::add, which splits a tensor of over 32768 values (a prompt's 57 rows of 576) over libgomp's team: its
+// threads then spun for the two cores that the pool's threads wanted next (a 100-token prompt's pass, served
+// GOMP_SPINCOUNT: 15% of its samples in libgomp's spin). One add per value, so the split changes no bits.
+at::Tensor add_rows(const at::Tensor& x, const at::Tensor& y) {
+  check_float(x, "x");
+  check_float(y, "y");
+  TORCH_CHECK(x.sizes() == y.sizes(), "add_rows takes two tensors of one shape");
+  const at::Tensor xc = x.contiguous(), yc = y.contiguous();
+  auto out = at::empty_like(xc);
+  const int64_t H = xc.size(-1), rows = xc.numel() / std::max<int64_t>(1, H);
+  const float *xp = xc.data_ptr<float>(), *yp = yc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  parallel_chunks(0, rows, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo * H; i < hi * H; ++i) op[i] = xp[i] + yp[i];
+  });
+  return out;
+}
+
+// y [M, N] += bias [N] in place (float32, y contiguous), rows on the pool's threads as add_rows's
+void add_bias_(at::Tensor& y, const at::Tensor& bias) {
+  check_float(y, "y");
+  check_float(bias, "bias");
+  TORCH_CHECK(y.is_contiguous() && y.dim() == 2 && bias.numel() == y.size(1), "add_bias_ takes y [M, N], bias [N]");
+  const at::Tensor bc = bias.contiguous();
+  const int64_t N = y.size(1);
+  float* yp = y.data_ptr<float>();
+  const float* bp = bc.data_ptr<float>();
+  parallel_chunks(0, y.size(0), 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r)
+      for (int64_t n = 0; n < N; ++n) yp[r * N + n] += bp[n];
+  });
+}
+
 // x [B, heads, T, hd] (any strides), cos, sin [B, 1, T, hd] -> x cos + rotate_half(x) sin, contiguous
 at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   check_float(x, "x");
@@ -126,10 +160,10 @@ void scores_grouped(const float* const* qs, const uint8_t* const* kps, int64_t n
     for (int u = 0; u < H; ++u) sc[u][at + j] = dot_kv<R>(qs[u], kps[j], hd) * scale;
 }
 
-// The float lanes the weighted values are summed in: 8 in 256-bit registers, 16 in a build with 512-bit kernels
-// (ES_ZMM). A lane's fma chain is the same in either, so the bits are: a SmolLM2 head's 64 values go in one pass
-// over the slots where 8 lanes took two, each reading half of every value's row (attention alone, 8 rows over
-// 100 or 300 slots: 0.94x the time).
+// The float lanes the weighted values are summed in: 8 in 256-bit registers, 16 where simd.h's ES_ZMM_FLOAT says.
+// A lane's fma chain is the same in either, so the bits are: a SmolLM2 head's 64 values go in one pass over the
+// slots where 8 lanes took two, each reading half of every value's row (attention alone, 8 rows over 100 or 300
+// slots: 0.94x the time on a Zen 5 EPYC).
 template <int L>
 struct Lanes {
   using F = __m256;
@@ -140,7 +174,7 @@ struct Lanes {
   template <class R>
   static F load(const uint8_t* row, int64_t i) { return R::load8(row, i); }
 };
-#ifdef ES_ZMM
+#ifdef ES_ZMM_FLOAT
 template <>
 struct Lanes<16> {
   using F = __m512;
@@ -180,7 +214,7 @@ template <class R, int H>
 void values_grouped(const float* const* p, const uint8_t* const* vps, int64_t n, int64_t hd, float* const* o) {
   constexpr int C = H == 1 ? 8 : 4;
   int64_t c0 = 0;
-#ifdef ES_ZMM
+#ifdef ES_ZMM_FLOAT
   for (; c0 + 64 <= hd; c0 += 64) values_chunks<R, H, 4, 16>(p, vps, n, c0, o);
   for (; c0 + 16 <= hd; c0 += 16) values_chunks<R, H, 1, 16>(p, vps, n, c0, o);
 #endif

@@ -38,6 +38,15 @@ inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_
 #define ES_AMX 1
 #endif
 
+// ES_ZMM_FLOAT: attention's weighted values in 512-bit float lanes (ops.cpp's Lanes<16>, kv.h's load16) where the
+// 512-bit kernels run (ES_ZMM) and on AMX's Xeons, which issue 512-bit float fmas on two ports (their integer
+// multiplies on one: ES_ZMM above). A value's fma chain over the slots is one lane's in either width, so the bits
+// are the same. A 1000-token prompt's pass on a 2-core Xeon with AMX: 0.95x the time (six runs alternated with
+// the 256-bit build, bench/results/issue39-serial-work).
+#if defined(ES_ZMM) || defined(ES_AMX)
+#define ES_ZMM_FLOAT 1
+#endif
+
 // aarch64: NEON (every ARMv8-A core, the Pi 4's Cortex-A72 included), with sdot where the core has the dot
 // product extension (ARMv8.2-A's, the Pi 5's Cortex-A76: -march=armv8.2-a+dotprod)
 #if !defined(ES_NO_SIMD) && defined(__aarch64__) && defined(__ARM_NEON)
