@@ -180,6 +180,7 @@ def test_no_probe_where_not_even_a_kept_draft_pays():
     assert edge.choose("d", 8, besides=15, others=15) == 0
     assert edge.choose("d", 8) == 1  # alone, the probe
 
+
 def test_the_draft_length_follows_the_acceptance_at_each_depth():
     # n-gram lookup's drafts come in runs: 3 verifications in 4 reject the first draft, 1 in 4 keeps all 16. One
     # rate over all depths (16 / 19 = 0.84 per draft) would stop at about 8; by depth, every draft after the
