@@ -5,7 +5,9 @@ equals its text alone (in every one of --repeats bursts; the median burst's spee
 round by round (each round one burst of every count, every policy's back to back), and the ratio to one stream
 (and, for each policy after the first, to the first policy's burst of the same count) is the median over the
 rounds of each round's own: this machine's speed drifts by up to 2x within a minute, and with all the one-stream
-bursts first, the ratios of one run moved with whatever the one stream happened to get.
+bursts first, the ratios of one run moved with whatever the one stream happened to get. With --sustained, each
+round also runs every count as steady use (`sustained`: each client sends its next request as soon as its last
+one ended), where a burst's tail has fewer streams running than its count.
 
     python -m bench.concurrency --url http://127.0.0.1:8000 --prompts ../shared/data/prompts/vicuna80.jsonl \\
         --streams 1,2,4,8,16 --max-tokens 96 --out bench/results/issue18-concurrency
@@ -19,6 +21,7 @@ import argparse
 import itertools
 import json
 import statistics
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,6 +47,42 @@ def burst(url: str, model: str, prompts: list[str], policy: str, max_tokens: int
     tokens = sum(r["tokens"] for r in runs)
     return {"runs": runs, "wall_s": round(wall, 3), "aggregate_tokens_per_s": round(tokens / wall, 3),
             "aggregate_decode_tokens_per_s": round(sum(r["tokens"] - 1 for r in runs) / (wall - first), 3)}
+
+
+def sustained(url: str, model: str, prompts: list[str], streams: int, policy: str, max_tokens: int,
+              seconds: float, warmup: float = 2.0) -> dict:
+    """`streams` clients, each sending the next prompt (round the list) as soon as its last answer ended, for
+    `warmup` + `seconds`: completion tokens per second over the window after the warmup, each request's tokens
+    shared out by its text chunks' characters by when they arrived. A burst's streams start together and each
+    stream's speed-up ends it sooner, so that fewer run in its tail (4 default-policy streams: one stream 1.02
+    tokens a step ended 0.1-0.24 s after the other three, naive's four together); here each ended stream is
+    followed at once, as under steady use, and the prompts' passes are counted as the work they are."""
+    order, lock = itertools.cycle(prompts), threading.Lock()
+    began = time.perf_counter()
+    window = (began + warmup, began + warmup + seconds)
+
+    def client() -> list[dict]:
+        runs = []
+        with httpx.Client(base_url=url, timeout=600) as c:
+            while time.perf_counter() < window[1]:
+                with lock:
+                    prompt = next(order)
+                runs.append(stream_one(c, model, prompt, policy, max_tokens))
+        return runs
+
+    with ThreadPoolExecutor(streams) as pool:
+        runs = [r for f in [pool.submit(client) for _ in range(streams)] for r in f.result()]
+    return {"tokens_per_s": round(window_tokens(runs, window) / seconds, 3), "requests": len(runs)}
+
+
+def window_tokens(runs: list[dict], window: tuple[float, float]) -> float:
+    """The completion tokens of `runs` (stream_one's) that arrived within window [start, end): each run's tokens
+    shared out by its text chunks' characters (a chunk of the default policy can carry several tokens)."""
+    tokens = 0.0
+    for r in runs:
+        inside = sum(n for t, n in zip(r["chunk_times"], r["chunk_chars"], strict=True) if window[0] <= t < window[1])
+        tokens += r["tokens"] * inside / max(1, sum(r["chunk_chars"]))
+    return tokens
 
 
 def long_prompt_under_load(url: str, model: str, prompts: list[str], streams: int, tokens: int) -> dict:
@@ -92,6 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3, help="rounds, each a burst of every count (medians are reported)")
     ap.add_argument("--long-prompt-tokens", type=int, default=512,
                     help="also send a prompt of about this many tokens while 4 streams decode (0: do not)")
+    ap.add_argument("--sustained", type=float, default=0.0,
+                    help="also, each round, every count's clients sending request after request for this many "
+                         "seconds after a 2 s warmup, round the whole prompt file (0: do not)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     counts = [int(n) for n in args.streams.split(",")]
@@ -130,6 +172,22 @@ def main(argv: list[str] | None = None) -> None:
             print(policy, rows[-1])
         results["policies"][policy] = {"one_stream_decode_tokens_per_s": rows[0]["aggregate_decode_tokens_per_s"],
                                        "bursts": rows}
+    if args.sustained:
+        steady = [{n: {policy: sustained(args.url, model, load_prompts(args.prompts), n, policy, args.max_tokens,
+                                         args.sustained) for policy in policies} for n in counts}
+                  for _ in range(args.repeats)]
+        for policy in policies:
+            results["policies"][policy]["sustained"] = rows = []
+            for n in counts:
+                speed = [r[n][policy]["tokens_per_s"] for r in steady]
+                row = {"streams": n, "tokens_per_s": statistics.median(speed)}
+                bases = [("vs_one_stream", 1, policy)] + ([(f"vs_{policies[0]}", n, policies[0])]
+                                                            if policy != policies[0] else [])
+                for key, count, base in bases:
+                    each = [r[n][policy]["tokens_per_s"] / r[count][base]["tokens_per_s"] for r in steady]
+                    row |= {key: round(statistics.median(each), 3), f"{key}_each_round": [round(x, 3) for x in each]}
+                rows.append(row | {"requests": [r[n][policy]["requests"] for r in steady]})
+                print(policy, "sustained", rows[-1])
     if args.long_prompt_tokens:
         results["long_prompt"] = long_prompt_under_load(args.url, model, prompts, 4, args.long_prompt_tokens)
         print("long prompt", results["long_prompt"])
@@ -140,6 +198,12 @@ def main(argv: list[str] | None = None) -> None:
     panels += [(f"{p} over {policies[0]}, same streams", [str(r["streams"]) for r in v["bursts"]],
                 [r[f"vs_{policies[0]}"] for r in v["bursts"]]) for p, v in results["policies"].items()
                if p != policies[0]]
+    if args.sustained:
+        panels += [(f"{p}, sustained: tok/s over one stream's", [str(r["streams"]) for r in v["sustained"]],
+                    [r["vs_one_stream"] for r in v["sustained"]]) for p, v in results["policies"].items()]
+        panels += [(f"{p} over {policies[0]}, sustained", [str(r["streams"]) for r in v["sustained"]],
+                    [r[f"vs_{policies[0]}"] for r in v["sustained"]]) for p, v in results["policies"].items()
+                   if p != policies[0]]
     bar_chart(args.out / "concurrency.png", f"concurrent streams, {args.max_tokens} new tokens, greedy", panels)
     print(f"wrote {args.out / 'concurrency.json'} and concurrency.png")
 

@@ -65,6 +65,7 @@ def stream_one(client: httpx.Client, model: str, prompt: str, policy: str, max_t
         "prompt_tokens": usage["prompt_tokens"],
         "started_at": start,
         "chunk_times": times,
+        "chunk_chars": [len(p) for p in parts],
     }
 
 

@@ -58,12 +58,20 @@ class PassCosts:
         self.sizes: list[int] = []  # the measured sizes, ascending (each step's draft-length choice reads ~17)
         self.speed = 1.0
         self.last: tuple[int, float] | None = None  # the latest pass's (rows, seconds)
+        self.number: int | None = None  # the latest pass's number, where given
 
     def measured(self, tokens: int | None = None) -> bool:
         """Whether a pass of `tokens` rows (any pass, for None) was timed."""
         return bool(self.shape) if tokens is None else tokens in self.shape
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, seconds: float, number: int | None = None) -> None:
+        """A pass of `tokens` rows took `seconds`; `number`: the engine's number of the pass, which every
+        sequence in it observes: counted once (beside 15 other streams the speed's average otherwise moved 16
+        times a pass, 97% of the way to the latest pass instead of 20%)."""
+        if number is not None:
+            if number == self.number:
+                return
+            self.number = number
         last, self.last = self.last, (tokens, seconds)
         if tokens not in self.shape:
             bisect.insort(self.sizes, tokens)

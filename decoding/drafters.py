@@ -18,7 +18,9 @@ class Drafter(Protocol):
     """What speculative decoding asks of a drafter (decoding/speculative.py)."""
 
     name: str
-    on_model_thread: bool  # it computes with a model (on the model thread): skipped in a step shared with others
+    # it computes with a model (on the model thread): skipped in a step shared with others. Else it is a lookup,
+    # whose K longest drafts cost what fewer do: asked for the longest before K is chosen (decoding/speculative.py)
+    on_model_thread: bool
     reads_features: bool  # it follows the target's last hidden states: the target's passes return them for observe
 
     def propose(self, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:

@@ -121,12 +121,12 @@ class FeatureDrafter:
         self.normed = 0  # of those, the ones before this position are normed in g (the rest as observed)
         self.fed = 0  # draft indices first+1..first+fed are in the cache from true features
 
-    @torch.inference_mode()
     def observe(self, start: int, hidden: torch.Tensor) -> None:
         """The target's last-layer outputs hidden [T, H] at positions start..start+T-1 (accepted ones only),
         kept as they come and normed when a proposal reads them: beside other streams this drafter is not asked,
         and with a norm per sequence and step the speculative program's Python took 116 us a token at 16 streams
-        against 98 (edgespec_program_seconds, bench/results/issue39-serial-work)."""
+        against 98 (edgespec_program_seconds, bench/results/issue39-serial-work). A copy, so no inference mode
+        around it: entering one cost 1.4 us of the 2.9 a copy took (bench/results/issue39-program-python)."""
         if self.first is None:
             self.first = self.known = self.normed = start
         self.g[start:start + len(hidden)] = hidden  # in g's dtype, as hidden.to(g.dtype)

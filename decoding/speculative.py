@@ -120,7 +120,7 @@ class SpeculativePolicy:
             # what a step of that many rows costs here; the others' rows, what the next step will likely carry
             # (compute-bound here: 4 streams' extra rows cost about 2.5 ms each in a 19 ms step, so a draft
             # beside them pays only at high acceptance). Seeded sampling weighs K alone, whatever the load.
-            self.passes.observe(out.rows, out.seconds)
+            self.passes.observe(out.rows, out.seconds, out.number)
             besides = 0 if seeded else out.rows - (1 + len(drafts))
             if verdict.accepted < len(drafts):  # the rejected drafts' slots are written over next
                 yield Truncate(start + 1 + verdict.accepted)
@@ -137,14 +137,24 @@ class SpeculativePolicy:
         running (the drafters that compute on the model thread are skipped beside them), besides: their rows
         expected in the step."""
         for drafter in chain:
-            model_work = drafter.on_model_thread
-            asked = budget > 0 and not (others and model_work)
-            k = length.choose(drafter.name, budget, besides, others) if asked else 0
-            if k == 0:
+            if budget <= 0 or (others and drafter.on_model_thread):
                 continue
-            t0 = time.perf_counter()
-            drafts, q = drafter.propose(tokens, k)  # on the model thread, in the program
-            seconds = time.perf_counter() - t0
+            if drafter.on_model_thread:
+                k = length.choose(drafter.name, budget, besides, others)
+                if k == 0:
+                    continue
+                t0 = time.perf_counter()
+                drafts, q = drafter.propose(tokens, k)  # on the model thread, in the program
+                seconds = time.perf_counter() - t0
+            else:
+                # A lookup costs the same for any K (about a microsecond), so it goes first and K is chosen only
+                # where it found drafts: most steps of open chat find none, and the choice costs 7-9 us
+                # (bench/results/issue39-program-python). The drafts are a prefix of the longest lookup's.
+                t0 = time.perf_counter()
+                found, q = drafter.propose(tokens, min(length.k_max, budget))
+                seconds = time.perf_counter() - t0
+                k = length.choose(drafter.name, len(found), besides, others) if found else 0
+                drafts, q = found[:k], None if q is None else q[:k]
             stats.drafter_s += seconds
             self.draft_costs.observe(drafter.name, k, seconds)
             if drafts:

@@ -111,6 +111,7 @@ class Engine:
         self.live: list[_Sequence] = []  # running sequences (pruned on the event loop)
         self.task: asyncio.Task | None = None
         self.shared_steps = self.shared_calls = 0  # steps that carried several sequences, and the sequences
+        self.passes = 0  # passes run (each one's number in its Out)
         # the model thread's CPU seconds in the programs after each pass (sampling, drafting, verifying, text):
         # work that runs while the kernels' other threads wait, so its share of a step is lost to every stream
         self.program_seconds = 0.0
@@ -360,6 +361,7 @@ class Engine:
             return self._fault([seq for seq, _ in batch], results)
         seconds = time.perf_counter() - began
         step_rows = sum(len(w.ids) for w in works)
+        self.passes += 1
         cpu = time.thread_time()
         for (seq, rows), work, result in zip(batch, works, results, strict=True):
             session = seq.session
@@ -378,7 +380,7 @@ class Engine:
             if seq.earlier and hidden is not None:
                 hidden = torch.cat([*seq.earlier, hidden], dim=1)
             seq.rows, seq.done, seq.earlier, seq.faults = None, 0, [], 0
-            self._advance(seq, Out(logits, hidden, seconds, len(batch), step_rows))
+            self._advance(seq, Out(logits, hidden, seconds, len(batch), step_rows, self.passes))
         self.program_seconds += time.thread_time() - cpu
         if len(batch) > 1:
             self.shared_steps += 1

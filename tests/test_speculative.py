@@ -14,6 +14,7 @@ from edgespec.decoding.draft_cost import PROBE_EVERY, DraftCosts, DraftLength, P
 from edgespec.decoding.drafters import NgramDrafter
 from edgespec.decoding.naive import NaivePolicy
 from edgespec.decoding.speculative import SpeculativePolicy
+from edgespec.decoding.stats import StepStats
 from edgespec.decoding.types import GenerationRequest, SamplingParams
 from edgespec.engine.engine import Engine
 
@@ -168,6 +169,39 @@ def test_a_drift_of_the_machine_speed_moves_every_size():
     assert passes.get(17) == pytest.approx(2.6, rel=0.01)  # not 1.3: 17 rows would look cheaper than 16
     passes.observe(17, 2.34)  # a draft's step at 0.9x what was expected: its own cost follows
     assert passes.get(17) / passes.get(16) < 1.3
+
+
+def test_a_pass_observed_by_each_of_its_sequences_counts_once():
+    passes = PassCosts()
+    passes.observe(16, 1.0, number=1)
+    for _ in range(16):  # 16 sequences' programs observe pass 2
+        passes.observe(16, 2.0, number=2)
+    assert passes.get(16) == pytest.approx(2.0 ** 0.2)  # the speed moved once, by its weight
+    passes.observe(16, 2.0, number=3)
+    assert passes.get(16) == pytest.approx(2.0 ** 0.36)
+
+
+class CountingLength(DraftLength):
+    """A DraftLength that records the drafters it chose a K for."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.asked: list[str] = []
+
+    def choose(self, name, budget, besides=0, others=0):
+        self.asked.append(name)
+        return super().choose(name, budget, besides, others)
+
+
+def test_a_lookup_is_asked_first_and_its_drafts_cut_to_k():
+    policy, step = SpeculativePolicy(), StepStats("speculative")
+    length = CountingLength(PassCosts(), DraftCosts(), 4, 0, 16, fixed=2)
+    chain = [NgramDrafter()]
+    seq = [1, 2, 3, 9, 8, 7, 1, 2, 3]
+    drafter, drafts, q = policy._draft(chain, length, seq, 10, step)
+    assert drafter is chain[0] and drafts == [9, 8] == scan(seq, 2) and q is None and length.asked == ["ngram"]
+    drafter, drafts, _ = policy._draft([NgramDrafter()], length, [4, 5, 6], 10, step)
+    assert drafter is None and drafts == [] and length.asked == ["ngram"]  # no match: no K chosen
 
 
 def test_no_probe_where_not_even_a_kept_draft_pays():
