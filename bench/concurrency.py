@@ -55,7 +55,7 @@ def sustained(url: str, model: str, prompts: list[str], streams: int, policy: st
     `warmup` + `seconds`: completion tokens per second over the window after the warmup, each request's tokens
     shared out by its text chunks' characters by when they arrived. A burst's streams start together and each
     stream's speed-up ends it sooner, so that fewer run in its tail (4 default-policy streams: one stream 1.02
-    tokens a step ended 0.1-0.24 s after the other three, naive's four together); here each ended stream is
+    tokens a step ended 0.08-0.24 s after the other three, naive's four together); here each ended stream is
     followed at once, as under steady use, and the prompts' passes are counted as the work they are."""
     order, lock = itertools.cycle(prompts), threading.Lock()
     began = time.perf_counter()
