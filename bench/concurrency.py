@@ -72,7 +72,8 @@ def sustained(url: str, model: str, prompts: list[str], streams: int, policy: st
 
     with ThreadPoolExecutor(streams) as pool:
         runs = [r for f in [pool.submit(client) for _ in range(streams)] for r in f.result()]
-    return {"tokens_per_s": round(window_tokens(runs, window) / seconds, 3), "requests": len(runs)}
+    return {"tokens_per_s": round(window_tokens(runs, window) / seconds, 3), "requests": len(runs),
+            "median_ttft_ms": round(statistics.median(r["ttft_ms"] for r in runs), 1)}
 
 
 def window_tokens(runs: list[dict], window: tuple[float, float]) -> float:

@@ -12,9 +12,9 @@ sequence's proposals of one proposer in one batched call before the next step. S
 other job waits for the model thread (an arriving request's admission, a release), and the event loop only
 streams the events the programs yielded.
 
-A long prompt that arrives while other sequences run goes in chunks that fill each step up to STEP_ROWS
-rows, so it delays them by a chunk per step, not by its whole prefill; alone it goes in one pass (over workers,
-in pipelined segments). Each row's result is bitwise what its sequence alone would get (the kernels are
+A long prompt that arrives while other sequences run goes in chunks that fill each step up to a multiple of
+STEP_ROWS rows, so it delays them by a chunk per step, not by its whole prefill; alone it goes in one pass (over
+workers, in pipelined segments). Each row's result is bitwise what its sequence alone would get (the kernels are
 row-invariant and each query row attends over exactly its slots: tests/test_exact_format.py), so sharing
 steps changes no answer.
 
@@ -96,7 +96,12 @@ class Engine:
     # in a step (4 streams' steps took 19 ms alone and 50-70 ms with a 16-token chunk at up to 504 slots):
     # chunks of 64 had stretched 4 streams' gap between tokens from 24 to 290 ms; a steady number of rows per
     # step bounds the gap, and the prompt's first token stays within about 2x its idle time
-    # (bench/concurrency.py). Fewer rows trade the one for the other.
+    # (bench/concurrency.py). Fewer rows trade the one for the other. Where the others' rows leave less than
+    # MIN_CHUNK, the step is filled up to the next multiple of STEP_ROWS: on the AMX path a pass of 17-32 rows
+    # pays a second tile whatever it carries (a 2-core Xeon with AMX, one served run's medians: 16 rows 11.18
+    # ms, 17 rows 15.01, 32 rows 20.78), and beside 16 streams a prompt went in 4-row chunks, each step 1.3-1.5x
+    # a plain one. Filled (16-row chunks there), 16 streams' steady use made 1.018x the tokens a second and the
+    # first token's median took 235 ms against 301 (bench/results/issue39-program-python).
     STEP_ROWS = 16
     MIN_CHUNK = 4
 
@@ -345,6 +350,12 @@ class Engine:
         seq.finished, seq.rows, seq.asking = True, None, None
         self._outbox.append((seq, last))
 
+    def _chunk(self, others: int, prompts: int) -> int:
+        """Rows for each of `prompts` prompts going in beside `others` other rows: what those leave of the step
+        filled up to a multiple of STEP_ROWS, and at least MIN_CHUNK each."""
+        step = -(-(others + self.MIN_CHUNK * prompts) // self.STEP_ROWS) * self.STEP_ROWS  # rounded up
+        return max(self.MIN_CHUNK, (step - others) // max(1, prompts))
+
     def _step(self, lane: Sessions, batch: list[tuple[_Sequence, Rows]]) -> StageFailure | None:
         # One pass of the lane's sequences (each with its planned rows). Beside others, a prompt (a plain run
         # wanting the last row's logits) longer than a chunk gets what the other rows leave of the step.
@@ -352,7 +363,7 @@ class Engine:
         long = [crowded and rows.plain and rows.last_only and len(rows.ids) - s.done > self.MIN_CHUNK
                 for s, rows in batch]
         others = sum(len(rows.ids) - s.done for (s, rows), cut in zip(batch, long, strict=True) if not cut)
-        chunk = max(self.MIN_CHUNK, (self.STEP_ROWS - others) // max(1, sum(long)))
+        chunk = self._chunk(others, sum(long))
         works = [self._work(seq, rows, chunk if cut else None) for (seq, rows), cut in zip(batch, long, strict=True)]
         self._send()
         began = time.perf_counter()

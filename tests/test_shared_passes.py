@@ -74,6 +74,18 @@ def test_a_long_prompt_beside_running_sequences_prefills_in_chunks_with_the_bits
     assert torch.equal(chunked_hidden, whole_hidden)  # every prompt position's features (a feature drafter's)
 
 
+def test_a_prompts_chunk_fills_the_step_to_a_multiple_of_step_rows(tiny_loaded):
+    engine = Engine(tiny_loaded.executor)
+    rows, least = engine.STEP_ROWS, engine.MIN_CHUNK
+    assert engine._chunk(2, 1) == rows - 2  # what the others leave of one step
+    assert engine._chunk(0, 2) == rows // 2  # two prompts share it
+    assert engine._chunk(rows - least, 1) == least
+    # more others than leave a chunk: the step goes to the next multiple (a second tile costs the same full)
+    assert engine._chunk(rows - least + 1, 1) == rows + least - 1
+    assert engine._chunk(rows, 1) == rows
+    assert engine._chunk(rows, 2) == rows // 2
+
+
 class Counter:
     """A batched proposer that answers each request with its double and records each call's size."""
 
