@@ -99,9 +99,9 @@ class Engine:
     # (bench/concurrency.py). Fewer rows trade the one for the other. Where the others' rows leave less than
     # MIN_CHUNK, the step is filled up to the next multiple of STEP_ROWS: on the AMX path a pass of 17-32 rows
     # pays a second tile whatever it carries (a 2-core Xeon with AMX, one served run's medians: 16 rows 11.18
-    # ms, 17 rows 15.01, 32 rows 20.78), and beside 16 streams a prompt went in 4-row chunks, each step 1.3-1.5x
-    # a plain one. Filled (16-row chunks there), 16 streams' steady use made 1.018x the tokens a second and the
-    # first token's median took 235 ms against 301 (bench/results/issue39-program-python).
+    # ms, 17 rows 15.01, 20 rows 17.39, 32 rows 20.78), and beside 16 streams a prompt went in 4-row chunks, in
+    # steps 1.56x a plain one. Filled (16-row chunks there), 16 streams' steady use made 1.018x the tokens a
+    # second and the first token's median took 235 ms against 301 (bench/results/issue39-program-python).
     STEP_ROWS = 16
     MIN_CHUNK = 4
 
