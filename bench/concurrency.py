@@ -174,9 +174,9 @@ def main(argv: list[str] | None = None) -> None:
         results["policies"][policy] = {"one_stream_decode_tokens_per_s": rows[0]["aggregate_decode_tokens_per_s"],
                                        "bursts": rows}
     if args.sustained:
-        steady = [{n: {policy: sustained(args.url, model, load_prompts(args.prompts), n, policy, args.max_tokens,
-                                         args.sustained) for policy in policies} for n in counts}
-                  for _ in range(args.repeats)]
+        every = load_prompts(args.prompts)  # the whole file: steady use goes round it
+        steady = [{n: {policy: sustained(args.url, model, every, n, policy, args.max_tokens, args.sustained)
+                       for policy in policies} for n in counts} for _ in range(args.repeats)]
         for policy in policies:
             results["policies"][policy]["sustained"] = rows = []
             for n in counts:
