@@ -129,8 +129,8 @@ template <int L>
 inline void prefetch_row(const uint8_t* row, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, L);
 }
-// slots a run's keys are fetched ahead of their scores (8 and 32 measured no better)
-constexpr int64_t PREFETCH_SLOTS = 16;
+// slots a key and a value are fetched ahead of the scores (8 and 32 measured no better), and the scores' runs
+constexpr int64_t PREFETCH_SLOTS = 16, SCORE_SLOTS = 4;
 
 #ifdef ES_AVX2
 // Scores of H query heads (qs[u], u < H) against the same n keys: each key's 8-value chunks are read (and
@@ -190,6 +190,12 @@ struct Lanes<16> {
 // o[u][c0, c0 + L C) = sum_j p[u][j] v_j for H heads over the same n values, each value's chunk read once for
 // all H: per output the fma chain over the slots in order, from 0 (axpy's operations); H x C accumulators of L
 // lanes in registers, each p broadcast once per L C values.
+//
+// Each value's chunk is fetched to L1 VALUES_AHEAD slots before its fmas: fetched to L2 during the scores alone,
+// the first load of each value stalled (17% of attention's samples on one instruction, 16 sequences over 500
+// slots on a 2-core Zen 4 EPYC).
+constexpr int64_t VALUES_AHEAD = 8;
+
 template <class R, int H, int C, int L>
 void values_chunks(const float* const* p, const uint8_t* const* vps, int64_t n, int64_t c0, float* const* o) {
   using V = Lanes<L>;
@@ -197,6 +203,7 @@ void values_chunks(const float* const* p, const uint8_t* const* vps, int64_t n, 
   for (int u = 0; u < H; ++u)
     for (int c = 0; c < C; ++c) acc[u][c] = V::zero();
   for (int64_t j = 0; j < n; ++j) {
+    if (j + VALUES_AHEAD < n) prefetch_row<3>(vps[j + VALUES_AHEAD] + R::bytes(c0), R::bytes(L * C));
     typename V::F v[C];
     for (int c = 0; c < C; ++c) v[c] = V::template load<R>(vps[j], c0 + L * c);
     for (int u = 0; u < H; ++u) {
@@ -229,19 +236,30 @@ void values_grouped(const float* const* p, const uint8_t* const* vps, int64_t n,
 // dependent adds per slot was latency-bound. The grouped kernels above where the build has AVX2; else one head
 // at a time, with the same operations.
 //
-// The scores go in runs of PREFETCH_SLOTS slots, the next run's keys fetched to L1 and the run's values to L2 for
-// the weighted sum after them: a batch's sequences each read their own cache, which no hardware prefetcher
-// followed across the blocks' slot pointers (8 sequences over 300 slots: 70% of the kernel's samples on its loads
-// of keys and values). Attention alone, 8 rows each over its own float16 cache in 30 layers, the builds
-// alternated in one process: 0.91x the time over 150 slots, 0.78x over 300, 0.59x over 500; 1.03x over 50, and
-// one row over 50 slots (in cache already) 0.12 -> 0.14 ms a pass. The order of the arithmetic is unchanged.
+// Keys are fetched to L1 and values to L2 PREFETCH_SLOTS slots ahead of the scores: a batch's sequences each
+// read their own cache, which no hardware prefetcher followed across the blocks' slot pointers (8 sequences over
+// 300 slots: 70% of the kernel's samples on its loads of keys and values). Attention alone, 8 rows each over its
+// own float16 cache in 30 layers, the builds alternated in one process: 0.91x the time over 150 slots, 0.78x over
+// 300, 0.59x over 500; 1.03x over 50, and one row over 50 slots (in cache already) 0.12 -> 0.14 ms a pass. They
+// were fetched a run of 16 slots at a time, 32 lines at once that filled the core's queue of misses (the
+// prefetches themselves stalled); now 4 slots' worth before each 4 slots' scores (SCORE_SLOTS). With the values'
+// fetch to L1 (values_chunks), on a 2-core Zen 4 EPYC, 16 rows each over its own float16 cache in 30 layers, the
+// builds alternated in one process (bench/results/issue39-attention-prefetch): 0.884x the time over 60 slots,
+// 0.86x over 250, 0.825x over 500; float32 0.833x over 250; one row 0.836x. The order of the arithmetic is
+// unchanged.
 template <class R, int H>
 void attend_run(const float* const* qs, const uint8_t* const* kps, const uint8_t* const* vps, int64_t n, int64_t hd,
                 float scale, float* const* sc, float* const* o) {
-  for (int64_t j0 = 0; j0 < n; j0 += PREFETCH_SLOTS) {
-    const int64_t j1 = std::min(n, j0 + PREFETCH_SLOTS);
-    for (int64_t j = j1; j < std::min(n, j1 + PREFETCH_SLOTS); ++j) prefetch_row<3>(kps[j], R::bytes(hd));
-    for (int64_t j = j0; j < j1; ++j) prefetch_row<2>(vps[j], R::bytes(hd));
+  for (int64_t j = 0; j < std::min(n, PREFETCH_SLOTS); ++j) {
+    prefetch_row<3>(kps[j], R::bytes(hd));
+    prefetch_row<2>(vps[j], R::bytes(hd));
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += SCORE_SLOTS) {
+    const int64_t j1 = std::min(n, j0 + SCORE_SLOTS);
+    for (int64_t j = j0 + PREFETCH_SLOTS; j < std::min(n, j1 + PREFETCH_SLOTS); ++j) {
+      prefetch_row<3>(kps[j], R::bytes(hd));
+      prefetch_row<2>(vps[j], R::bytes(hd));
+    }
 #ifdef ES_AVX2
     scores_grouped<R, H>(qs, kps + j0, j1 - j0, hd, scale, sc, j0);
 #else
