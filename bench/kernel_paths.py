@@ -33,7 +33,7 @@ def handles(mod, linears: list[Kernel]) -> list:
     """The linears' weights as `mod`'s own Linear handles (the same tensors, another build's code)."""
     out = []
     for m in linears:
-        tensors = [getattr(m, name) for name in m.TENSORS]
+        tensors = m.weight_tensors()
         a, b, c = (*tensors, *[tensors[0]] * (3 - len(tensors)))
         out.append(mod.Linear(m.KIND, a, b, c, m.bias, m.out_features))
     return out

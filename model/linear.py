@@ -108,8 +108,23 @@ class Kernel(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.float().contiguous(), persistent=False)
         for name, t in zip(self.TENSORS, tensors, strict=True):
             self.register_buffer(name, t.contiguous(), persistent=False)
+        self.kernel = self._handle()
+
+    def _handle(self):
+        tensors = self.weight_tensors()
         a, b, c = (*tensors, *[tensors[0]] * (3 - len(tensors)))  # unused operands: any tensor
-        self.kernel = compiled().Linear(self.KIND, a, b, c, self.bias, n)
+        return compiled().Linear(self.KIND, a, b, c, self.bias, self.out_features)
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The buffers holding the weight, in the kernel's order (TENSORS)."""
+        return [getattr(self, name) for name in self.TENSORS]
+
+    def use(self, tensors: list[torch.Tensor]) -> None:
+        """Hold the weight in `tensors` from now on: equal copies of weight_tensors() (model/huge_pages.py's),
+        which the kernel handle then reads; the old ones are dropped here."""
+        for name, t in zip(self.TENSORS, tensors, strict=True):
+            setattr(self, name, t)  # a registered buffer's slot
+        self.kernel = self._handle()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -12,10 +12,11 @@ from torch import nn
 from edgespec.model.blocks import CompiledLayers, DecoderLayer, Rotary, SeqRows, norm
 from edgespec.model.config import ModelConfig
 from edgespec.model.expert_split import Away, ExpertLinks, check_experts, split_layer_rows
+from edgespec.model.huge_pages import hold_in_huge_pages
 from edgespec.model.kv_cache import KVCache
 from edgespec.model.kv_format import FLOAT32, KVFormat
 from edgespec.model.kv_pool import KVPool
-from edgespec.model.linear import Linear, Q8Linear, WeightFormat, as_format, head_matrix, make_linear
+from edgespec.model.linear import F32Linear, Kernel, Linear, Q8Linear, WeightFormat, as_format, head_matrix, make_linear
 from edgespec.model.module_list import ModuleList
 from edgespec.model.quant import Q4, Q8, Interleaved, Matrix
 from edgespec.model.weights import load_layer
@@ -66,6 +67,7 @@ class LayerStack(nn.Module):
         with torch.no_grad():
             for i, layer in enumerate(stack.layers):
                 load_layer(layer, src, cfg, first + i, fmt)
+        hold_in_huge_pages([m for m in stack.modules() if isinstance(m, Kernel)])
         stack.runs = stack._runs()
         return stack
 
@@ -195,8 +197,12 @@ class TokenEnds(nn.Module):
         if isinstance(table, torch.Tensor):
             table = table.to(fmt.act).contiguous()
         head = make_linear(table if tied else src.matrix("lm_head.weight"), None, fmt, role="head")
+        if isinstance(head, Kernel):
+            hold_in_huge_pages([head])  # before the embedding takes the head's tensors: it reads the moved ones
         if tied and isinstance(head, Q8Linear):
             table = head.interleaved()  # one copy of the table: the head's layout serves lookups too
+        elif tied and isinstance(head, F32Linear):
+            table = head.weight  # the same tensor, as before the move
         ends = cls(cfg, fmt.act, Embedding(table, fmt.act, cfg.embed_scale), head)
         with torch.no_grad():
             ends.norm.weight.copy_(src.get("model.norm.weight", ends.norm.weight.dtype))
