@@ -244,9 +244,9 @@ void values_grouped(const float* const* p, const uint8_t* const* vps, int64_t n,
 // were fetched a run of 16 slots at a time, 32 lines at once that filled the core's queue of misses (the
 // prefetches themselves stalled); now 4 slots' worth before each 4 slots' scores (SCORE_SLOTS). With the values'
 // fetch to L1 (values_chunks), on a 2-core Zen 4 EPYC, 16 rows each over its own float16 cache in 30 layers, the
-// builds alternated in one process (bench/results/issue39-attention-prefetch): 0.884x the time over 60 slots,
-// 0.86x over 250, 0.825x over 500; float32 0.833x over 250; one row 0.836x. The order of the arithmetic is
-// unchanged.
+// builds alternated in one process (bench/results/issue39-attention-prefetch): 0.884x and 0.955x the time over 60
+// slots, 0.86x and 0.871x over 250, 0.825x and 0.822x over 500 (two runs); float32 0.833x and 0.82x over 250. The
+// order of the arithmetic is unchanged.
 template <class R, int H>
 void attend_run(const float* const* qs, const uint8_t* const* kps, const uint8_t* const* vps, int64_t n, int64_t hd,
                 float scale, float* const* sc, float* const* o) {
