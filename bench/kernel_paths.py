@@ -12,6 +12,8 @@ Writes DIR/kernel_paths.json (medians of --repeats timings, milliseconds) and DI
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
+import importlib.util
 import json
 import statistics
 import time
@@ -22,11 +24,21 @@ import torch
 from edgespec.bench.plot import bar_chart
 from edgespec.bench.versus import machine_info
 from edgespec.model.config import ModelConfig
-from edgespec.model.kernels import isas, load
+from edgespec.model.kernels import build_folder, isas, load
 from edgespec.model.linear import Kernel, weight_format
 from edgespec.model.source import resolve_model
 from edgespec.model.stack import LayerStack
 from edgespec.model.weights import open_source
+
+
+def build_of(key: str):
+    """The kernels' build `key` (its folder under model/kernels/build/: `python -m edgespec.model.kernels` builds a
+    checkout's sources there) loaded as a module beside this process's own, for builds timed side by side."""
+    so = next(build_folder(key).glob("*.so"))
+    loader = importlib.machinery.ExtensionFileLoader(so.stem, str(so))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(so.stem, so, loader=loader))
+    loader.exec_module(module)
+    return module
 
 
 def handles(mod, linears: list[Kernel]) -> list:

@@ -26,20 +26,16 @@ ALIGN = 64  # each copy starts on a cache line
 
 
 class HugePages:
-    """A fixed-size mapping handing out tensor copies in order (no freeing: the copies live as long as it does,
-    and it as long as any copy)."""
+    """A fixed-size mapping advised MADV_HUGEPAGE (Linux only) handing out tensor copies in order (no freeing: the
+    copies live as long as it does, and it as long as any copy)."""
 
     def __init__(self, nbytes: int):
-        advice: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
-        self.available = advice is not None and nbytes > 0
-        self.size, self.used = nbytes, 0
-        if advice is not None and nbytes > 0:
-            # one huge page more than asked, so that the first copy can start on a huge page's boundary
-            region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            region.madvise(advice)
-            self.bytes = torch.frombuffer(region, dtype=torch.uint8)  # holds `region` open
-            self.used = (-self.bytes.data_ptr()) % HUGE_PAGE
-            self.size += self.used
+        # one huge page more than asked, so that the first copy can start on a huge page's boundary
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region.madvise(mmap.MADV_HUGEPAGE)
+        self.bytes = torch.frombuffer(region, dtype=torch.uint8)  # holds `region` open
+        self.used = (-self.bytes.data_ptr()) % HUGE_PAGE
+        self.size = nbytes + self.used
 
     @staticmethod
     def footprint(t: torch.Tensor) -> int:
@@ -47,7 +43,7 @@ class HugePages:
         return -(-t.numel() * t.element_size() // ALIGN) * ALIGN
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
-        """A contiguous copy of `t` in this mapping (`available` must hold)."""
+        """A contiguous copy of `t` in this mapping."""
         end = self.used + self.footprint(t)
         if end > self.size:
             raise ValueError(f"a copy of {self.footprint(t)} bytes does not fit: {self.size - self.used} left")
@@ -60,8 +56,8 @@ class HugePages:
 def hold_in_huge_pages(kernels: Sequence[Kernel]) -> None:
     """Move every kernel's weight into one HugePages mapping, kernel by kernel, so that at most one kernel's
     weight is held twice at a time (a weight shared with something else stays held there too)."""
-    pages = HugePages(sum(HugePages.footprint(t) for k in kernels for t in k.weight_tensors()))
-    if not pages.available:
+    if not hasattr(mmap, "MADV_HUGEPAGE") or not kernels:
         return
+    pages = HugePages(sum(HugePages.footprint(t) for k in kernels for t in k.weight_tensors()))
     for k in kernels:
         k.use([pages.copy(t) for t in k.weight_tensors()])

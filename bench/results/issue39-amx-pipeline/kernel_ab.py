@@ -11,8 +11,6 @@ sources: build it there with `python -m edgespec.model.kernels`). Medians in mil
 first build's.
 """
 
-import importlib.machinery
-import importlib.util
 import json
 import statistics
 import sys
@@ -21,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from edgespec.bench.kernel_paths import handles
+from edgespec.bench.kernel_paths import build_of, handles
 from edgespec.bench.versus import machine_info
 from edgespec.model.config import ModelConfig
 from edgespec.model.kv_format import kv_format
@@ -29,16 +27,6 @@ from edgespec.model.linear import Kernel, weight_format
 from edgespec.model.source import resolve_model
 from edgespec.model.stack import LayerStack
 from edgespec.model.weights import open_source
-
-BUILDS = Path(__file__).resolve().parents[3] / "model" / "kernels" / "build"
-
-
-def extension(key: str):
-    so = next((BUILDS / key).glob("*.so"))
-    loader = importlib.machinery.ExtensionFileLoader(so.stem, str(so))
-    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(so.stem, so, loader=loader))
-    loader.exec_module(module)
-    return module
 
 
 def main() -> None:
@@ -50,7 +38,7 @@ def main() -> None:
     kernels = [m for layer in stack.layers for part in (layer.attn, layer.ffn) for m in part.modules()
                if isinstance(m, Kernel)]
 
-    calls = {key: handles(extension(key), kernels) for key in keys}
+    calls = {key: handles(build_of(key), kernels) for key in keys}
     xs = {r: [torch.randn(r, m.in_features) for m in kernels] for r in rows}
     times: dict = {(k, r): [] for k in keys for r in rows}
     with torch.inference_mode():

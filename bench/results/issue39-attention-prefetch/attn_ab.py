@@ -9,31 +9,21 @@ two passes). Medians in milliseconds and their ratio to the first build's.
 KEY: a build folder's name under model/kernels/build/ (`python -m edgespec.model.kernels` builds a checkout's
 sources there).
 """
-import importlib.machinery
-import importlib.util
+
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-BUILDS = Path(__file__).resolve().parents[3] / "model" / "kernels" / "build"
-
-
-def extension(key: str):
-    so = next((BUILDS / key).glob("*.so"))
-    loader = importlib.machinery.ExtensionFileLoader(so.stem, str(so))
-    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(so.stem, so, loader=loader))
-    loader.exec_module(module)
-    return module
+from edgespec.bench.kernel_paths import build_of
 
 
 def main() -> None:
     keys = sys.argv[1].split(",")
     seqs, layers, ctx, repeats = map(int, sys.argv[2:6])
     dtype = getattr(torch, sys.argv[6]) if len(sys.argv) > 6 else torch.float16
-    mods = [extension(k) for k in keys]
+    mods = [build_of(k) for k in keys]
     n = seqs * layers
     torch.manual_seed(0)
     kv = [(torch.randn(1, 3, ctx, 64).to(dtype), torch.randn(1, 3, ctx, 64).to(dtype)) for _ in range(n)]
