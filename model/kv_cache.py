@@ -76,8 +76,7 @@ class KVCache:
                 self.table.append(self._take())
             elif pool.refs[self.table[i]] > 1:
                 old, new = self.table[i], self._take()
-                for store in (*pool.k, *pool.v):
-                    store[new] = store[old]
+                pool.kv[:, :, new] = pool.kv[:, :, old]
                 pool.drop(old)
                 self.table[i] = new
             else:
@@ -134,10 +133,12 @@ class KVCache:
         if any(s >= self.length or s < dest for s in kept) or kept != sorted(kept):
             raise KVCacheError(f"kept slots {kept} must be ascending, >= {dest} and below {self.length}")
         self.ensure(dest, dest + len(kept))
-        src_b, src_o = self._where(torch.tensor(kept, dtype=torch.long))
-        dst_b, dst_o = self._where(torch.arange(dest, dest + len(kept)))
-        for store in (*self.pool.k, *self.pool.v):
-            store[dst_b, :, dst_o] = store[src_b, :, src_o]  # the source is gathered first: overlaps are safe
+        placed = next((i for i, s in enumerate(kept) if s != dest + i), len(kept))  # those already in place
+        if placed < len(kept):
+            src_b, src_o = self._where(torch.tensor(kept[placed:], dtype=torch.long))
+            dst_b, dst_o = self._where(torch.arange(dest + placed, dest + len(kept)))
+            kv = self.pool.kv  # [2, layers, blocks, n_kv, block, row]: every layer's keys and values at once
+            kv[:, :, dst_b, :, dst_o] = kv[:, :, src_b, :, src_o]  # the source is gathered first: overlaps are safe
         self.length = dest + len(kept)
 
     def copy_from(self, other: KVCache, n: int) -> None:
@@ -151,8 +152,7 @@ class KVCache:
             self.ensure(0, n)
             nb = self.pool.blocks_for(n)  # whole blocks: the slots past n in the last one are never read
             src, dst = other.table_tensor()[:nb], self.table_tensor()[:nb]
-            for mine, theirs in zip((*self.pool.k, *self.pool.v), (*other.pool.k, *other.pool.v), strict=True):
-                mine[dst] = theirs[src]
+            self.pool.kv[:, :, dst] = other.pool.kv[:, :, src]
         self.length = n
 
     def fork(self, prefix_len: int, capacity: int) -> KVCache:
