@@ -44,7 +44,8 @@ PROBE_EVERY = 16  # steps that drafted nothing before one draft of one token re-
 
 class PassCosts:
     """Seconds per target pass by its token rows, every sequence's in the step; shared by the requests of one
-    policy, since the cost is the model's and the machine's, not the prompt's.
+    policy, since the cost is the model's and the machine's, not the prompt's. Fed the steps whose every row had
+    its logits (a prompt's chunk costs less a row: decoding/speculative.py).
 
     A pass's seconds are the machine's speed times the size's own cost (`shape`): every pass moves the speed,
     and a size's cost moves only by its ratio to the pass just before it of another size, the two timed a step

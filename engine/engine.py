@@ -372,6 +372,7 @@ class Engine:
             return self._fault([seq for seq, _ in batch], results)
         seconds = time.perf_counter() - began
         step_rows = sum(len(w.ids) for w in works)
+        head_rows = sum(1 if w.last_only else len(w.ids) for w in works)
         self.passes += 1
         cpu = time.thread_time()
         for (seq, rows), work, result in zip(batch, works, results, strict=True):
@@ -391,7 +392,7 @@ class Engine:
             if seq.earlier and hidden is not None:
                 hidden = torch.cat([*seq.earlier, hidden], dim=1)
             seq.rows, seq.done, seq.earlier, seq.faults = None, 0, [], 0
-            self._advance(seq, Out(logits, hidden, seconds, len(batch), step_rows, self.passes))
+            self._advance(seq, Out(logits, hidden, seconds, len(batch), step_rows, head_rows, self.passes))
         self.program_seconds += time.thread_time() - cpu
         if len(batch) > 1:
             self.shared_steps += 1

@@ -43,14 +43,16 @@ class Rows:
 @dataclass
 class Out:
     """A pass's output for one sequence: logits float32 [1, T or 1, V]; hidden [1, T, H] with features; the
-    pass's time, how many sequences and token rows it carried, and its number (the engine's count of passes: the
-    same in every sequence's Out of one pass, so that what they share is counted once)."""
+    pass's time, how many sequences and token rows it carried, of those the rows whose logits it computed (a
+    prompt's chunk wants its last row's only), and its number (the engine's count of passes: the same in every
+    sequence's Out of one pass, so that what they share is counted once)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor | None
     seconds: float
     sequences: int
     rows: int
+    head_rows: int
     number: int
 
 

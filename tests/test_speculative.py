@@ -111,6 +111,45 @@ def test_greedy_equals_naive_with_the_draft_length_chosen_by_cost(tiny_loaded):
     assert policy.passes.measured(1)  # plain steps were timed, the baseline every K is weighed against
 
 
+def test_pass_costs_are_timed_on_steps_whose_rows_all_have_logits(tiny_loaded):
+    """A prompt's chunk beside decoding rows costs less a row than they do (no head rows, a short prefix to attend
+    over): the draft-length rule's table of pass costs takes only the steps whose every row had its logits."""
+    engine = Engine(tiny_loaded.executor)  # not closed: it would close the shared model's executor
+    policy = SpeculativePolicy()
+    steps: dict[int, tuple[int, int]] = {}  # pass number -> (rows, rows with logits)
+    advance, observe, observed = engine._advance, policy.passes.observe, []
+
+    def seen(seq, out):
+        if out is not None:  # None: a program's first call
+            steps[out.number] = (out.rows, out.head_rows)
+        advance(seq, out)
+
+    def timed(rows, seconds, number=None):
+        observed.append(number)
+        observe(rows, seconds, number)
+
+    engine._advance, policy.passes.observe = seen, timed
+
+    def request(prompt, policy_name):
+        return GenerationRequest(prompt, 40, SamplingParams(temperature=0.0), (), frozenset(), policy_name, {})
+
+    async def both():
+        decoding = policy.generate(request(PROMPTS[1], "speculative"), engine, tiny_loaded.tokenizer)
+        first = [await anext(decoding)]  # decoding: the long prompt goes in beside it, a chunk a step
+        beside = asyncio.create_task(collect(NaivePolicy().generate(request(list(range(200, 400)), "naive"), engine,
+                                                                    tiny_loaded.tokenizer)))
+        return first + [e async for e in decoding], await beside
+
+    mine, _ = asyncio.run(both())
+    assert [t for e in mine for t in e.token_ids] == run(NaivePolicy(), tiny_loaded, PROMPTS[1])[0]
+    assert any(head < rows for rows, head in steps.values())  # steps that carried a prompt's chunk
+    assert observed and all(steps[n][0] == steps[n][1] for n in observed)
+
+
+async def collect(events):
+    return [e async for e in events]
+
+
 def cost_model(seconds: dict[int, float], draft_s: float = 0.0):
     passes, drafts = PassCosts(), DraftCosts()
     for t, s in seconds.items():
